@@ -1,0 +1,70 @@
+"""The one small interface every backend implements, and the registry that names them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import onnx
+
+from quiver.errors import UnknownBackendError
+from quiver.ir.tensors import TensorInfo
+
+
+@dataclass(frozen=True)
+class FinalizedGraph:
+    """What a backend gets: the graph's structure and read-only views of its weights. Never files."""
+
+    name: str
+    model: onnx.ModelProto  # large initializers are data-less placeholders named in `weights`
+    weights: Mapping[str, np.ndarray]
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+
+
+class Executable(Protocol):
+    """A graph prepared by a backend."""
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Outputs in the graph's output order; feeds were validated by the runtime."""
+        ...
+
+    @property
+    def private_bytes(self) -> int:
+        """Estimated memory this executable holds beyond the shared weights."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def prepare(self, graph: FinalizedGraph) -> Executable: ...
+
+
+_REGISTRY: dict[str, Callable[[], Backend]] = {}
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"a backend named {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(backend: str | Backend) -> Backend:
+    """A backend instance from its name (or the instance itself)."""
+    if not isinstance(backend, str):
+        return backend
+    try:
+        return _REGISTRY[backend]()
+    except KeyError:
+        raise UnknownBackendError(
+            f"no backend named {backend!r}; available: {', '.join(available_backends())}"
+        ) from None

@@ -1,0 +1,113 @@
+"""The typed errors Quiver raises; every message says what to do next."""
+
+from __future__ import annotations
+
+
+class QuiverError(Exception):
+    """Base of every error Quiver raises on purpose."""
+
+
+# --- files --------------------------------------------------------------------------------------
+class FormatError(QuiverError):
+    """A file is not a valid Quiver file."""
+
+
+class CorruptFileError(FormatError):
+    """The file is damaged: rebuild it or fetch it again."""
+
+
+class BadMagicError(CorruptFileError):
+    """The file does not start with the expected magic bytes."""
+
+
+class TruncatedFileError(CorruptFileError):
+    """The file is shorter than its preamble says."""
+
+
+class HeaderTooLargeError(CorruptFileError):
+    """The header length exceeds the format's bound."""
+
+
+class ChecksumMismatchError(CorruptFileError):
+    """A region's SHA-256 does not match the recorded one."""
+
+
+class InvalidHeaderError(CorruptFileError):
+    """The header is not valid JSON or breaks a MUST rule of the format."""
+
+
+class OutOfBoundsError(CorruptFileError):
+    """A recorded offset or length points outside its region."""
+
+
+class OverlappingRegionsError(CorruptFileError):
+    """Two recorded regions overlap or are not in ascending order."""
+
+
+class MisalignedTensorError(CorruptFileError):
+    """A tensor's offset breaks the alignment rule."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The file was written by an incompatible version of the format."""
+
+
+# --- models and graphs --------------------------------------------------------------------------
+class ModelLoadError(QuiverError):
+    """An ONNX model could not be read."""
+
+
+class ConversionError(QuiverError):
+    """An ONNX model could not be turned into a Quiver graph."""
+
+
+class UnsupportedOperatorError(ConversionError):
+    """The model uses operators Quiver does not support; all of them are listed."""
+
+    def __init__(self, message: str, operators: list[str]) -> None:
+        super().__init__(message)
+        self.operators = operators
+
+
+class UnknownGraphError(QuiverError, KeyError):
+    """No graph of that name in the context (or it was not enabled)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateGraphError(QuiverError):
+    """A graph of that name is already in the context."""
+
+
+class ContextStateError(QuiverError):
+    """The call does not fit the context's state (e.g. adding graphs after finalize)."""
+
+
+# --- execution ----------------------------------------------------------------------------------
+class InvalidFeedError(QuiverError):
+    """The feeds passed to `execute` do not fit the graph's inputs."""
+
+
+class FeedNameError(InvalidFeedError):
+    """A feed is missing or names no input."""
+
+
+class FeedShapeError(InvalidFeedError):
+    """A feed's shape does not fit the input's shape."""
+
+
+class FeedDTypeError(InvalidFeedError):
+    """A feed's dtype is not the input's dtype."""
+
+
+class BackendError(QuiverError):
+    """The backend failed to prepare or execute a graph."""
+
+
+class UnknownBackendError(QuiverError):
+    """No backend of that name is registered."""
+
+
+class InputListError(QuiverError):
+    """A qnn-net-run style input list is malformed."""

@@ -1,0 +1,1 @@
+"""File formats: the `.qctx` context binary reader and writer (docs/FORMAT.md)."""

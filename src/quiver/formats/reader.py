@@ -1,0 +1,258 @@
+"""Validating reader of `.qctx` files: every offset and length is checked before a byte is used."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from quiver.errors import (
+    BadMagicError, ChecksumMismatchError, HeaderTooLargeError, InvalidHeaderError, MisalignedTensorError,
+    OutOfBoundsError, OverlappingRegionsError, TruncatedFileError, UnsupportedVersionError,
+)
+from quiver.formats._layout import (
+    DATA_START, MAGIC, MAJOR, MAX_HEADER, MAX_RANK, PREAMBLE_SIZE, Preamble, align_for,
+)
+from quiver.ir import dtypes
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    name: str
+    offset: int
+    length: int
+    sha256: str
+    weights: dict[str, int]
+
+
+def _fail(message: str) -> InvalidHeaderError:
+    return InvalidHeaderError(f"{message}; the context binary is damaged: rebuild it with `quiver build`")
+
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise _fail(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _sha(value: Any, what: str) -> str:
+    text = _str(value, what)
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise _fail(f"{what} must be 64 lowercase hex digits")
+    return text
+
+
+def _region(offset: int, length: int, limit: int, what: str) -> None:
+    if offset < DATA_START or offset + length > limit:
+        raise OutOfBoundsError(
+            f"{what} spans bytes {offset}..{offset + length}, outside the data region {DATA_START}..{limit}; "
+            "the file is damaged: rebuild it"
+        )
+
+
+def _parse_weight(index: int, raw: Any, limit: int) -> WeightEntry:
+    what = f"weight {index}"
+    if not isinstance(raw, dict):
+        raise _fail(f"{what} must be an object")
+    dtype = _str(raw.get("dtype"), f"{what}.dtype")
+    if dtype not in dtypes.DTYPE_NAMES:
+        raise _fail(f"{what}.dtype {dtype!r} is not one of {sorted(dtypes.DTYPE_NAMES)}")
+    shape_raw = raw.get("shape")
+    if not isinstance(shape_raw, list) or len(shape_raw) > MAX_RANK:
+        raise _fail(f"{what}.shape must be a list of at most {MAX_RANK} dims")
+    shape = tuple(_int(d, f"{what}.shape") for d in shape_raw)
+    offset = _int(raw.get("offset"), f"{what}.offset")
+    length = _int(raw.get("length"), f"{what}.length")
+    expected = dtypes.itemsize(dtype)
+    for dim in shape:  # Python ints: no overflow, and length is bounded by the file size below
+        expected *= dim
+    if expected != length:
+        raise _fail(f"{what} is {dtype}{list(shape)} ({expected} bytes) but records {length} bytes")
+    _region(offset, length, limit, what)
+    if offset % align_for(length):
+        raise MisalignedTensorError(
+            f"{what} starts at {offset}, not a multiple of {align_for(length)}; the file is damaged: rebuild it"
+        )
+    return WeightEntry(index, dtype, shape, offset, length, _sha(raw.get("sha256"), f"{what}.sha256"))
+
+
+def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
+    if not isinstance(raw, dict):
+        raise _fail("each graph must be an object")
+    name = _str(raw.get("name"), "graph name")
+    if not name:
+        raise _fail("graph names must not be empty")
+    offset = _int(raw.get("offset"), f"graph {name!r} offset")
+    length = _int(raw.get("length"), f"graph {name!r} length")
+    _region(offset, length, limit, f"graph {name!r}")
+    weights_raw = raw.get("weights")
+    if not isinstance(weights_raw, dict):
+        raise _fail(f"graph {name!r} weights must be an object")
+    weights = {}
+    for tensor, index in weights_raw.items():
+        if _int(index, f"graph {name!r} weight {tensor!r}") >= weight_count:
+            raise _fail(f"graph {name!r} maps {tensor!r} to weight {index}, but there are {weight_count}")
+        weights[tensor] = index
+    return GraphEntry(name, offset, length, _sha(raw.get("sha256"), f"graph {name!r} sha256"), weights)
+
+
+def _check_order(regions: list[tuple[int, int, str]]) -> None:
+    previous_end, previous = DATA_START, "the preamble"
+    for offset, length, what in regions:
+        if offset < previous_end:
+            raise OverlappingRegionsError(
+                f"{what} starts at {offset}, before the end of {previous} ({previous_end}); "
+                "the file is damaged: rebuild it"
+            )
+        previous_end, previous = offset + length, what
+
+
+class ContextFile:
+    """A validated `.qctx` file over a read-only buffer (a file mapping or bytes)."""
+
+    def __init__(self, buffer: mmap.mmap | bytes | bytearray | memoryview, source: str = "<bytes>") -> None:
+        self.source = source
+        self._mmap = buffer if isinstance(buffer, mmap.mmap) else None
+        self._buffer = memoryview(buffer).cast("B")
+        size = len(self._buffer)
+        if size < PREAMBLE_SIZE:
+            raise TruncatedFileError(f"{source}: {size} bytes is too short for a context binary; the file is truncated")
+        magic, pre = Preamble.unpack(bytes(self._buffer[:PREAMBLE_SIZE]))
+        if magic != MAGIC:
+            raise BadMagicError(f"{source} is not a Quiver context binary (wrong magic); build one with `quiver build`")
+        if pre.major != MAJOR or pre.flags != 0:
+            raise UnsupportedVersionError(
+                f"{source} uses format {pre.major}.{pre.minor} (flags {pre.flags:#x}); this Quiver reads format "
+                f"{MAJOR}.x: upgrade Quiver or rebuild the context with this version"
+            )
+        if pre.file_length != size:
+            raise TruncatedFileError(
+                f"{source} records {pre.file_length} bytes but has {size}; the file is truncated or was "
+                "extended: copy it again or rebuild it"
+            )
+        if pre.header_length > MAX_HEADER:
+            raise HeaderTooLargeError(f"{source}: header of {pre.header_length} bytes exceeds {MAX_HEADER}; the file is damaged")
+        if pre.header_offset < DATA_START or pre.header_offset + pre.header_length != size or pre.header_length < 2:
+            raise OutOfBoundsError(
+                f"{source}: header at {pre.header_offset}+{pre.header_length} is not the tail of the "
+                f"{size}-byte file; the file is damaged: rebuild it"
+            )
+        if pre.reserved != 0:
+            raise _fail(f"{source}: reserved preamble field is not zero")
+        header_bytes = bytes(self._buffer[pre.header_offset:size])
+        if hashlib.sha256(header_bytes).digest() != pre.header_sha256:
+            raise ChecksumMismatchError(f"{source}: header checksum mismatch; the file is damaged: copy it again")
+        self.minor_version = pre.minor
+        self.header_offset = pre.header_offset
+        self._parse_header(header_bytes)
+
+    def _parse_header(self, header_bytes: bytes) -> None:
+        try:
+            header = json.loads(header_bytes.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise _fail(f"header is not UTF-8 JSON ({exc})") from None
+        if not isinstance(header, dict) or header.get("format") != "qctx":
+            raise _fail('header must be an object with "format": "qctx"')
+        producer = header.get("producer")
+        if not isinstance(producer, dict):
+            raise _fail("header.producer must be an object")
+        self.producer = f"{_str(producer.get('name'), 'producer.name')} {_str(producer.get('version'), 'producer.version')}"
+        weights_raw, graphs_raw = header.get("weights"), header.get("graphs")
+        if not isinstance(weights_raw, list) or not isinstance(graphs_raw, list):
+            raise _fail("header.weights and header.graphs must be lists")
+        limit = self.header_offset
+        self.weights = [_parse_weight(i, raw, limit) for i, raw in enumerate(weights_raw)]
+        keys = {(w.dtype, w.shape, w.sha256) for w in self.weights}
+        if len(keys) != len(self.weights):
+            raise _fail("two weights have the same content key; each distinct tensor must be stored once")
+        self.graphs: dict[str, GraphEntry] = {}
+        for raw in graphs_raw:
+            entry = _parse_graph(raw, limit, len(self.weights))
+            if entry.name in self.graphs:
+                raise _fail(f"graph name {entry.name!r} appears twice")
+            self.graphs[entry.name] = entry
+        _check_order(
+            [(w.offset, w.length, f"weight {w.index}") for w in self.weights]
+            + [(g.offset, g.length, f"graph {g.name!r}") for g in self.graphs.values()]
+        )
+
+    @classmethod
+    def open(cls, path: str | Path, persistent: bool = True) -> ContextFile:
+        """Maps `path` read-only (persistent) or reads it into private memory."""
+        path = Path(path)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < PREAMBLE_SIZE or not persistent:
+                    return cls(f.read(), str(path))
+                return cls(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), str(path))
+        except OSError as exc:
+            raise TruncatedFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+    @property
+    def size(self) -> int:
+        return len(self._buffer)
+
+    def weight_array(self, index: int) -> np.ndarray:
+        """A read-only view of one weight, without copying."""
+        w = self.weights[index]
+        array = np.frombuffer(self._buffer, dtype=dtypes.numpy_of(w.dtype), count=w.length // dtypes.itemsize(w.dtype)
+                              if w.length else 0, offset=w.offset)
+        return array.reshape(w.shape)
+
+    def skeleton(self, name: str) -> bytes:
+        """The graph's ONNX structure, its checksum verified."""
+        g = self.graphs[name]
+        data = bytes(self._buffer[g.offset:g.offset + g.length])
+        if hashlib.sha256(data).hexdigest() != g.sha256:
+            raise ChecksumMismatchError(f"{self.source}: graph {name!r} checksum mismatch; the file is damaged: copy it again")
+        return data
+
+    def verify(self) -> list[str]:
+        """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
+        problems = []
+        for w in self.weights:
+            if hashlib.sha256(self._buffer[w.offset:w.offset + w.length]).hexdigest() != w.sha256:
+                problems.append(f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch")
+        for g in self.graphs.values():
+            if hashlib.sha256(self._buffer[g.offset:g.offset + g.length]).hexdigest() != g.sha256:
+                problems.append(f"graph {g.name!r} checksum mismatch")
+        regions = sorted([(0, PREAMBLE_SIZE)] + [(w.offset, w.length) for w in self.weights]
+                         + [(g.offset, g.length) for g in self.graphs.values()] + [(self.header_offset, 0)])
+        for (start, length), (next_start, _) in zip(regions, regions[1:]):
+            gap = self._buffer[start + length:next_start]
+            if any(gap.tobytes()):
+                problems.append(f"non-zero padding between bytes {start + length} and {next_start}")
+        return problems
+
+    def close(self) -> None:
+        try:
+            self._buffer.release()
+            if self._mmap is not None:
+                self._mmap.close()
+        except BufferError:
+            pass  # arrays still view the buffer; it is released when they are gone
+
+

@@ -1,0 +1,205 @@
+"""Streaming, deduplicating, atomic writer of `.qctx` files: WEIGHTS -> DONE | ABORTED."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from quiver._version import __version__
+from quiver.errors import ContextStateError, DuplicateGraphError
+from quiver.formats._layout import (
+    ALIGNMENT, DATA_START, MAJOR, MINOR, Preamble, align_for, align_up,
+)
+from quiver.ir import dtypes
+
+ContentKey = tuple[str, tuple[int, ...], str]  # (dtype, shape, sha256 of bytes)
+
+
+class _State(enum.Enum):
+    WEIGHTS = "weights"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class WeightRecord:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    sha256: str
+
+
+class ContextWriter:
+    """Writes weights as they come, each distinct content once, into a temporary file.
+
+    Memory stays bounded by one chunk plus the graph skeletons. `finish()` makes the file whole and
+    moves it into place; until then the temporary file has no valid preamble.
+    """
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=".qctx-", suffix=".partial", dir=directory)
+        self._path = Path(tmp)
+        self._file: BinaryIO = os.fdopen(fd, "w+b")
+        self._file.write(b"\0" * DATA_START)
+        self._end = DATA_START
+        self._state = _State.WEIGHTS
+        self._weights: list[WeightRecord] = []
+        self._by_key: dict[ContentKey, int] = {}
+        self._graphs: dict[str, tuple[bytes, dict[str, int]]] = {}
+        self.bytes_offered = 0  # weight bytes as referenced by all graphs, before sharing
+
+    @property
+    def weights(self) -> list[WeightRecord]:
+        return list(self._weights)
+
+    def _require(self, state: _State) -> None:
+        if self._state is not state:
+            raise ContextStateError(f"context writer is {self._state.value}; expected {state.value}")
+
+    def add_weight(self, dtype: str, shape: Iterable[int], chunks: Iterable[bytes | memoryview]) -> int:
+        """Stores one tensor's bytes (streamed as chunks) unless identical content is stored; returns its index."""
+        self._require(_State.WEIGHTS)
+        shape = tuple(int(d) for d in shape)
+        expected = dtypes.itemsize(dtype)
+        for dim in shape:
+            expected *= dim
+        start = align_up(self._end, align_for(expected))
+        self._file.seek(self._end)
+        self._file.write(b"\0" * (start - self._end))
+        digest = hashlib.sha256()
+        written = 0
+        for chunk in chunks:
+            digest.update(chunk)
+            self._file.write(chunk)
+            written += len(chunk)
+        if written != expected:
+            self._file.truncate(self._end)
+            raise ContextStateError(f"tensor of {dtype}{list(shape)} needs {expected} bytes, got {written}")
+        self.bytes_offered += written
+        key: ContentKey = (dtype, shape, digest.hexdigest())
+        if key in self._by_key:
+            # Identical content is already stored: drop the bytes just written.
+            self._file.truncate(self._end)
+            return self._by_key[key]
+        self._end = start + written
+        self._weights.append(WeightRecord(dtype, shape, start, written, key[2]))
+        self._by_key[key] = len(self._weights) - 1
+        return len(self._weights) - 1
+
+    def add_graph(self, name: str, skeleton: bytes, weights: Mapping[str, int]) -> None:
+        self._require(_State.WEIGHTS)
+        if name in self._graphs:
+            raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
+        for index in weights.values():
+            if not 0 <= index < len(self._weights):
+                raise ContextStateError(f"graph {name!r} refers to weight {index}, which was never added")
+        self._graphs[name] = (skeleton, dict(weights))
+
+    def _write_tail(self) -> None:
+        graph_entries = []
+        offset = self._end
+        self._file.seek(self._end)
+        for name, (skeleton, weights) in self._graphs.items():
+            start = align_up(offset, ALIGNMENT)
+            self._file.write(b"\0" * (start - offset))
+            self._file.write(skeleton)
+            offset = start + len(skeleton)
+            graph_entries.append({
+                "name": name, "offset": start, "length": len(skeleton),
+                "sha256": hashlib.sha256(skeleton).hexdigest(), "weights": dict(sorted(weights.items())),
+            })
+        header = json.dumps({
+            "format": "qctx",
+            "producer": {"name": "quiver", "version": __version__},
+            "weights": [
+                {"dtype": w.dtype, "shape": list(w.shape), "offset": w.offset, "length": w.length, "sha256": w.sha256}
+                for w in self._weights
+            ],
+            "graphs": graph_entries,
+        }, separators=(",", ":")).encode()
+        header_offset = max(offset, DATA_START)
+        self._file.write(header)
+        preamble = Preamble(
+            MAJOR, MINOR, 0, header_offset, len(header), header_offset + len(header), hashlib.sha256(header).digest()
+        )
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        # The preamble goes last: until it is written the file cannot be mistaken for a whole one.
+        self._file.seek(0)
+        self._file.write(preamble.pack())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def finish(self, destination: str | Path | None = None) -> Path:
+        """Completes the file; moves it to `destination` (atomically) or returns the temporary path."""
+        self._require(_State.WEIGHTS)
+        try:
+            self._write_tail()
+            self._file.close()
+            if destination is not None:
+                publish(self._path, Path(destination))
+                self._path = Path(destination)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = _State.DONE
+        return self._path
+
+    def abort(self) -> None:
+        """Drops the partial file; safe to call in any state."""
+        if self._state is _State.WEIGHTS:
+            self._file.close()
+            self._path.unlink(missing_ok=True)
+            self._state = _State.ABORTED
+
+    def __enter__(self) -> ContextWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def publish(source: Path, destination: Path) -> None:
+    """Moves `source` onto `destination` atomically: a reader sees the old file or the new one."""
+    try:
+        os.replace(source, destination)
+    except OSError:  # another file system: copy next to the destination, then rename
+        copy_atomically(source, destination)
+        source.unlink(missing_ok=True)
+
+
+def _replace_atomically(destination: Path, fill: Callable[[BinaryIO], None]) -> None:
+    """Writes a temporary file in the destination folder with `fill`, syncs it, then renames it into place."""
+    destination = Path(destination).resolve()
+    fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}-", suffix=".partial", dir=destination.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            fill(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, destination)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def copy_atomically(source: Path, destination: Path) -> None:
+    def fill(out: BinaryIO) -> None:
+        with open(source, "rb") as src:
+            shutil.copyfileobj(src, out, 16 * 1024 * 1024)
+
+    _replace_atomically(destination, fill)
+
+
+def write_atomically(destination: Path, data: bytes | memoryview) -> None:
+    _replace_atomically(destination, lambda out: out.write(data))

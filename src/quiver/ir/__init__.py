@@ -1,0 +1,1 @@
+"""Graph model over ONNX: dtypes, the operator support table, tensor descriptions."""

@@ -1,0 +1,50 @@
+"""Descriptions of graph tensors: name, dtype, shape and QNN-style role."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from quiver.ir import dtypes
+
+Dim = int | str | None
+
+
+class TensorType(enum.Enum):
+    """The role of a tensor, with QNN's names."""
+
+    APP_WRITE = "APP_WRITE"  # graph input, written by the application
+    APP_READ = "APP_READ"  # graph output, read by the application
+    STATIC = "STATIC"  # weight, fixed at build time
+    NATIVE = "NATIVE"  # intermediate, owned by the backend
+    UPDATEABLE_STATIC = "UPDATEABLE_STATIC"  # weight whose value can be replaced at run time
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # a Quiver dtype name, e.g. "float32"
+    shape: tuple[Dim, ...] | None  # None: rank unknown; str: a symbolic dim; None dim: unknown
+    tensor_type: TensorType
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return dtypes.numpy_of(self.dtype)
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "dtype": self.dtype,
+                "shape": list(self.shape) if self.shape is not None else None, "type": self.tensor_type.value}
+
+
+def info_of_value(value: onnx.ValueInfoProto, tensor_type: TensorType) -> TensorInfo:
+    tensor = value.type.tensor_type
+    shape: tuple[Dim, ...] | None = None
+    if tensor.HasField("shape"):
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param if d.HasField("dim_param") else None)
+            for d in tensor.shape.dim
+        )
+    return TensorInfo(value.name, dtypes.name_of_onnx(tensor.elem_type), shape, tensor_type)

@@ -1,0 +1,1 @@
+"""Graph passes: conversion, constant folding, weight extraction."""

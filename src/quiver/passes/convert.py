@@ -1,0 +1,171 @@
+"""ONNX model -> Quiver graph: inline, check operators, fix shapes, fold, infer shapes, split weights out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.inliner
+from onnx import numpy_helper
+
+from quiver.errors import ConversionError, UnsupportedOperatorError
+from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
+from quiver.ir.ops import iter_nodes, unsupported_operators
+from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
+from quiver.passes.fold import fold_constants
+from quiver.passes.load import TensorSource, load_model, tensor_source
+
+InputShapes = Mapping[str, Sequence[int | str]]
+
+
+@dataclass
+class ConvertedGraph:
+    """A graph's structure (large initializers as data-less placeholders) plus where their bytes are."""
+
+    skeleton: onnx.ModelProto
+    weights: dict[str, TensorSource]
+    inputs: list[TensorInfo] = field(default_factory=list)
+    outputs: list[TensorInfo] = field(default_factory=list)
+    folded_nodes: int = 0
+
+
+def check_operators(model: onnx.ModelProto, label: str = "model") -> None:
+    """Raises one error naming every unsupported operator of the model."""
+    missing = unsupported_operators(model)
+    if missing:
+        listed = ", ".join(f"{op} (x{count})" for op, count in sorted(missing.items()))
+        raise UnsupportedOperatorError(
+            f"{label} uses operators Quiver does not support: {listed}; replace them before export "
+            "or run `quiver check` for the full list", sorted(missing)
+        )
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    attr = node.attribute[0] if len(node.attribute) == 1 else None
+    if attr is None:
+        return None
+    if attr.name == "value":
+        return numpy_helper.to_array(attr.t)
+    simple = {"value_float": (attr.f, np.float32), "value_floats": (list(attr.floats), np.float32),
+              "value_int": (attr.i, np.int64), "value_ints": (list(attr.ints), np.int64)}
+    if attr.name in simple:
+        value, dtype = simple[attr.name]
+        return np.asarray(value, dtype=dtype)
+    return None
+
+
+def _lift_constants(graph: onnx.GraphProto) -> None:
+    """Main-graph Constant nodes become initializers, so large ones are shared like any weight."""
+    kept = []
+    for node in graph.node:
+        value = _constant_value(node) if node.op_type == "Constant" and node.domain in ("", "ai.onnx") else None
+        if value is None:
+            kept.append(node)
+        else:
+            graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def _placeholder(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    placeholder = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                                   data_location=onnx.TensorProto.EXTERNAL)
+    placeholder.external_data.add(key="location", value=WEIGHT_LOCATION)
+    return placeholder
+
+
+def _fix_input_shapes(graph: onnx.GraphProto, input_shapes: InputShapes) -> None:
+    inputs = {i.name: i for i in graph.input}
+    for name, dims in input_shapes.items():
+        if name not in inputs:
+            raise ConversionError(f"cannot fix the shape of {name!r}: the graph's inputs are {sorted(inputs)}")
+        shape = inputs[name].type.tensor_type.shape
+        if shape.dim and len(shape.dim) != len(dims):
+            raise ConversionError(f"input {name!r} has rank {len(shape.dim)}; the fixed shape {list(dims)} has rank {len(dims)}")
+        del shape.dim[:]
+        for d in dims:
+            shape.dim.add(**({"dim_value": d} if isinstance(d, int) else {"dim_param": str(d)}))
+
+
+def _infer_shapes(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        raise ConversionError(f"{label}: shape inference failed: {str(exc).strip().splitlines()[-1]}") from None
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    used = {name for node in iter_nodes(graph) for name in node.input} | {o.name for o in graph.output}
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy the ONNX checker accepts: placeholders become typed inputs (their data is not on disk)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    placeholders = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in placeholders)
+    return copy
+
+
+def convert(source: str | Path | onnx.ModelProto, input_shapes: InputShapes | None = None,
+            label: str | None = None) -> ConvertedGraph:
+    """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph."""
+    loaded, base = load_model(source)
+    label = label or (str(source) if not isinstance(source, onnx.ModelProto) else (loaded.graph.name or "model"))
+    model = onnx.ModelProto()
+    model.CopyFrom(loaded)
+    if model.functions:
+        model = onnx.inliner.inline_local_functions(model)
+    check_operators(model, label)
+    graph = model.graph
+    _lift_constants(graph)
+
+    weights: dict[str, TensorSource] = {}
+    known: dict[str, np.ndarray] = {}
+    inline = []
+    for tensor in graph.initializer:
+        src = tensor_source(tensor, base)
+        if src.nbytes >= INLINE_LIMIT or src.array is None:
+            weights[tensor.name] = src
+            inline.append(_placeholder(tensor))
+        else:
+            known[tensor.name] = src.array
+            inline.append(tensor)
+    del graph.initializer[:]
+    graph.initializer.extend(inline)
+    # Initializers listed as inputs (IR < 4 style) are weights here, not inputs.
+    initializer_names = {t.name for t in graph.initializer}
+    real_inputs = [i for i in graph.input if i.name not in initializer_names]
+    del graph.input[:]
+    graph.input.extend(real_inputs)
+    if input_shapes:
+        _fix_input_shapes(graph, input_shapes)
+
+    model = _infer_shapes(model, label)
+    folded = fold_constants(model, known)
+    if folded:
+        _drop_unused_initializers(model.graph)
+        del model.graph.value_info[:]
+        model = _infer_shapes(model, label)
+    try:
+        onnx.checker.check_model(_checkable(model))
+    except onnx.checker.ValidationError as exc:
+        raise ConversionError(f"{label} is not a valid ONNX model: {str(exc).strip().splitlines()[0]}") from None
+    kept_weights = {t.name for t in model.graph.initializer}
+    return ConvertedGraph(
+        skeleton=model,
+        weights={name: src for name, src in weights.items() if name in kept_weights},
+        inputs=[info_of_value(v, TensorType.APP_WRITE) for v in model.graph.input],
+        outputs=[info_of_value(v, TensorType.APP_READ) for v in model.graph.output],
+        folded_nodes=folded,
+    )

@@ -1,0 +1,113 @@
+"""Loads ONNX models without pulling external weight data into memory; tensors become streamable sources."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from quiver.errors import ModelLoadError
+from quiver.ir import dtypes
+
+CHUNK = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one initializer's bytes come from: in-memory array or a range of an external data file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    array: np.ndarray | None = None
+    path: Path | None = None
+    offset: int = 0
+    length: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes if self.array is not None else self.length
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The tensor's little-endian bytes, streamed in bounded chunks."""
+        if self.array is not None:
+            data = memoryview(np.ascontiguousarray(self.array)).cast("B")
+            for start in range(0, len(data), CHUNK):
+                yield data[start:start + CHUNK]
+            return
+        assert self.path is not None
+        with open(self.path, "rb") as f:
+            if self.length == 0:
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                for start in range(self.offset, self.offset + self.length, CHUNK):
+                    yield memoryview(mapped[start:min(start + CHUNK, self.offset + self.length)])
+
+    def to_array(self) -> np.ndarray:
+        if self.array is not None:
+            return self.array
+        return np.frombuffer(b"".join(bytes(c) for c in self.chunks()), dtypes.numpy_of(self.dtype)).reshape(self.shape)
+
+
+def load_model(source: str | Path | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
+    """The model (external data left on disk) and the folder its external data is relative to."""
+    if isinstance(source, onnx.ModelProto):
+        return source, None
+    path = Path(source)
+    if not path.is_file():
+        raise ModelLoadError(f"no ONNX model at {path}; check the path")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several unrelated types on malformed input
+        raise ModelLoadError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelLoadError(f"{path} parsed as an empty ONNX model; is it really an .onnx file?")
+    return model, path.parent
+
+
+def _external_source(tensor: onnx.TensorProto, dtype: str, shape: tuple[int, ...], base: Path | None) -> TensorSource:
+    info = {e.key: e.value for e in tensor.external_data}
+    if base is None:
+        raise ModelLoadError(
+            f"initializer {tensor.name!r} keeps its data in an external file; pass the model's path, "
+            "not a ModelProto, or load it with onnx.load(path) first"
+        )
+    location = info.get("location", "")
+    file = (base / location).resolve()
+    if not location or base.resolve() not in file.parents:
+        raise ModelLoadError(f"initializer {tensor.name!r}: external data path {location!r} leaves the model's folder")
+    if not file.is_file():
+        raise ModelLoadError(f"initializer {tensor.name!r}: external data file {file} is missing")
+    try:
+        offset = int(info.get("offset", "0"))
+        expected = dtypes.itemsize(dtype) * int(np.prod(shape, dtype=object))
+        length = int(info.get("length", str(expected)))
+    except ValueError:
+        raise ModelLoadError(f"initializer {tensor.name!r}: external data offset/length are not integers") from None
+    if length != expected or offset < 0 or offset + length > os.path.getsize(file):
+        raise ModelLoadError(
+            f"initializer {tensor.name!r}: {length} bytes at offset {offset} do not fit {file.name} "
+            f"or the tensor's {expected} bytes"
+        )
+    return TensorSource(dtype, shape, path=file, offset=offset, length=length)
+
+
+def tensor_source(tensor: onnx.TensorProto, base: Path | None) -> TensorSource:
+    """A streamable source for an initializer, without reading external data."""
+    dtype = dtypes.name_of_onnx(tensor.data_type)
+    shape = tuple(int(d) for d in tensor.dims)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return _external_source(tensor, dtype, shape, base)
+    try:
+        array = numpy_helper.to_array(tensor)
+    except Exception as exc:
+        raise ModelLoadError(f"initializer {tensor.name!r} cannot be decoded ({exc})") from None
+    target = dtypes.numpy_of(dtype)
+    if array.dtype != target and array.dtype.itemsize == target.itemsize and dtype == "bfloat16":
+        array = array.view(target)  # onnx decodes bfloat16 as raw uint16 bits
+    return TensorSource(dtype, shape, array=array.astype(target, copy=False))

@@ -1,0 +1,1 @@
+"""Runtime: contexts, graphs, tensors, graph switching."""

@@ -1,0 +1,64 @@
+"""A graph of a context: its tensors, feed validation and `execute`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError
+from quiver.ir.tensors import TensorInfo
+
+if TYPE_CHECKING:
+    from quiver.runtime.context import Context
+
+
+def validate_feeds(graph_name: str, inputs: tuple[TensorInfo, ...], feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """Checks names, dtypes and shapes against the graph's inputs; returns the feeds as arrays."""
+    expected = {i.name: i for i in inputs}
+    unknown = sorted(set(feeds) - set(expected))
+    missing = sorted(set(expected) - set(feeds))
+    if unknown or missing:
+        parts = ([f"unknown {unknown}"] if unknown else []) + ([f"missing {missing}"] if missing else [])
+        raise FeedNameError(f"graph {graph_name!r}: feeds {', '.join(parts)}; its inputs are {sorted(expected)}")
+    arrays = {}
+    for name, value in feeds.items():
+        info = expected[name]
+        array = np.asarray(value)
+        if array.dtype != info.numpy_dtype:
+            raise FeedDTypeError(
+                f"graph {graph_name!r}: input {name!r} expects {info.dtype}, got {array.dtype}; "
+                f"convert it with .astype(np.{info.numpy_dtype.name})"
+            )
+        if info.shape is not None:
+            fits = len(info.shape) == array.ndim and all(
+                not isinstance(dim, int) or dim == actual for dim, actual in zip(info.shape, array.shape)
+            )
+            if not fits:
+                raise FeedShapeError(
+                    f"graph {graph_name!r}: input {name!r} expects shape {list(info.shape)}, got {list(array.shape)}"
+                )
+        arrays[name] = array
+    return arrays
+
+
+class Graph:
+    """One graph of a context (QNN graph handle): describes its tensors and executes on the context's backend."""
+
+    def __init__(self, context: Context, name: str, inputs: tuple[TensorInfo, ...], outputs: tuple[TensorInfo, ...],
+                 static: tuple[TensorInfo, ...]) -> None:
+        self._context = context
+        self.name = name
+        self.inputs = inputs
+        self.outputs = outputs
+        self.static_tensors = static
+
+    def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
+        """Runs the graph (QnnGraph_execute); prepares it on first use."""
+        arrays = validate_feeds(self.name, self.inputs, feeds)
+        results = self._context._executable(self.name).run(arrays)
+        return {info.name: result for info, result in zip(self.outputs, results)}
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name!r}, inputs={[i.name for i in self.inputs]}, outputs={[o.name for o in self.outputs]})"
