@@ -77,6 +77,7 @@ class CpuBackend:
     def session_options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.intra_op_num_threads
+        options.log_severity_level = 3  # errors only: ORT's warnings about old opsets are not the user's business
         options.graph_optimization_level = self.graph_optimization_level
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", _PLACEHOLDER_FOLDER)
         if not self.prepack:

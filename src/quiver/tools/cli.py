@@ -1,0 +1,308 @@
+"""The `quiver` command line: a thin layer over the Python API; errors are one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from quiver._version import __version__
+from quiver.backends import available_backends
+from quiver.errors import QuiverError
+from quiver.formats.reader import ContextFile
+from quiver.runtime.context import Context
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def _emit_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=2))
+
+
+def _progress(quiet: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, disable=quiet, transient=True)
+
+
+def _parse_model_arg(text: str) -> tuple[Path, str]:
+    """`MODEL.onnx[:GRAPH_NAME]`; the graph name defaults to the file's stem."""
+    path_text, sep, name = text.rpartition(":")
+    if sep and path_text and name and "/" not in name and "\\" not in name:
+        return Path(path_text), name
+    return Path(text), Path(text).stem
+
+
+def _parse_shape_args(values: Sequence[str]) -> dict[str, list[int | str]]:
+    shapes: dict[str, list[int | str]] = {}
+    for value in values:
+        name, sep, dims = value.partition("=")
+        if not sep or not name or not dims:
+            raise click.BadParameter(f"{value!r}: write NAME=D0,D1,... (e.g. input_ids=1,128)")
+        shapes[name] = [int(d) if d.strip().isdigit() else d.strip() for d in dims.split(",")]
+    return shapes
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="quiver")
+def cli() -> None:
+    """Quiver: one base model, many fine-tunes, in one weight-shared context binary."""
+
+
+@cli.command()
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), help="Keep the models and context here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def demo(workdir: Path | None, as_json: bool) -> None:
+    """Build a base model and two fine-tunes into one context, run them, check them against ONNX Runtime."""
+    from quiver.tools.demo import run_demo
+
+    with err_console.status("starting") as status:
+        result = run_demo(workdir, on_step=lambda step: status.update(step))
+    if as_json:
+        _emit_json({"context": str(result.path), "context_bytes": result.context_bytes,
+                    "separate_bytes": result.separate_bytes, "unique_weight_bytes": result.unique_weight_bytes,
+                    "graphs": [dict(vars(r), matches=r.matches) for r in result.rows]})
+    else:
+        table = Table(title="quiver demo: three graphs, one context (cpu backend vs. ONNX Runtime)")
+        for column in ("graph", "own .onnx", "first output", "latency", "ORT latency", "max |diff|", "check"):
+            table.add_column(column, justify="left" if column == "graph" else "right", no_wrap=column == "graph")
+        for r in result.rows:
+            table.add_row(r.graph, _mb(r.separate_bytes), f"{r.first_output_ms:.1f} ms", f"{r.latency_ms:.2f} ms",
+                          f"{r.ort_latency_ms:.2f} ms", f"{r.max_abs_diff:.1e}", "ok" if r.matches else "MISMATCH")
+        console.print(table)
+        summary = Table(show_header=False, box=None)
+        summary.add_row("stored separately", _mb(result.separate_bytes))
+        summary.add_row("one context", f"{_mb(result.context_bytes)} "
+                        f"({result.context_bytes / result.separate_bytes:.0%} of separate)")
+        summary.add_row("unique weights", _mb(result.unique_weight_bytes))
+        summary.add_row("load (from_binary)", f"{result.rows[0].load_ms:.1f} ms")
+        summary.add_row("context file", str(result.path))
+        console.print(summary)
+    if not all(r.matches for r in result.rows):
+        raise QuiverError("outputs differ from ONNX Runtime by more than 1e-4; please report this")
+
+
+@cli.command()
+@click.argument("models", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The .qctx to write.")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME=D0,D1",
+              help="Fix an input's shape (every graph that has it); repeat for more inputs.")
+@click.option("--json", "as_json", is_flag=True, help="Print the sharing report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def build(models: tuple[str, ...], output: Path, input_shapes: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+    """Pack MODEL.onnx[:GRAPH_NAME] ... into one context binary, each distinct weight stored once."""
+    from quiver.passes.load import load_model
+    from quiver.tools.report import describe_context
+
+    shapes = _parse_shape_args(input_shapes)
+    parsed = [_parse_model_arg(m) for m in models]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    context = Context.create("cpu", workdir=output.parent)
+    with _progress(quiet) as progress:
+        task = progress.add_task("building", total=len(parsed))
+        for path, name in parsed:
+            progress.update(task, description=f"adding {name}")
+            model_inputs = {i.name for i in load_model(path)[0].graph.input}
+            context.add_graph(name, path, {k: v for k, v in shapes.items() if k in model_inputs} or None)
+            progress.advance(task)
+        progress.update(task, description="writing")
+        context.save(output)
+    report = describe_context(context, str(output))
+    context.close()
+    if as_json:
+        _emit_json(report)
+        return
+    _print_graph_table(report, f"built {output}")
+    _print_summary(report)
+
+
+def _print_graph_table(report: dict[str, Any], title: str) -> None:
+    table = Table(title=title)
+    for column in ("graph", "inputs", "outputs", "weights", "own", "shared"):
+        table.add_column(column, justify="right" if column in ("weights", "own", "shared") else "left")
+
+    def io(tensors: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in tensors)
+
+    for g in report["graphs"]:
+        w = g["weights"]
+        table.add_row(g["name"], io(g["inputs"]), io(g["outputs"]), _mb(w["bytes"]), _mb(w["own_bytes"]),
+                      _mb(w["shared_bytes"]))
+    console.print(table)
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    w = report["weights"]
+    summary = Table(show_header=False, box=None)
+    summary.add_row("referenced by the graphs", f"{_mb(w['referenced_bytes'])} ({w['referenced_count']} tensors)")
+    summary.add_row("stored (unique)", f"{_mb(w['unique_bytes'])} ({w['unique_count']} tensors)")
+    summary.add_row("saved by sharing", _mb(w["saved_bytes"]))
+    summary.add_row("context file", f"{_mb(report['size_bytes'])} "
+                    f"({report['size_bytes'] / max(w['unique_bytes'], 1):.4f} x unique weights)")
+    console.print(summary)
+
+
+@cli.command()
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the metadata as JSON.")
+@click.option("--tensors", is_flag=True, help="Also list every stored tensor and the graphs using it.")
+def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
+    """Print a context binary's graphs, inputs/outputs, tensors and sharing."""
+    from quiver.tools.report import describe_context
+
+    with Context.from_binary(context_path, backend="reference") as context:
+        report = describe_context(context, str(context_path))
+    if as_json:
+        _emit_json(report)
+        return
+    _print_graph_table(report, f"{context_path} (format {report['format_version']}, {report['producer']})")
+    if tensors:
+        table = Table(title="stored tensors")
+        for column in ("#", "dtype", "shape", "bytes", "graphs"):
+            table.add_column(column)
+        for t in report["tensors"]:
+            table.add_row(str(t["index"]), t["dtype"], str(t["shape"]), f"{t['bytes']:,}", ", ".join(t["graphs"]))
+        console.print(table)
+    _print_summary(report)
+
+
+@cli.command()
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--graph", "graph_name", help="Graph to run (default: the only graph).")
+@click.option("--input-list", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="qnn-net-run input list: `name:=file.raw ...` per line (.raw or .npy).")
+@click.option("--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--backend", type=click.Choice(available_backends()), default="cpu", show_default=True)
+@click.option("--npy", is_flag=True, help="Also write each output as .npy.")
+def run(context_path: Path, graph_name: str | None, input_list: Path, output_dir: Path, backend: str, npy: bool) -> None:
+    """Execute a graph for every line of an input list (qnn-net-run compatible outputs)."""
+    from quiver.tools.netrun import run_input_list
+
+    with Context.from_binary(context_path, backend=backend) as context:
+        if graph_name is None:
+            if len(context.graph_names) != 1:
+                raise QuiverError(f"the context holds {context.graph_names}; choose one with --graph")
+            graph_name = context.graph_names[0]
+        start = time.perf_counter()
+        written = run_input_list(context.graph(graph_name), input_list, output_dir, npy=npy)
+        elapsed = time.perf_counter() - start
+    results = len({p.parent for p in written})
+    err_console.print(f"{results} result(s), {len(written)} output file(s) in {output_dir} ({elapsed:.2f} s)")
+
+
+@cli.command()
+@click.argument("model_a", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_b", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def compare(model_a: Path, model_b: Path, as_json: bool) -> None:
+    """Which weights two models share by content, which differ, and the bytes one context saves."""
+    from quiver.tools.compare import compare_models
+
+    result = compare_models(model_a, model_b)
+    if as_json:
+        _emit_json(result.to_json())
+        return
+    table = Table(title=f"{model_a.name} vs {model_b.name}")
+    for column in ("", "tensors", "bytes (A)"):
+        table.add_column(column, justify="right" if column else "left")
+    table.add_row("identical (shareable)", str(len(result.identical)), _mb(sum(a.nbytes for a, _ in result.identical)))
+    table.add_row("different (same role)", str(len(result.different)), _mb(sum(a.nbytes for a, _ in result.different)))
+    table.add_row("only in A", str(len(result.only_a)), _mb(sum(t.nbytes for t in result.only_a)))
+    table.add_row("only in B", str(len(result.only_b)), _mb(sum(t.nbytes for t in result.only_b)))
+    console.print(table)
+    summary = Table(show_header=False, box=None)
+    summary.add_row("stored separately", _mb(result.separate_bytes))
+    summary.add_row("in one context", _mb(result.context_bytes))
+    summary.add_row("saved", f"{_mb(result.shared_bytes)} ({result.shared_bytes / max(result.separate_bytes, 1):.0%})")
+    console.print(summary)
+    if result.different:
+        detail = Table(title="different tensors")
+        for column in ("A", "B", "dtype", "shape", "bytes"):
+            detail.add_column(column)
+        for a, b in result.different:
+            detail.add_row(a.name, b.name, a.dtype, str(list(a.shape)), f"{a.nbytes:,}")
+        console.print(detail)
+
+
+@cli.command()
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def verify(context_path: Path, as_json: bool) -> None:
+    """Check every checksum and padding of a context binary; exit 0 only if all hold."""
+    start = time.perf_counter()
+    file = ContextFile.open(context_path)
+    problems = file.verify()
+    elapsed = time.perf_counter() - start
+    if as_json:
+        _emit_json({"path": str(context_path), "ok": not problems, "problems": problems,
+                    "weights": len(file.weights), "graphs": list(file.graphs), "bytes": file.size})
+    elif not problems:
+        console.print(f"{context_path}: ok ({len(file.weights)} weights, {len(file.graphs)} graphs, "
+                      f"{_mb(file.size)} checked in {elapsed:.2f} s)")
+    file.close()
+    if problems:
+        raise QuiverError(f"{context_path}: {len(problems)} problem(s): {'; '.join(problems[:5])}; rebuild or copy it again")
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def check(model: Path, as_json: bool) -> None:
+    """List a model's operators and every one Quiver does not support."""
+    from quiver.tools.check import check_model
+
+    report = check_model(model)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        table = Table(title=f"{model.name}: operators")
+        for column in ("operator", "nodes", "supported"):
+            table.add_column(column)
+        for op, count in sorted(report.operators.items()):
+            table.add_row(op, str(count), "no" if op in report.unsupported else "yes")
+        console.print(table)
+        if report.ok:
+            console.print(f"{model}: ok, Quiver can build it")
+    if report.unsupported:
+        raise QuiverError(f"{model} uses unsupported operators: {', '.join(report.unsupported)}")
+    if report.problem:
+        raise QuiverError(report.problem)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: one-line errors on stderr, exit 1 for Quiver errors, 2 for usage errors."""
+    try:
+        cli.main(args=list(argv) if argv is not None else None, prog_name="quiver", standalone_mode=False)
+    except QuiverError as exc:
+        err_console.print(f"quiver: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 1
+    except click.ClickException as exc:
+        exc.show()
+        return 2
+    except click.Abort:
+        err_console.print("quiver: aborted")
+        return 130
+    except Exception as exc:  # never a traceback for users; QUIVER_DEBUG=1 shows it
+        if os.environ.get("QUIVER_DEBUG"):
+            raise
+        err_console.print(f"quiver: internal error: {type(exc).__name__}: {exc} (set QUIVER_DEBUG=1 for details)",
+                          markup=False, highlight=False, soft_wrap=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The weight-sharing report between two ONNX models, matched by content, never by name."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from quiver.passes.load import TensorSource, load_model, tensor_source
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    sha256: str
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...], str]:
+        return (self.dtype, self.shape, self.sha256)
+
+
+@dataclass
+class Comparison:
+    """Initializers of A and B: identical (same content), different (same role, other bytes), unmatched."""
+
+    identical: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    different: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    only_a: list[Tensor] = field(default_factory=list)
+    only_b: list[Tensor] = field(default_factory=list)
+    bytes_a: int = 0
+    bytes_b: int = 0
+    shared_bytes: int = 0  # bytes of distinct content present in both
+
+    @property
+    def separate_bytes(self) -> int:
+        return self.bytes_a + self.bytes_b
+
+    @property
+    def context_bytes(self) -> int:
+        """Weight bytes of one shared context holding both models."""
+        return self.separate_bytes - self.shared_bytes
+
+    def to_json(self) -> dict[str, object]:
+        def rows(pairs: list[tuple[Tensor, Tensor]]) -> list[dict[str, object]]:
+            return [{"a": a.name, "b": b.name, "dtype": a.dtype, "shape": list(a.shape), "bytes": a.nbytes} for a, b in pairs]
+
+        return {
+            "identical": rows(self.identical), "different": rows(self.different),
+            "only_a": [t.name for t in self.only_a], "only_b": [t.name for t in self.only_b],
+            "bytes_a": self.bytes_a, "bytes_b": self.bytes_b, "separate_bytes": self.separate_bytes,
+            "context_bytes": self.context_bytes, "saved_bytes": self.shared_bytes,
+        }
+
+
+def _digest(source: TensorSource) -> str:
+    digest = hashlib.sha256()
+    for chunk in source.chunks():
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _tensors_in_use_order(model: onnx.ModelProto, base: Path | None) -> list[Tensor]:
+    """Initializers in the order nodes first use them: the order in which two exports line up."""
+    by_name = {t.name: t for t in model.graph.initializer}
+    order = list(dict.fromkeys(name for node in model.graph.node for name in node.input if name in by_name))
+    order += [name for name in by_name if name not in order]
+    result = []
+    for name in order:
+        source = tensor_source(by_name[name], base)
+        result.append(Tensor(name, source.dtype, source.shape, source.nbytes, _digest(source)))
+    return result
+
+
+def compare_models(a: str | Path | onnx.ModelProto, b: str | Path | onnx.ModelProto) -> Comparison:
+    """Which initializers two models could share in one context, and the bytes that saves."""
+    tensors_a = _tensors_in_use_order(*load_model(a))
+    tensors_b = _tensors_in_use_order(*load_model(b))
+    result = Comparison()
+    result.bytes_a = sum(t.nbytes for t in tensors_a)
+    result.bytes_b = sum(t.nbytes for t in tensors_b)
+    keys_b: dict[tuple[str, tuple[int, ...], str], Tensor] = {t.key: t for t in tensors_b}
+    keys_a = {t.key for t in tensors_a}
+    result.shared_bytes = sum(t.nbytes for key, t in keys_b.items() if key in keys_a)
+    rest_b = [t for t in tensors_b if t.key not in keys_a]
+    for tensor in tensors_a:
+        if tensor.key in keys_b:
+            result.identical.append((tensor, keys_b[tensor.key]))
+            continue
+        # Same dtype and shape, first in use order: the same parameter, fine-tuned.
+        match = next((t for t in rest_b if (t.dtype, t.shape) == (tensor.dtype, tensor.shape)), None)
+        if match is None:
+            result.only_a.append(tensor)
+        else:
+            rest_b.remove(match)
+            result.different.append((tensor, match))
+    result.only_b = rest_b
+    return result

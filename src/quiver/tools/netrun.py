@@ -1,0 +1,101 @@
+"""qnn-net-run style I/O: input lists of raw/.npy files in, `Result_<i>/<output>.raw` out."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from quiver.errors import InputListError
+from quiver.ir.tensors import TensorInfo
+from quiver.runtime.graph import Graph
+
+
+def _resolve(path_text: str, list_folder: Path) -> Path:
+    path = Path(path_text)
+    if not path.is_absolute() and not path.exists():
+        path = list_folder / path
+    if not path.is_file():
+        raise InputListError(f"input file {path_text!r} not found (looked relative to the working folder and the list's)")
+    return path
+
+
+def _read_tensor(path: Path, info: TensorInfo) -> np.ndarray:
+    if path.suffix == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise InputListError(f"{path} is not a readable .npy file ({exc})") from None
+    dtype = info.numpy_dtype.newbyteorder("<")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise InputListError(f"{path}: {size} bytes is not a whole number of {info.dtype} values")
+    count = size // dtype.itemsize
+    shape = list(info.shape or [count])
+    unknown = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+    known = math.prod(d for d in shape if isinstance(d, int))
+    if len(unknown) == 1 and known and count % known == 0:
+        shape[unknown[0]] = count // known  # one dynamic dim: implied by the file size
+    elif unknown:
+        raise InputListError(
+            f"input {info.name!r} has dynamic shape {list(info.shape or [])}; a raw file cannot say its shape, "
+            "use a .npy file or fix the shape at build time"
+        )
+    if math.prod(shape) != count:
+        raise InputListError(f"{path}: {count} {info.dtype} values do not fit input {info.name!r} of shape {shape}")
+    return np.fromfile(path, dtype=dtype).reshape(shape).astype(info.numpy_dtype, copy=False)
+
+
+def parse_input_list(list_path: str | Path, graph: Graph) -> list[dict[str, np.ndarray]]:
+    """One feed dict per line: `name:=path name2:=path2` or, for one-input graphs, just `path`.
+
+    Lines starting with `#` are comments (qnn-net-run's output-name line included).
+    """
+    list_path = Path(list_path)
+    try:
+        lines = list_path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputListError(f"cannot read input list {list_path}: {exc}") from None
+    inputs = {i.name: i for i in graph.inputs}
+    feeds = []
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        feed: dict[str, np.ndarray] = {}
+        for token in line.split():
+            name, sep, path_text = token.partition(":=")
+            if not sep:
+                if len(inputs) != 1:
+                    raise InputListError(f"{list_path}:{number}: write `name:=path` for each of the inputs {sorted(inputs)}")
+                name, path_text = next(iter(inputs)), token
+            if name not in inputs:
+                raise InputListError(f"{list_path}:{number}: {name!r} is not an input; the inputs are {sorted(inputs)}")
+            feed[name] = _read_tensor(_resolve(path_text, list_path.parent), inputs[name])
+        feeds.append(feed)
+    if not feeds:
+        raise InputListError(f"{list_path} lists no inputs")
+    return feeds
+
+
+def output_file_stem(name: str) -> str:
+    """Output names may hold characters that paths cannot: qnn-net-run replaces them with `_`."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def run_input_list(graph: Graph, list_path: str | Path, output_dir: str | Path, npy: bool = False) -> list[Path]:
+    """Executes the graph for each line of the list; writes `Result_<i>/<output>.raw` (and `.npy`)."""
+    output_dir = Path(output_dir)
+    written = []
+    for index, feed in enumerate(parse_input_list(list_path, graph)):
+        result_dir = output_dir / f"Result_{index}"
+        result_dir.mkdir(parents=True, exist_ok=True)
+        for name, value in graph.execute(feed).items():
+            raw = result_dir / f"{output_file_stem(name)}.raw"
+            np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False).tofile(raw)
+            written.append(raw)
+            if npy:
+                np.save(result_dir / f"{output_file_stem(name)}.npy", value)
+    return written

@@ -1,0 +1,59 @@
+"""What a context holds: graphs, their tensors, which weights they share, bytes stored vs. referenced."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from quiver.formats._layout import MAJOR
+from quiver.runtime.context import Context
+
+
+def describe_context(context: Context, source: str | None = None) -> dict[str, Any]:
+    """The `quiver inspect --json` document (qnn-context-binary-utility's role)."""
+    file = context.file
+    users: dict[int, list[str]] = defaultdict(list)
+    for name, entry in file.graphs.items():
+        for index in set(entry.weights.values()):
+            users[index].append(name)
+    stats = context.weight_stats()
+    graphs = []
+    for name in context.graph_names:
+        graph = context.graph(name)
+        indices = set(file.graphs[name].weights.values())
+        shared_with: dict[str, int] = defaultdict(int)
+        for index in indices:
+            for other in users[index]:
+                if other != name:
+                    shared_with[other] += file.weights[index].length
+        graphs.append({
+            "name": name,
+            "inputs": [t.to_json() for t in graph.inputs],
+            "outputs": [t.to_json() for t in graph.outputs],
+            "weights": {
+                "count": len(indices),
+                "bytes": sum(file.weights[i].length for i in indices),
+                "own_bytes": sum(file.weights[i].length for i in indices if len(users[i]) == 1),
+                "shared_bytes": sum(file.weights[i].length for i in indices if len(users[i]) > 1),
+            },
+            "shared_with": dict(sorted(shared_with.items())),
+        })
+    return {
+        "path": source or file.source,
+        "format_version": f"{MAJOR}.{file.minor_version}",
+        "producer": file.producer,
+        "size_bytes": file.size,
+        "weights": {
+            "unique_bytes": stats.unique_bytes,
+            "referenced_bytes": stats.referenced_bytes,
+            "unique_count": stats.unique_count,
+            "referenced_count": stats.referenced_count,
+            "saved_bytes": stats.referenced_bytes - stats.unique_bytes,
+        },
+        "graphs": graphs,
+        "tensors": [
+            {"index": w.index, "dtype": w.dtype, "shape": list(w.shape), "bytes": w.length, "offset": w.offset,
+             "graphs": sorted(users[w.index])}
+            for w in file.weights
+        ],
+    }
