@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 
 from quiver.backends.base import FinalizedGraph
 from quiver.errors import BackendError
-
-# ORT insists that an external-data initializer's file exists even when `add_initializer` supplies the
-# data, so placeholders point at this empty file; ORT never reads it.
-_PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
 
 _PREPACKED_OPS = {"MatMul", "Gemm"}
 
@@ -24,6 +18,33 @@ def _prepacked_bytes(graph: FinalizedGraph) -> int:
     names = {node.input[1] for node in graph.model.graph.node
              if node.op_type in _PREPACKED_OPS and node.domain in ("", "ai.onnx") and len(node.input) > 1}
     return sum(graph.weights[n].nbytes for n in names if n in graph.weights)
+
+
+def _bind_placeholders(graph: FinalizedGraph, options: ort.SessionOptions) -> onnx.ModelProto:
+    """Points each placeholder at an in-memory "file" holding the weight's mapped bytes.
+
+    `add_initializer` makes ORT execute on the mapped arrays without copying, but ORT's graph optimizers
+    (constant folding, fusions) read initializers through the TensorProto; the in-memory files let them
+    see the real bytes without a file on disk.
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    locations: dict[int, str] = {}
+    buffers: list[np.ndarray] = []
+    for tensor in model.graph.initializer:
+        array = graph.weights.get(tensor.name)
+        if array is None:
+            continue
+        if id(array) not in locations:
+            locations[id(array)] = f"quiver-weight-{len(locations)}"
+            buffers.append(array)
+        del tensor.external_data[:]
+        for key, value in (("location", locations[id(array)]), ("offset", "0"), ("length", str(array.nbytes))):
+            tensor.external_data.add(key=key, value=value)
+    if buffers:
+        options.add_external_initializers_from_files_in_memory(
+            list(locations.values()), buffers, [b.nbytes for b in buffers])
+    return model
 
 
 class CpuExecutable:
@@ -36,7 +57,7 @@ class CpuExecutable:
         self._prepacked = _prepacked_bytes(graph) if prepack else 0
         try:
             self._session: ort.InferenceSession | None = ort.InferenceSession(
-                graph.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+                _bind_placeholders(graph, options).SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
         except Exception as exc:
             raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
@@ -79,7 +100,6 @@ class CpuBackend:
         options.intra_op_num_threads = self.intra_op_num_threads
         options.log_severity_level = 3  # errors only: ORT's warnings about old opsets are not the user's business
         options.graph_optimization_level = self.graph_optimization_level
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", _PLACEHOLDER_FOLDER)
         if not self.prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
         return options

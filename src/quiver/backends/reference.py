@@ -36,6 +36,13 @@ class _MsDequantizeLinear(DequantizeLinear_21):
 _MS_OPS = [_MsGelu, _MsQuantizeLinear, _MsDequantizeLinear]
 
 
+def _as_declared(result: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """onnx.reference returns bfloat16 in a dtype of its own; expose the graph's declared dtype."""
+    if result.dtype != dtype and result.dtype.itemsize == dtype.itemsize and dtype.name == "bfloat16":
+        return result.view(dtype)
+    return result
+
+
 def _weights_as_inputs(graph: FinalizedGraph) -> onnx.ModelProto:
     """The evaluator takes weights as extra inputs, so it reads the mapped views without copying."""
     model = onnx.ModelProto()
@@ -52,6 +59,7 @@ class ReferenceExecutable:
     def __init__(self, graph: FinalizedGraph) -> None:
         self._weights = graph.weights
         self._output_names = [o.name for o in graph.outputs]
+        self._output_dtypes = [o.numpy_dtype for o in graph.outputs]
         try:
             self._evaluator = ReferenceEvaluator(_weights_as_inputs(graph), new_ops=_MS_OPS)
         except Exception as exc:
@@ -62,7 +70,7 @@ class ReferenceExecutable:
             results = self._evaluator.run(self._output_names, {**self._weights, **feeds})
         except Exception as exc:
             raise BackendError(f"reference backend failed: {type(exc).__name__}: {exc}") from None
-        return [np.asarray(r) for r in results]
+        return [_as_declared(np.asarray(r), dtype) for r, dtype in zip(results, self._output_dtypes)]
 
     @property
     def private_bytes(self) -> int:

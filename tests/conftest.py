@@ -1,0 +1,43 @@
+"""Shared fixtures: a small seeded transformer family, saved as ONNX files and built into a context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import quiver
+from quiver.tools.family import SMALL, make_family, sample_input_ids
+
+
+@pytest.fixture(scope="session")
+def family() -> dict[str, onnx.ModelProto]:
+    return make_family(SMALL, count=3, tuned_layers=1, seed=7)
+
+
+@pytest.fixture(scope="session")
+def family_files(family: dict[str, onnx.ModelProto], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("family")
+    paths = {}
+    for name, model in family.items():
+        paths[name] = folder / f"{name}.onnx"
+        onnx.save(model, str(paths[name]))
+    return paths
+
+
+@pytest.fixture(scope="session")
+def family_context(family: dict[str, onnx.ModelProto], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ctx") / "family.qctx"
+    context = quiver.Context.create("cpu")
+    for name, model in family.items():
+        context.add_graph(name, model)
+    context.save(path)
+    context.close()
+    return path
+
+
+@pytest.fixture
+def input_ids() -> np.ndarray:
+    return sample_input_ids(SMALL, batch=2, seq=12, seed=3)

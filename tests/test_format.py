@@ -1,0 +1,261 @@
+"""The .qctx reader and writer: round trips, determinism, dedup by content, and one bad file per error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import quiver
+from quiver.formats._layout import DATA_START, MAGIC, PREAMBLE_SIZE, Preamble
+from quiver.formats.reader import ContextFile
+from quiver.formats.writer import ContextWriter
+
+
+def _write(tmp_path: Path, arrays: list[np.ndarray], graphs: dict[str, dict[str, int]] | None = None) -> Path:
+    with ContextWriter(tmp_path) as writer:
+        for array in arrays:
+            writer.add_weight(str(array.dtype), array.shape, [array.tobytes()])
+        for name, mapping in (graphs or {}).items():
+            writer.add_graph(name, b"skeleton-" + name.encode(), mapping)
+        return writer.finish(tmp_path / "out.qctx")
+
+
+def _rewrite_header(data: bytes, mutate: Callable[[dict], None]) -> bytes:
+    """Applies `mutate` to the JSON header and re-seals the file (valid preamble and checksum)."""
+    _, pre = Preamble.unpack(data[:PREAMBLE_SIZE])
+    header = json.loads(data[pre.header_offset:])
+    mutate(header)
+    new_header = json.dumps(header).encode()
+    body = data[PREAMBLE_SIZE:pre.header_offset]
+    new_pre = Preamble(pre.major, pre.minor, pre.flags, pre.header_offset, len(new_header),
+                       pre.header_offset + len(new_header), hashlib.sha256(new_header).digest())
+    return new_pre.pack() + body + new_header
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> bytes:
+    a = np.arange(20000, dtype=np.float32).reshape(100, 200)  # page-aligned (>= 64 KiB)
+    b = np.arange(300, dtype=np.int64)
+    return _write(tmp_path, [a, b], {"g1": {"w": 0, "b": 1}, "g2": {"w": 0}}).read_bytes()
+
+
+def test_round_trip_gives_back_the_same_arrays(tmp_path: Path) -> None:
+    arrays = [np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32),
+              np.arange(7, dtype=np.int8), np.array(3.5, dtype=np.float16), np.zeros((0, 4), np.float32)]
+    file = ContextFile.open(_write(tmp_path, arrays))
+    for index, array in enumerate(arrays):
+        view = file.weight_array(index)
+        assert view.dtype == array.dtype and view.shape == array.shape
+        np.testing.assert_array_equal(view, array)
+        assert not view.flags.writeable
+
+
+def test_identical_content_under_different_names_is_stored_once(tmp_path: Path) -> None:
+    weight = np.ones((128, 128), np.float32)
+    with ContextWriter(tmp_path) as writer:
+        first = writer.add_weight("float32", weight.shape, [weight.tobytes()])
+        second = writer.add_weight("float32", weight.shape, [weight.copy().tobytes()])
+        writer.add_graph("a", b"x", {"val_1": first})
+        writer.add_graph("b", b"y", {"val_1001": second})
+        path = writer.finish(tmp_path / "c.qctx")
+    assert first == second
+    assert len(ContextFile.open(path).weights) == 1
+
+
+def test_initializers_with_different_shapes_are_not_deduplicated(tmp_path: Path) -> None:
+    data = np.arange(64, dtype=np.float32)
+    file = ContextFile.open(_write(tmp_path, [data.reshape(8, 8), data.reshape(4, 16), data.view(np.int32)]))
+    assert len(file.weights) == 3
+
+
+def test_weights_are_aligned_and_large_ones_page_aligned(tmp_path: Path) -> None:
+    arrays = [np.ones(3, np.float32), np.ones(70000, np.uint8), np.ones(5, np.int16), np.ones(20000, np.float32)]
+    file = ContextFile.open(_write(tmp_path, arrays))
+    for weight in file.weights:
+        assert weight.offset % (4096 if weight.length >= 65536 else 64) == 0
+
+
+def test_the_same_input_gives_the_same_bytes(tmp_path: Path) -> None:
+    arrays = [np.arange(1000, dtype=np.float32), np.arange(10, dtype=np.int64)]
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    one = _write(tmp_path / "1", arrays, {"g": {"a": 0, "b": 1}}).read_bytes()
+    two = _write(tmp_path / "2", arrays, {"g": {"a": 0, "b": 1}}).read_bytes()
+    assert one == two
+    assert one[:8] == MAGIC
+
+
+def test_golden_preamble_layout(good: bytes) -> None:
+    magic, major, minor, flags, header_offset, header_length, file_length, sha, reserved = struct.unpack(
+        "<8sHHIQQQ32sQ", good[:80])
+    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 0, 0, 0)
+    assert file_length == len(good) and header_offset + header_length == len(good)
+    assert sha == hashlib.sha256(good[header_offset:]).digest()
+    assert good[80:DATA_START] == bytes(DATA_START - 80)
+
+
+def test_an_aborted_write_leaves_no_file(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), ContextWriter(tmp_path) as writer:
+        writer.add_weight("float32", [4], [np.ones(4, np.float32).tobytes()])
+        raise RuntimeError("crash in the middle of a build")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_build_keeps_the_previous_file(tmp_path: Path, family: dict) -> None:
+    target = tmp_path / "family.qctx"
+    target.write_bytes(b"previous contents")
+    context = quiver.Context.create("cpu", workdir=tmp_path)
+    context.add_graph("base", family["base"])
+    with pytest.raises(quiver.ModelLoadError):
+        context.add_graph("broken", tmp_path / "missing.onnx")
+    assert target.read_bytes() == b"previous contents"
+    context.save(target)
+    assert ContextFile.open(target).graphs.keys() == {"base"}
+    assert [p.name for p in tmp_path.iterdir()] == ["family.qctx"]
+
+
+def test_a_length_that_does_not_fit_the_shape_is_refused_by_the_writer(tmp_path: Path) -> None:
+    with ContextWriter(tmp_path) as writer, pytest.raises(quiver.ContextStateError, match="needs 16 bytes"):
+        writer.add_weight("float32", [4], [b"\0" * 12])
+
+
+def test_verify_finds_a_flipped_bit_in_the_weights(tmp_path: Path, good: bytes) -> None:
+    file = ContextFile(good)
+    assert file.verify() == []
+    damaged = bytearray(good)
+    damaged[file.weights[0].offset + 100] ^= 0x10
+    problems = ContextFile(bytes(damaged)).verify()
+    assert problems == ["weight 0 (float32[100, 200]) checksum mismatch"]
+
+
+def test_verify_finds_non_zero_padding(good: bytes) -> None:
+    damaged = bytearray(good)
+    damaged[PREAMBLE_SIZE + 5] = 1
+    assert "non-zero padding" in ContextFile(bytes(damaged)).verify()[0]
+
+
+# --- one hand-built bad file per reader error ------------------------------------------------------
+
+
+def test_empty_and_short_files_are_truncated() -> None:
+    for data in (b"", MAGIC, b"\0" * 79):
+        with pytest.raises(quiver.TruncatedFileError):
+            ContextFile(data)
+
+
+def test_a_file_cut_short_is_truncated(good: bytes) -> None:
+    for cut in (100, DATA_START, len(good) // 2, len(good) - 1):
+        with pytest.raises(quiver.TruncatedFileError):
+            ContextFile(good[:cut])
+
+
+def test_wrong_magic_is_refused(good: bytes) -> None:
+    with pytest.raises(quiver.BadMagicError, match="not a Quiver context binary"):
+        ContextFile(b"PK\x03\x04" + good[4:])
+
+
+def test_a_newer_major_version_names_the_upgrade(good: bytes) -> None:
+    newer = good[:8] + struct.pack("<H", 2) + good[10:]
+    with pytest.raises(quiver.UnsupportedVersionError, match="upgrade Quiver"):
+        ContextFile(newer)
+
+
+def test_a_newer_minor_version_is_read(good: bytes) -> None:
+    newer = good[:10] + struct.pack("<H", 7) + good[12:]
+    assert ContextFile(newer).minor_version == 7
+
+
+def test_non_zero_flags_are_unsupported(good: bytes) -> None:
+    with pytest.raises(quiver.UnsupportedVersionError):
+        ContextFile(good[:12] + struct.pack("<I", 1) + good[16:])
+
+
+def test_an_absurd_header_length_is_refused_before_reading(good: bytes) -> None:
+    huge = good[:24] + struct.pack("<Q", 2**62) + good[32:]
+    with pytest.raises(quiver.HeaderTooLargeError):
+        ContextFile(huge)
+
+
+def test_a_header_that_is_not_the_tail_is_out_of_bounds(good: bytes) -> None:
+    _, pre = Preamble.unpack(good[:PREAMBLE_SIZE])
+    moved = good[:16] + struct.pack("<Q", pre.header_offset - 8) + good[24:]
+    with pytest.raises(quiver.OutOfBoundsError):
+        ContextFile(moved)
+
+
+def test_a_flipped_bit_in_the_header_fails_its_checksum(good: bytes) -> None:
+    damaged = bytearray(good)
+    damaged[-10] ^= 0x01
+    with pytest.raises(quiver.ChecksumMismatchError, match="header"):
+        ContextFile(bytes(damaged))
+
+
+def test_a_flipped_bit_in_a_skeleton_fails_its_checksum_on_use(good: bytes) -> None:
+    file = ContextFile(good)
+    damaged = bytearray(good)
+    damaged[file.graphs["g1"].offset] ^= 0x01
+    with pytest.raises(quiver.ChecksumMismatchError, match="g1"):
+        ContextFile(bytes(damaged)).skeleton("g1")
+
+
+def test_a_header_that_is_not_json_is_invalid(good: bytes) -> None:
+    _, pre = Preamble.unpack(good[:PREAMBLE_SIZE])
+    junk = b"\xff{not json"
+    sealed = Preamble(1, 0, 0, pre.header_offset, len(junk), pre.header_offset + len(junk),
+                      hashlib.sha256(junk).digest()).pack() + good[PREAMBLE_SIZE:pre.header_offset] + junk
+    with pytest.raises(quiver.InvalidHeaderError, match="not UTF-8 JSON"):
+        ContextFile(sealed)
+
+
+@pytest.mark.parametrize(("mutate", "error", "match"), [
+    (lambda h: h["weights"][0].update(length=2**70), quiver.InvalidHeaderError, "records"),
+    (lambda h: h["weights"][0].update(shape=[2**40, 2**40], length=2**82), quiver.OutOfBoundsError, "outside"),
+    (lambda h: h["weights"][0].update(shape=[-1, 200]), quiver.InvalidHeaderError, "non-negative"),
+    (lambda h: h["weights"][0].update(shape=[1] * 33), quiver.InvalidHeaderError, "at most 32"),
+    (lambda h: h["weights"][0].update(dtype="complex64"), quiver.InvalidHeaderError, "dtype"),
+    (lambda h: h["weights"][0].update(offset=10), quiver.OutOfBoundsError, "outside"),
+    (lambda h: h["weights"][0].update(offset=h["weights"][0]["offset"] + 64), quiver.MisalignedTensorError, "4096"),
+    (lambda h: h["weights"][1].update(offset=h["weights"][0]["offset"]), quiver.OverlappingRegionsError, "before"),
+    (lambda h: h["graphs"][1].update(offset=h["graphs"][0]["offset"]), quiver.OverlappingRegionsError, "before"),
+    (lambda h: h["graphs"][0].update(length=2**63), quiver.OutOfBoundsError, "outside"),
+    (lambda h: h["graphs"][0]["weights"].update(w=99), quiver.InvalidHeaderError, "there are 2"),
+    (lambda h: h["graphs"][1].update(name="g1"), quiver.InvalidHeaderError, "appears twice"),
+    (lambda h: h["graphs"][0].update(name=""), quiver.InvalidHeaderError, "empty"),
+    (lambda h: h["weights"].append(dict(h["weights"][0])), quiver.InvalidHeaderError, "same content key"),
+    (lambda h: h.update(format="zip"), quiver.InvalidHeaderError, "format"),
+    (lambda h: h.update(weights={}), quiver.InvalidHeaderError, "lists"),
+    (lambda h: h["weights"][0].update(sha256="XYZ"), quiver.InvalidHeaderError, "hex"),
+    (lambda h: h["weights"][0].update(offset="4096"), quiver.InvalidHeaderError, "integer"),
+    (lambda h: h["weights"][0].update(offset=True), quiver.InvalidHeaderError, "integer"),
+])
+def test_each_broken_header_rule_has_its_error(good: bytes, mutate: Callable, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        ContextFile(_rewrite_header(good, mutate))
+
+
+def test_every_error_is_a_quiver_error_that_says_what_to_do(good: bytes) -> None:
+    with pytest.raises(quiver.CorruptFileError) as info:
+        ContextFile(good[:-1])
+    assert isinstance(info.value, quiver.QuiverError)
+    assert "copy it again or rebuild it" in str(info.value)
+
+
+def test_random_corruption_never_escapes_as_anything_but_a_quiver_error(good: bytes) -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        damaged = bytearray(good)
+        for position in rng.integers(0, len(good), size=rng.integers(1, 8)):
+            damaged[position] = rng.integers(0, 256)
+        try:
+            file = ContextFile(bytes(damaged))
+            for name in file.graphs:
+                file.skeleton(name)
+            file.verify()
+        except quiver.QuiverError:
+            pass
