@@ -37,8 +37,11 @@ def node_test_root() -> Path:
     target = EXTRACT_TO / "node"
     if not target.is_dir():
         EXTRACT_TO.mkdir(exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL,
-                        "-d", str(EXTRACT_TO)], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL, "-d", str(EXTRACT_TO)],
+            check=True,
+            capture_output=True,
+        )
         wheel = next(EXTRACT_TO.glob("onnx-1.17.0-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             for member in archive.namelist():
@@ -91,8 +94,12 @@ def load_case(folder: Path) -> Case | str:
 
     def typed(values: list[np.ndarray], infos: list[onnx.ValueInfoProto]) -> list[np.ndarray]:
         # onnx decodes bfloat16 test data as its raw uint16 bits
-        return [v.view(dtypes.numpy_of("bfloat16")) if info.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
-                and v.dtype == np.uint16 else v for v, info in zip(values, infos)]
+        return [
+            v.view(dtypes.numpy_of("bfloat16"))
+            if info.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 and v.dtype == np.uint16
+            else v
+            for v, info in zip(values, infos)
+        ]
 
     feeds = dict(zip([i.name for i in inputs], typed(read("input"), inputs)))
     return Case(folder.name, model, feeds, typed(read("output"), list(model.graph.output)))
@@ -109,8 +116,9 @@ def _matches(expected: list[np.ndarray], actual: list[np.ndarray]) -> str | None
             return f"output {i}: shape {a.shape}, expected {e.shape}"
         try:
             if e.dtype.kind in "fc" or e.dtype == dtypes.numpy_of("bfloat16"):
-                np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64), rtol=1e-3, atol=1e-6,
-                                           equal_nan=True)
+                np.testing.assert_allclose(
+                    a.astype(np.float64), e.astype(np.float64), rtol=1e-3, atol=1e-6, equal_nan=True
+                )
             else:
                 np.testing.assert_array_equal(a, e)
         except AssertionError:

@@ -21,8 +21,13 @@ def _matmul_model(weight: np.ndarray, as_constant: bool = False) -> onnx.ModelPr
     initializers = [numpy_helper.from_array(weight, "w")]
     if as_constant:
         nodes.insert(0, helper.make_node("Constant", [], ["w"], value=initializers.pop()))
-    graph = helper.make_graph(nodes, "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", weight.shape[0]])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+    graph = helper.make_graph(
+        nodes,
+        "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", weight.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializers,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -63,8 +68,14 @@ def test_fixing_an_unknown_input_names_the_real_ones(family: dict) -> None:
 
 def test_models_with_external_data_convert_without_loading_it(tmp_path: Path) -> None:
     weight = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)
-    onnx.save(_matmul_model(weight), str(tmp_path / "m.onnx"), save_as_external_data=True,
-              all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    onnx.save(
+        _matmul_model(weight),
+        str(tmp_path / "m.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="m.data",
+        size_threshold=0,
+    )
     converted = convert(tmp_path / "m.onnx")
     source = converted.weights["w"]
     assert source.array is None and source.path == (tmp_path / "m.data").resolve()
@@ -84,18 +95,31 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path: Path) -> No
 
 
 def test_external_data_shorter_than_the_tensor_is_refused(tmp_path: Path) -> None:
-    onnx.save(_matmul_model(np.ones((64, 64), np.float32)), str(tmp_path / "m.onnx"), save_as_external_data=True,
-              location="m.data", size_threshold=0)
+    onnx.save(
+        _matmul_model(np.ones((64, 64), np.float32)),
+        str(tmp_path / "m.onnx"),
+        save_as_external_data=True,
+        location="m.data",
+        size_threshold=0,
+    )
     (tmp_path / "m.data").write_bytes(b"\0" * 100)
     with pytest.raises(quiver.ModelLoadError, match="do not fit"):
         convert(tmp_path / "m.onnx")
 
 
 def test_all_unsupported_operators_are_reported_at_once() -> None:
-    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Hardmax", ["a"], ["b"]),
-             helper.make_node("Det", ["b"], ["c"]), helper.make_node("Hardmax", ["c"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3])])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Hardmax", ["a"], ["b"]),
+        helper.make_node("Det", ["b"], ["c"]),
+        helper.make_node("Hardmax", ["c"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(quiver.UnsupportedOperatorError) as info:
         convert(model)

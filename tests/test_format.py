@@ -29,12 +29,19 @@ def _write(tmp_path: Path, arrays: list[np.ndarray], graphs: dict[str, dict[str,
 def _rewrite_header(data: bytes, mutate: Callable[[dict], None]) -> bytes:
     """Applies `mutate` to the JSON header and re-seals the file (valid preamble and checksum)."""
     _, pre = Preamble.unpack(data[:PREAMBLE_SIZE])
-    header = json.loads(data[pre.header_offset:])
+    header = json.loads(data[pre.header_offset :])
     mutate(header)
     new_header = json.dumps(header).encode()
-    body = data[PREAMBLE_SIZE:pre.header_offset]
-    new_pre = Preamble(pre.major, pre.minor, pre.flags, pre.header_offset, len(new_header),
-                       pre.header_offset + len(new_header), hashlib.sha256(new_header).digest())
+    body = data[PREAMBLE_SIZE : pre.header_offset]
+    new_pre = Preamble(
+        pre.major,
+        pre.minor,
+        pre.flags,
+        pre.header_offset,
+        len(new_header),
+        pre.header_offset + len(new_header),
+        hashlib.sha256(new_header).digest(),
+    )
     return new_pre.pack() + body + new_header
 
 
@@ -46,8 +53,12 @@ def good(tmp_path: Path) -> bytes:
 
 
 def test_round_trip_gives_back_the_same_arrays(tmp_path: Path) -> None:
-    arrays = [np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32),
-              np.arange(7, dtype=np.int8), np.array(3.5, dtype=np.float16), np.zeros((0, 4), np.float32)]
+    arrays = [
+        np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32),
+        np.arange(7, dtype=np.int8),
+        np.array(3.5, dtype=np.float16),
+        np.zeros((0, 4), np.float32),
+    ]
     file = ContextFile.open(_write(tmp_path, arrays))
     for index, array in enumerate(arrays):
         view = file.weight_array(index)
@@ -93,7 +104,8 @@ def test_the_same_input_gives_the_same_bytes(tmp_path: Path) -> None:
 
 def test_golden_preamble_layout(good: bytes) -> None:
     magic, major, minor, flags, header_offset, header_length, file_length, sha, reserved = struct.unpack(
-        "<8sHHIQQQ32sQ", good[:80])
+        "<8sHHIQQQ32sQ", good[:80]
+    )
     assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 0, 0, 0)
     assert file_length == len(good) and header_offset + header_length == len(good)
     assert sha == hashlib.sha256(good[header_offset:]).digest()
@@ -207,33 +219,41 @@ def test_a_flipped_bit_in_a_skeleton_fails_its_checksum_on_use(good: bytes) -> N
 def test_a_header_that_is_not_json_is_invalid(good: bytes) -> None:
     _, pre = Preamble.unpack(good[:PREAMBLE_SIZE])
     junk = b"\xff{not json"
-    sealed = Preamble(1, 0, 0, pre.header_offset, len(junk), pre.header_offset + len(junk),
-                      hashlib.sha256(junk).digest()).pack() + good[PREAMBLE_SIZE:pre.header_offset] + junk
+    sealed = (
+        Preamble(
+            1, 0, 0, pre.header_offset, len(junk), pre.header_offset + len(junk), hashlib.sha256(junk).digest()
+        ).pack()
+        + good[PREAMBLE_SIZE : pre.header_offset]
+        + junk
+    )
     with pytest.raises(quiver.InvalidHeaderError, match="not UTF-8 JSON"):
         ContextFile(sealed)
 
 
-@pytest.mark.parametrize(("mutate", "error", "match"), [
-    (lambda h: h["weights"][0].update(length=2**70), quiver.InvalidHeaderError, "records"),
-    (lambda h: h["weights"][0].update(shape=[2**40, 2**40], length=2**82), quiver.OutOfBoundsError, "outside"),
-    (lambda h: h["weights"][0].update(shape=[-1, 200]), quiver.InvalidHeaderError, "non-negative"),
-    (lambda h: h["weights"][0].update(shape=[1] * 33), quiver.InvalidHeaderError, "at most 32"),
-    (lambda h: h["weights"][0].update(dtype="complex64"), quiver.InvalidHeaderError, "dtype"),
-    (lambda h: h["weights"][0].update(offset=10), quiver.OutOfBoundsError, "outside"),
-    (lambda h: h["weights"][0].update(offset=h["weights"][0]["offset"] + 64), quiver.MisalignedTensorError, "4096"),
-    (lambda h: h["weights"][1].update(offset=h["weights"][0]["offset"]), quiver.OverlappingRegionsError, "before"),
-    (lambda h: h["graphs"][1].update(offset=h["graphs"][0]["offset"]), quiver.OverlappingRegionsError, "before"),
-    (lambda h: h["graphs"][0].update(length=2**63), quiver.OutOfBoundsError, "outside"),
-    (lambda h: h["graphs"][0]["weights"].update(w=99), quiver.InvalidHeaderError, "there are 2"),
-    (lambda h: h["graphs"][1].update(name="g1"), quiver.InvalidHeaderError, "appears twice"),
-    (lambda h: h["graphs"][0].update(name=""), quiver.InvalidHeaderError, "empty"),
-    (lambda h: h["weights"].append(dict(h["weights"][0])), quiver.InvalidHeaderError, "same content key"),
-    (lambda h: h.update(format="zip"), quiver.InvalidHeaderError, "format"),
-    (lambda h: h.update(weights={}), quiver.InvalidHeaderError, "lists"),
-    (lambda h: h["weights"][0].update(sha256="XYZ"), quiver.InvalidHeaderError, "hex"),
-    (lambda h: h["weights"][0].update(offset="4096"), quiver.InvalidHeaderError, "integer"),
-    (lambda h: h["weights"][0].update(offset=True), quiver.InvalidHeaderError, "integer"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda h: h["weights"][0].update(length=2**70), quiver.InvalidHeaderError, "records"),
+        (lambda h: h["weights"][0].update(shape=[2**40, 2**40], length=2**82), quiver.OutOfBoundsError, "outside"),
+        (lambda h: h["weights"][0].update(shape=[-1, 200]), quiver.InvalidHeaderError, "non-negative"),
+        (lambda h: h["weights"][0].update(shape=[1] * 33), quiver.InvalidHeaderError, "at most 32"),
+        (lambda h: h["weights"][0].update(dtype="complex64"), quiver.InvalidHeaderError, "dtype"),
+        (lambda h: h["weights"][0].update(offset=10), quiver.OutOfBoundsError, "outside"),
+        (lambda h: h["weights"][0].update(offset=h["weights"][0]["offset"] + 64), quiver.MisalignedTensorError, "4096"),
+        (lambda h: h["weights"][1].update(offset=h["weights"][0]["offset"]), quiver.OverlappingRegionsError, "before"),
+        (lambda h: h["graphs"][1].update(offset=h["graphs"][0]["offset"]), quiver.OverlappingRegionsError, "before"),
+        (lambda h: h["graphs"][0].update(length=2**63), quiver.OutOfBoundsError, "outside"),
+        (lambda h: h["graphs"][0]["weights"].update(w=99), quiver.InvalidHeaderError, "there are 2"),
+        (lambda h: h["graphs"][1].update(name="g1"), quiver.InvalidHeaderError, "appears twice"),
+        (lambda h: h["graphs"][0].update(name=""), quiver.InvalidHeaderError, "empty"),
+        (lambda h: h["weights"].append(dict(h["weights"][0])), quiver.InvalidHeaderError, "same content key"),
+        (lambda h: h.update(format="zip"), quiver.InvalidHeaderError, "format"),
+        (lambda h: h.update(weights={}), quiver.InvalidHeaderError, "lists"),
+        (lambda h: h["weights"][0].update(sha256="XYZ"), quiver.InvalidHeaderError, "hex"),
+        (lambda h: h["weights"][0].update(offset="4096"), quiver.InvalidHeaderError, "integer"),
+        (lambda h: h["weights"][0].update(offset=True), quiver.InvalidHeaderError, "integer"),
+    ],
+)
 def test_each_broken_header_rule_has_its_error(good: bytes, mutate: Callable, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         ContextFile(_rewrite_header(good, mutate))

@@ -17,12 +17,14 @@ from quiver.tools.family import BENCH, TransformerShape, make_family, sample_inp
 
 def _ort(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {"input_ids": ids})[0]
+        None, {"input_ids": ids}
+    )[0]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference", "cpu-noprepack"])
-def test_every_graph_matches_onnxruntime_on_its_source_model(family: dict, family_context: Path, backend: str,
-                                                             input_ids: np.ndarray) -> None:
+def test_every_graph_matches_onnxruntime_on_its_source_model(
+    family: dict, family_context: Path, backend: str, input_ids: np.ndarray
+) -> None:
     with quiver.Context.from_binary(family_context, backend=backend) as context:
         assert context.graph_names == list(family)
         for name, model in family.items():
@@ -58,8 +60,9 @@ def test_graphs_use_the_same_memory_for_shared_weights(family_context: Path, inp
             assert np.shares_memory(view, np.frombuffer(file._buffer, np.uint8))
 
 
-def test_loading_from_bytes_and_from_a_private_copy_give_the_same_outputs(family_context: Path,
-                                                                          input_ids: np.ndarray) -> None:
+def test_loading_from_bytes_and_from_a_private_copy_give_the_same_outputs(
+    family_context: Path, input_ids: np.ndarray
+) -> None:
     data = family_context.read_bytes()
     outputs = []
     for source, persistent in ((family_context, True), (family_context, False), (data, True), (data, False)):
@@ -84,7 +87,8 @@ def test_get_binary_is_the_saved_file(family: dict, family_context: Path, tmp_pa
 def test_tensors_describe_themselves_with_qnn_roles(family_context: Path) -> None:
     graph = quiver.Context.from_binary(family_context).graph("base")
     assert [(t.name, t.dtype, t.shape, t.tensor_type) for t in graph.inputs] == [
-        ("input_ids", "int64", ("batch", "sequence"), TensorType.APP_WRITE)]
+        ("input_ids", "int64", ("batch", "sequence"), TensorType.APP_WRITE)
+    ]
     assert graph.outputs[0].tensor_type is TensorType.APP_READ
     assert graph.static_tensors and all(t.tensor_type is TensorType.STATIC for t in graph.static_tensors)
 
@@ -104,8 +108,9 @@ def test_enable_graphs_limits_and_orders_the_graphs(family_context: Path) -> Non
         context.graph("finetune_1")
 
 
-def test_graphs_are_prepared_on_first_use_and_evicted_least_recently_used_first(family_context: Path,
-                                                                                input_ids: np.ndarray) -> None:
+def test_graphs_are_prepared_on_first_use_and_evicted_least_recently_used_first(
+    family_context: Path, input_ids: np.ndarray
+) -> None:
     context = quiver.Context.from_binary(family_context, memory_limit_hint_mb=0.000001)
     assert context.live_graphs == []
     feeds = {"input_ids": input_ids}
@@ -166,10 +171,14 @@ def test_unknown_backend_lists_the_available_ones() -> None:
 def test_a_runtime_failure_is_a_backend_error(tmp_path: Path) -> None:
     # Reshape to a shape that does not fit the data only fails at run time.
     graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("Reshape", ["x", "s"], ["y"])], "r",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"]),
-         onnx.helper.make_tensor_value_info("s", onnx.TensorProto.INT64, [1])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+        [onnx.helper.make_node("Reshape", ["x", "s"], ["y"])],
+        "r",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"]),
+            onnx.helper.make_tensor_value_info("s", onnx.TensorProto.INT64, [1]),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+    )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     for backend in ("cpu", "reference"):
         with quiver.Context.create(backend) as context:

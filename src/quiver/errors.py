@@ -8,6 +8,10 @@ class QuiverError(Exception):
 
 
 # --- files --------------------------------------------------------------------------------------
+class FileAccessError(QuiverError):
+    """A file could not be opened or read (missing, a folder, no permission)."""
+
+
 class FormatError(QuiverError):
     """A file is not a valid Quiver file."""
 

@@ -8,5 +8,13 @@ register_backend("reference", ReferenceBackend)
 register_backend("cpu", CpuBackend)
 register_backend("cpu-noprepack", lambda: CpuBackend(prepack=False))
 
-__all__ = ["Backend", "CpuBackend", "Executable", "FinalizedGraph", "ReferenceBackend", "available_backends",
-           "get_backend", "register_backend"]
+__all__ = [
+    "Backend",
+    "CpuBackend",
+    "Executable",
+    "FinalizedGraph",
+    "ReferenceBackend",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+]

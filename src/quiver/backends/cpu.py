@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -15,8 +16,11 @@ _PREPACKED_OPS = {"MatMul", "Gemm"}
 
 def _prepacked_bytes(graph: FinalizedGraph) -> int:
     """Bytes ORT copies when it prepacks constant MatMul/Gemm weights (one packed copy per session)."""
-    names = {node.input[1] for node in graph.model.graph.node
-             if node.op_type in _PREPACKED_OPS and node.domain in ("", "ai.onnx") and len(node.input) > 1}
+    names = {
+        node.input[1]
+        for node in graph.model.graph.node
+        if node.op_type in _PREPACKED_OPS and node.domain in ("", "ai.onnx") and len(node.input) > 1
+    }
     return sum(graph.weights[n].nbytes for n in names if n in graph.weights)
 
 
@@ -43,7 +47,8 @@ def _bind_placeholders(graph: FinalizedGraph, options: ort.SessionOptions) -> on
             tensor.external_data.add(key=key, value=value)
     if buffers:
         options.add_external_initializers_from_files_in_memory(
-            list(locations.values()), buffers, [b.nbytes for b in buffers])
+            list(locations.values()), buffers, [b.nbytes for b in buffers]
+        )
     return model
 
 
@@ -89,8 +94,12 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, intra_op_num_threads: int = 0, prepack: bool = True,
-                 graph_optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL) -> None:
+    def __init__(
+        self,
+        intra_op_num_threads: int = 0,
+        prepack: bool = True,
+        graph_optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    ) -> None:
         self.intra_op_num_threads = intra_op_num_threads
         self.prepack = prepack
         self.graph_optimization_level = graph_optimization_level

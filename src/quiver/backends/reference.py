@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -33,7 +34,7 @@ class _MsDequantizeLinear(DequantizeLinear_21):
     op_domain = MS_DOMAIN
 
 
-_MS_OPS = [_MsGelu, _MsQuantizeLinear, _MsDequantizeLinear]
+_MS_OPS: list[Any] = [_MsGelu, _MsQuantizeLinear, _MsDequantizeLinear]
 
 
 def _as_declared(result: np.ndarray, dtype: np.dtype) -> np.ndarray:

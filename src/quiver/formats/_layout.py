@@ -33,8 +33,15 @@ class Preamble:
 
     def pack(self) -> bytes:
         return PREAMBLE.pack(
-            MAGIC, self.major, self.minor, self.flags, self.header_offset, self.header_length,
-            self.file_length, self.header_sha256, self.reserved,
+            MAGIC,
+            self.major,
+            self.minor,
+            self.flags,
+            self.header_offset,
+            self.header_length,
+            self.file_length,
+            self.header_sha256,
+            self.reserved,
         )
 
     @classmethod

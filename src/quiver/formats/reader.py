@@ -13,11 +13,26 @@ from typing import Any
 import numpy as np
 
 from quiver.errors import (
-    BadMagicError, ChecksumMismatchError, HeaderTooLargeError, InvalidHeaderError, MisalignedTensorError,
-    OutOfBoundsError, OverlappingRegionsError, TruncatedFileError, UnsupportedVersionError,
+    BadMagicError,
+    ChecksumMismatchError,
+    FileAccessError,
+    HeaderTooLargeError,
+    InvalidHeaderError,
+    MisalignedTensorError,
+    OutOfBoundsError,
+    OverlappingRegionsError,
+    TruncatedFileError,
+    UnsupportedVersionError,
 )
 from quiver.formats._layout import (
-    DATA_START, MAGIC, MAJOR, MAX_HEADER, MAX_RANK, PREAMBLE_SIZE, Preamble, align_for,
+    DATA_START,
+    MAGIC,
+    MAJOR,
+    MAX_HEADER,
+    MAX_RANK,
+    PREAMBLE_SIZE,
+    Preamble,
+    align_for,
 )
 from quiver.ir import dtypes
 
@@ -153,7 +168,9 @@ class ContextFile:
                 "extended: copy it again or rebuild it"
             )
         if pre.header_length > MAX_HEADER:
-            raise HeaderTooLargeError(f"{source}: header of {pre.header_length} bytes exceeds {MAX_HEADER}; the file is damaged")
+            raise HeaderTooLargeError(
+                f"{source}: header of {pre.header_length} bytes exceeds {MAX_HEADER}; the file is damaged"
+            )
         if pre.header_offset < DATA_START or pre.header_offset + pre.header_length != size or pre.header_length < 2:
             raise OutOfBoundsError(
                 f"{source}: header at {pre.header_offset}+{pre.header_length} is not the tail of the "
@@ -161,7 +178,7 @@ class ContextFile:
             )
         if pre.reserved != 0:
             raise _fail(f"{source}: reserved preamble field is not zero")
-        header_bytes = bytes(self._buffer[pre.header_offset:size])
+        header_bytes = bytes(self._buffer[pre.header_offset : size])
         if hashlib.sha256(header_bytes).digest() != pre.header_sha256:
             raise ChecksumMismatchError(f"{source}: header checksum mismatch; the file is damaged: copy it again")
         self.minor_version = pre.minor
@@ -178,7 +195,9 @@ class ContextFile:
         producer = header.get("producer")
         if not isinstance(producer, dict):
             raise _fail("header.producer must be an object")
-        self.producer = f"{_str(producer.get('name'), 'producer.name')} {_str(producer.get('version'), 'producer.version')}"
+        self.producer = (
+            f"{_str(producer.get('name'), 'producer.name')} {_str(producer.get('version'), 'producer.version')}"
+        )
         weights_raw, graphs_raw = header.get("weights"), header.get("graphs")
         if not isinstance(weights_raw, list) or not isinstance(graphs_raw, list):
             raise _fail("header.weights and header.graphs must be lists")
@@ -209,7 +228,7 @@ class ContextFile:
                     return cls(f.read(), str(path))
                 return cls(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), str(path))
         except OSError as exc:
-            raise TruncatedFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+            raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}; check the path") from None
 
     @property
     def size(self) -> int:
@@ -218,31 +237,41 @@ class ContextFile:
     def weight_array(self, index: int) -> np.ndarray:
         """A read-only view of one weight, without copying."""
         w = self.weights[index]
-        array = np.frombuffer(self._buffer, dtype=dtypes.numpy_of(w.dtype), count=w.length // dtypes.itemsize(w.dtype)
-                              if w.length else 0, offset=w.offset)
+        array = np.frombuffer(
+            self._buffer,
+            dtype=dtypes.numpy_of(w.dtype),
+            count=w.length // dtypes.itemsize(w.dtype) if w.length else 0,
+            offset=w.offset,
+        )
         return array.reshape(w.shape)
 
     def skeleton(self, name: str) -> bytes:
         """The graph's ONNX structure, its checksum verified."""
         g = self.graphs[name]
-        data = bytes(self._buffer[g.offset:g.offset + g.length])
+        data = bytes(self._buffer[g.offset : g.offset + g.length])
         if hashlib.sha256(data).hexdigest() != g.sha256:
-            raise ChecksumMismatchError(f"{self.source}: graph {name!r} checksum mismatch; the file is damaged: copy it again")
+            raise ChecksumMismatchError(
+                f"{self.source}: graph {name!r} checksum mismatch; the file is damaged: copy it again"
+            )
         return data
 
     def verify(self) -> list[str]:
         """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
         problems = []
         for w in self.weights:
-            if hashlib.sha256(self._buffer[w.offset:w.offset + w.length]).hexdigest() != w.sha256:
+            if hashlib.sha256(self._buffer[w.offset : w.offset + w.length]).hexdigest() != w.sha256:
                 problems.append(f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch")
         for g in self.graphs.values():
-            if hashlib.sha256(self._buffer[g.offset:g.offset + g.length]).hexdigest() != g.sha256:
+            if hashlib.sha256(self._buffer[g.offset : g.offset + g.length]).hexdigest() != g.sha256:
                 problems.append(f"graph {g.name!r} checksum mismatch")
-        regions = sorted([(0, PREAMBLE_SIZE)] + [(w.offset, w.length) for w in self.weights]
-                         + [(g.offset, g.length) for g in self.graphs.values()] + [(self.header_offset, 0)])
+        regions = sorted(
+            [(0, PREAMBLE_SIZE)]
+            + [(w.offset, w.length) for w in self.weights]
+            + [(g.offset, g.length) for g in self.graphs.values()]
+            + [(self.header_offset, 0)]
+        )
         for (start, length), (next_start, _) in zip(regions, regions[1:]):
-            gap = self._buffer[start + length:next_start]
+            gap = self._buffer[start + length : next_start]
             if any(gap.tobytes()):
                 problems.append(f"non-zero padding between bytes {start + length} and {next_start}")
         return problems
@@ -254,5 +283,3 @@ class ContextFile:
                 self._mmap.close()
         except BufferError:
             pass  # arrays still view the buffer; it is released when they are gone
-
-

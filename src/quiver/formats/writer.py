@@ -16,7 +16,13 @@ from typing import BinaryIO
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
 from quiver.formats._layout import (
-    ALIGNMENT, DATA_START, MAJOR, MINOR, Preamble, align_for, align_up,
+    ALIGNMENT,
+    DATA_START,
+    MAJOR,
+    MINOR,
+    Preamble,
+    align_for,
+    align_up,
 )
 from quiver.ir import dtypes
 
@@ -113,19 +119,33 @@ class ContextWriter:
             self._file.write(b"\0" * (start - offset))
             self._file.write(skeleton)
             offset = start + len(skeleton)
-            graph_entries.append({
-                "name": name, "offset": start, "length": len(skeleton),
-                "sha256": hashlib.sha256(skeleton).hexdigest(), "weights": dict(sorted(weights.items())),
-            })
-        header = json.dumps({
-            "format": "qctx",
-            "producer": {"name": "quiver", "version": __version__},
-            "weights": [
-                {"dtype": w.dtype, "shape": list(w.shape), "offset": w.offset, "length": w.length, "sha256": w.sha256}
-                for w in self._weights
-            ],
-            "graphs": graph_entries,
-        }, separators=(",", ":")).encode()
+            graph_entries.append(
+                {
+                    "name": name,
+                    "offset": start,
+                    "length": len(skeleton),
+                    "sha256": hashlib.sha256(skeleton).hexdigest(),
+                    "weights": dict(sorted(weights.items())),
+                }
+            )
+        header = json.dumps(
+            {
+                "format": "qctx",
+                "producer": {"name": "quiver", "version": __version__},
+                "weights": [
+                    {
+                        "dtype": w.dtype,
+                        "shape": list(w.shape),
+                        "offset": w.offset,
+                        "length": w.length,
+                        "sha256": w.sha256,
+                    }
+                    for w in self._weights
+                ],
+                "graphs": graph_entries,
+            },
+            separators=(",", ":"),
+        ).encode()
         header_offset = max(offset, DATA_START)
         self._file.write(header)
         preamble = Preamble(
@@ -178,7 +198,7 @@ def publish(source: Path, destination: Path) -> None:
         source.unlink(missing_ok=True)
 
 
-def _replace_atomically(destination: Path, fill: Callable[[BinaryIO], None]) -> None:
+def _replace_atomically(destination: Path, fill: Callable[[BinaryIO], object]) -> None:
     """Writes a temporary file in the destination folder with `fill`, syncs it, then renames it into place."""
     destination = Path(destination).resolve()
     fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}-", suffix=".partial", dir=destination.parent)

@@ -36,8 +36,7 @@ def name_of_onnx(elem_type: int) -> str:
     except KeyError:
         type_name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
         raise ConversionError(
-            f"tensors of ONNX type {type_name} are not supported by Quiver; "
-            f"use one of: {', '.join(sorted(_TABLE))}"
+            f"tensors of ONNX type {type_name} are not supported by Quiver; use one of: {', '.join(sorted(_TABLE))}"
         ) from None
 
 

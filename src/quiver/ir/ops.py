@@ -7,27 +7,34 @@ from collections import Counter
 import onnx
 
 # The QNN execution provider's list (DESIGN.md): the floor for every backend.
-QNN_EP_OPS = frozenset("""
+QNN_EP_OPS = frozenset(
+    """
 Abs Add And ArgMax ArgMin Asin Atan AveragePool BatchNormalization Cast Clip Concat Conv ConvTranspose Cos
 DepthToSpace DequantizeLinear Div Elu Equal Exp Expand Flatten Floor Gather Gelu Gemm GlobalAveragePool Greater
 GreaterOrEqual GridSample HardSwish InstanceNormalization LRN LayerNormalization LeakyRelu Less LessOrEqual Log
 LogSoftmax LpNormalization MatMul Max MaxPool Min Mul Neg Not Or Prelu Pad Pow QuantizeLinear ReduceMax ReduceMean
 ReduceMin ReduceProd ReduceSum Relu Resize Round Sigmoid Sign Sin Slice Softmax SpaceToDepth Split Sqrt Squeeze Sub
 Tanh Tile TopK Transpose Unsqueeze Where
-""".split())
+""".split()
+)
 
 # What `torch.onnx` exports of common transformers and CNNs use besides.
-EXPORT_OPS = frozenset("""
+EXPORT_OPS = frozenset(
+    """
 Reshape Shape Constant Reciprocal IsNaN Range Erf Identity ConstantOfShape Trilu CumSum Einsum ScatterND
 Dropout Size Mod GatherElements GatherND ScatterElements Ceil Acos Tan Softplus HardSigmoid Xor IsInf
 ReduceL2 ReduceSumSquare ReduceLogSumExp Mean Sum NonZero
-""".split())
+""".split()
+)
 
 MS_DOMAIN = "com.microsoft"
 MICROSOFT_OPS = frozenset({"DequantizeLinear", "Gelu", "QuantizeLinear"})
 
-SUPPORTED: dict[str, frozenset[str]] = {"": QNN_EP_OPS | EXPORT_OPS, "ai.onnx": QNN_EP_OPS | EXPORT_OPS,
-                                        MS_DOMAIN: MICROSOFT_OPS}
+SUPPORTED: dict[str, frozenset[str]] = {
+    "": QNN_EP_OPS | EXPORT_OPS,
+    "ai.onnx": QNN_EP_OPS | EXPORT_OPS,
+    MS_DOMAIN: MICROSOFT_OPS,
+}
 
 
 def op_id(node: onnx.NodeProto) -> str:

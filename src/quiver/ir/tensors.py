@@ -35,8 +35,12 @@ class TensorInfo:
         return dtypes.numpy_of(self.dtype)
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "dtype": self.dtype,
-                "shape": list(self.shape) if self.shape is not None else None, "type": self.tensor_type.value}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape) if self.shape is not None else None,
+            "type": self.tensor_type.value,
+        }
 
 
 def info_of_value(value: onnx.ValueInfoProto, tensor_type: TensorType) -> TensorInfo:

@@ -39,7 +39,8 @@ def check_operators(model: onnx.ModelProto, label: str = "model") -> None:
         listed = ", ".join(f"{op} (x{count})" for op, count in sorted(missing.items()))
         raise UnsupportedOperatorError(
             f"{label} uses operators Quiver does not support: {listed}; replace them before export "
-            "or run `quiver check` for the full list", sorted(missing)
+            "or run `quiver check` for the full list",
+            sorted(missing),
         )
 
 
@@ -49,8 +50,12 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
         return None
     if attr.name == "value":
         return numpy_helper.to_array(attr.t)
-    simple = {"value_float": (attr.f, np.float32), "value_floats": (list(attr.floats), np.float32),
-              "value_int": (attr.i, np.int64), "value_ints": (list(attr.ints), np.int64)}
+    simple = {
+        "value_float": (attr.f, np.float32),
+        "value_floats": (list(attr.floats), np.float32),
+        "value_int": (attr.i, np.int64),
+        "value_ints": (list(attr.ints), np.int64),
+    }
     if attr.name in simple:
         value, dtype = simple[attr.name]
         return np.asarray(value, dtype=dtype)
@@ -71,8 +76,9 @@ def _lift_constants(graph: onnx.GraphProto) -> None:
 
 
 def _placeholder(tensor: onnx.TensorProto) -> onnx.TensorProto:
-    placeholder = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
-                                   data_location=onnx.TensorProto.EXTERNAL)
+    placeholder = onnx.TensorProto(
+        name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, data_location=onnx.TensorProto.EXTERNAL
+    )
     placeholder.external_data.add(key="location", value=WEIGHT_LOCATION)
     return placeholder
 
@@ -84,7 +90,9 @@ def _fix_input_shapes(graph: onnx.GraphProto, input_shapes: InputShapes) -> None
             raise ConversionError(f"cannot fix the shape of {name!r}: the graph's inputs are {sorted(inputs)}")
         shape = inputs[name].type.tensor_type.shape
         if shape.dim and len(shape.dim) != len(dims):
-            raise ConversionError(f"input {name!r} has rank {len(shape.dim)}; the fixed shape {list(dims)} has rank {len(dims)}")
+            raise ConversionError(
+                f"input {name!r} has rank {len(shape.dim)}; the fixed shape {list(dims)} has rank {len(dims)}"
+            )
         del shape.dim[:]
         for d in dims:
             shape.dim.add(**({"dim_value": d} if isinstance(d, int) else {"dim_param": str(d)}))
@@ -117,8 +125,9 @@ def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def convert(source: str | Path | onnx.ModelProto, input_shapes: InputShapes | None = None,
-            label: str | None = None) -> ConvertedGraph:
+def convert(
+    source: str | Path | onnx.ModelProto, input_shapes: InputShapes | None = None, label: str | None = None
+) -> ConvertedGraph:
     """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph."""
     loaded, base = load_model(source)
     label = label or (str(source) if not isinstance(source, onnx.ModelProto) else (loaded.graph.name or "model"))

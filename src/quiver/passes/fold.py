@@ -10,8 +10,20 @@ from onnx.reference import ReferenceEvaluator
 from quiver.ir.ops import MS_DOMAIN
 
 FOLD_LIMIT = 64 * 1024  # bytes; folding must never grow the model much
-_NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-               "Bernoulli", "Dropout", "If", "Loop", "Scan", "QuantizeLinear", "DequantizeLinear"}
+_NEVER_FOLD = {
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    "Dropout",
+    "If",
+    "Loop",
+    "Scan",
+    "QuantizeLinear",
+    "DequantizeLinear",
+}
 
 
 def _static_shape(value: onnx.ValueInfoProto | None) -> list[int] | None:
@@ -49,8 +61,12 @@ def fold_constants(model: onnx.ModelProto, known: dict[str, np.ndarray]) -> int:
     return folded
 
 
-def _try_fold(node: onnx.NodeProto, known: dict[str, np.ndarray], value_info: dict[str, onnx.ValueInfoProto],
-              opsets: list[onnx.OperatorSetIdProto]) -> list[np.ndarray] | None:
+def _try_fold(
+    node: onnx.NodeProto,
+    known: dict[str, np.ndarray],
+    value_info: dict[str, onnx.ValueInfoProto],
+    opsets: list[onnx.OperatorSetIdProto],
+) -> list[np.ndarray] | None:
     if node.domain in (MS_DOMAIN,) or node.op_type in _NEVER_FOLD or not node.output:
         return None
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -65,9 +81,14 @@ def _try_fold(node: onnx.NodeProto, known: dict[str, np.ndarray], value_info: di
         return None
     single = onnx.helper.make_model(
         onnx.helper.make_graph(
-            [node], "fold",
-            [onnx.helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(known[n].dtype), known[n].shape)
-             for n in dict.fromkeys(inputs)],
+            [node],
+            "fold",
+            [
+                onnx.helper.make_tensor_value_info(
+                    n, onnx.helper.np_dtype_to_tensor_dtype(known[n].dtype), known[n].shape
+                )
+                for n in dict.fromkeys(inputs)
+            ],
             [onnx.helper.make_empty_tensor_value_info(o) for o in node.output if o],
         ),
         opset_imports=opsets,
@@ -77,6 +98,10 @@ def _try_fold(node: onnx.NodeProto, known: dict[str, np.ndarray], value_info: di
     except Exception:
         return None  # not foldable here; the backend will compute it
     arrays = [np.asarray(r) for r in results]
-    if len(arrays) != len(node.output) or sum(a.nbytes for a in arrays) > FOLD_LIMIT or any(a.dtype == object for a in arrays):
+    if (
+        len(arrays) != len(node.output)
+        or sum(a.nbytes for a in arrays) > FOLD_LIMIT
+        or any(a.dtype == object for a in arrays)
+    ):
         return None
     return arrays

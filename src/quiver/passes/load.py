@@ -36,9 +36,9 @@ class TensorSource:
     def chunks(self) -> Iterator[memoryview]:
         """The tensor's little-endian bytes, streamed in bounded chunks."""
         if self.array is not None:
-            data = memoryview(np.ascontiguousarray(self.array)).cast("B")
+            data = np.ascontiguousarray(self.array).reshape(-1).view(np.uint8).data
             for start in range(0, len(data), CHUNK):
-                yield data[start:start + CHUNK]
+                yield data[start : start + CHUNK]
             return
         assert self.path is not None
         with open(self.path, "rb") as f:
@@ -46,7 +46,7 @@ class TensorSource:
                 return
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 for start in range(self.offset, self.offset + self.length, CHUNK):
-                    yield memoryview(mapped[start:min(start + CHUNK, self.offset + self.length)])
+                    yield memoryview(mapped[start : min(start + CHUNK, self.offset + self.length)])
 
     def to_array(self) -> np.ndarray:
         if self.array is not None:

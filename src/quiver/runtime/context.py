@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,17 +35,25 @@ def _parse_skeleton(file: ContextFile, name: str) -> onnx.ModelProto:
     try:
         model.ParseFromString(file.skeleton(name))
     except Exception as exc:  # protobuf's DecodeError and friends
-        raise InvalidHeaderError(f"{file.source}: graph {name!r} is not a valid ONNX structure ({exc}); rebuild the context") from None
+        raise InvalidHeaderError(
+            f"{file.source}: graph {name!r} is not a valid ONNX structure ({exc}); rebuild the context"
+        ) from None
     placeholders = {t.name: t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
     mapping = file.graphs[name].weights
     if set(placeholders) != set(mapping):
-        raise InvalidHeaderError(f"{file.source}: graph {name!r} weight map does not match its initializers; rebuild the context")
+        raise InvalidHeaderError(
+            f"{file.source}: graph {name!r} weight map does not match its initializers; rebuild the context"
+        )
     for tensor_name, index in mapping.items():
         tensor, weight = placeholders[tensor_name], file.weights[index]
-        if (tensor.data_type != dtypes.onnx_of(weight.dtype) or tuple(tensor.dims) != weight.shape
-                or [(e.key, e.value) for e in tensor.external_data] != [("location", WEIGHT_LOCATION)]):
+        if (
+            tensor.data_type != dtypes.onnx_of(weight.dtype)
+            or tuple(tensor.dims) != weight.shape
+            or [(e.key, e.value) for e in tensor.external_data] != [("location", WEIGHT_LOCATION)]
+        ):
             raise InvalidHeaderError(
-                f"{file.source}: graph {name!r} initializer {tensor_name!r} does not match weight {index}; rebuild the context"
+                f"{file.source}: graph {name!r} initializer {tensor_name!r} does not match weight {index}; "
+                "rebuild the context"
             )
     return model
 
@@ -84,8 +92,10 @@ class Context:
     def finalized(self) -> bool:
         return self._file is not None
 
-    def add_graph(self, name: str, model: str | Path | onnx.ModelProto, input_shapes: InputShapes | None = None) -> None:
-        """Converts an ONNX model (path or ModelProto) and streams its weights into the context, each distinct one once."""
+    def add_graph(
+        self, name: str, model: str | Path | onnx.ModelProto, input_shapes: InputShapes | None = None
+    ) -> None:
+        """Converts an ONNX model (path or ModelProto); streams its weights in, each distinct one stored once."""
         if self.finalized:
             raise ContextStateError("the context is finalized; create a new context to add graphs")
         if not name:
@@ -96,8 +106,10 @@ class Context:
         if name in self._enabled:
             raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
         converted = convert(model, input_shapes=input_shapes, label=name)
-        mapping = {tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks())
-                   for tensor, src in converted.weights.items()}
+        mapping = {
+            tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks())
+            for tensor, src in converted.weights.items()
+        }
         self._writer.add_graph(name, converted.skeleton.SerializeToString(), mapping)
         self._enabled.append(name)
 
@@ -136,9 +148,14 @@ class Context:
 
     # --- loading ----------------------------------------------------------------------------------
     @classmethod
-    def from_binary(cls, source: str | Path | bytes | bytearray | memoryview, backend: str | Backend = "cpu",
-                    enable_graphs: Sequence[str] | None = None, memory_limit_hint_mb: float | None = None,
-                    persistent: bool = True) -> Context:
+    def from_binary(
+        cls,
+        source: str | Path | bytes | bytearray | memoryview,
+        backend: str | Backend = "cpu",
+        enable_graphs: Sequence[str] | None = None,
+        memory_limit_hint_mb: float | None = None,
+        persistent: bool = True,
+    ) -> Context:
         """Loads a context binary (QnnContext_createFromBinary).
 
         `persistent=True` maps the file (or keeps a view of the bytes) and uses weights in place; it
@@ -189,7 +206,8 @@ class Context:
             for t, i in weights.items()
         )
         graph = Graph(
-            self, name,
+            self,
+            name,
             tuple(info_of_value(v, TensorType.APP_WRITE) for v in model.graph.input),
             tuple(info_of_value(v, TensorType.APP_READ) for v in model.graph.output),
             static,

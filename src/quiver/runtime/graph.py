@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from quiver.runtime.context import Context
 
 
-def validate_feeds(graph_name: str, inputs: tuple[TensorInfo, ...], feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
+def validate_feeds(
+    graph_name: str, inputs: tuple[TensorInfo, ...], feeds: Mapping[str, object]
+) -> dict[str, np.ndarray]:
     """Checks names, dtypes and shapes against the graph's inputs; returns the feeds as arrays."""
     expected = {i.name: i for i in inputs}
     unknown = sorted(set(feeds) - set(expected))
@@ -46,8 +48,14 @@ def validate_feeds(graph_name: str, inputs: tuple[TensorInfo, ...], feeds: Mappi
 class Graph:
     """One graph of a context (QNN graph handle): describes its tensors and executes on the context's backend."""
 
-    def __init__(self, context: Context, name: str, inputs: tuple[TensorInfo, ...], outputs: tuple[TensorInfo, ...],
-                 static: tuple[TensorInfo, ...]) -> None:
+    def __init__(
+        self,
+        context: Context,
+        name: str,
+        inputs: tuple[TensorInfo, ...],
+        outputs: tuple[TensorInfo, ...],
+        static: tuple[TensorInfo, ...],
+    ) -> None:
         self._context = context
         self.name = name
         self.inputs = inputs

@@ -25,8 +25,12 @@ class CheckReport:
         return not self.unsupported and self.problem is None
 
     def to_json(self) -> dict[str, object]:
-        return {"ok": self.ok, "operators": dict(sorted(self.operators.items())),
-                "unsupported": self.unsupported, "problem": self.problem}
+        return {
+            "ok": self.ok,
+            "operators": dict(sorted(self.operators.items())),
+            "unsupported": self.unsupported,
+            "problem": self.problem,
+        }
 
 
 def check_model(source: str | Path | onnx.ModelProto) -> CheckReport:

@@ -34,8 +34,15 @@ def _emit_json(document: Any) -> None:
 
 
 def _progress(quiet: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err_console, disable=quiet, transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        disable=quiet,
+        transient=True,
+    )
 
 
 def _parse_model_arg(text: str) -> tuple[Path, str]:
@@ -72,21 +79,36 @@ def demo(workdir: Path | None, as_json: bool) -> None:
     with err_console.status("starting") as status:
         result = run_demo(workdir, on_step=lambda step: status.update(step))
     if as_json:
-        _emit_json({"context": str(result.path), "context_bytes": result.context_bytes,
-                    "separate_bytes": result.separate_bytes, "unique_weight_bytes": result.unique_weight_bytes,
-                    "graphs": [dict(vars(r), matches=r.matches) for r in result.rows]})
+        _emit_json(
+            {
+                "context": str(result.path),
+                "context_bytes": result.context_bytes,
+                "separate_bytes": result.separate_bytes,
+                "unique_weight_bytes": result.unique_weight_bytes,
+                "graphs": [dict(vars(r), matches=r.matches) for r in result.rows],
+            }
+        )
     else:
         table = Table(title="quiver demo: three graphs, one context (cpu backend vs. ONNX Runtime)")
         for column in ("graph", "own .onnx", "first output", "latency", "ORT latency", "max |diff|", "check"):
             table.add_column(column, justify="left" if column == "graph" else "right", no_wrap=column == "graph")
         for r in result.rows:
-            table.add_row(r.graph, _mb(r.separate_bytes), f"{r.first_output_ms:.1f} ms", f"{r.latency_ms:.2f} ms",
-                          f"{r.ort_latency_ms:.2f} ms", f"{r.max_abs_diff:.1e}", "ok" if r.matches else "MISMATCH")
+            table.add_row(
+                r.graph,
+                _mb(r.separate_bytes),
+                f"{r.first_output_ms:.1f} ms",
+                f"{r.latency_ms:.2f} ms",
+                f"{r.ort_latency_ms:.2f} ms",
+                f"{r.max_abs_diff:.1e}",
+                "ok" if r.matches else "MISMATCH",
+            )
         console.print(table)
         summary = Table(show_header=False, box=None)
         summary.add_row("stored separately", _mb(result.separate_bytes))
-        summary.add_row("one context", f"{_mb(result.context_bytes)} "
-                        f"({result.context_bytes / result.separate_bytes:.0%} of separate)")
+        summary.add_row(
+            "one context",
+            f"{_mb(result.context_bytes)} ({result.context_bytes / result.separate_bytes:.0%} of separate)",
+        )
         summary.add_row("unique weights", _mb(result.unique_weight_bytes))
         summary.add_row("load (from_binary)", f"{result.rows[0].load_ms:.1f} ms")
         summary.add_row("context file", str(result.path))
@@ -97,9 +119,16 @@ def demo(workdir: Path | None, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("models", nargs=-1, required=True)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The .qctx to write.")
-@click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME=D0,D1",
-              help="Fix an input's shape (every graph that has it); repeat for more inputs.")
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The .qctx to write."
+)
+@click.option(
+    "--input-shape",
+    "input_shapes",
+    multiple=True,
+    metavar="NAME=D0,D1",
+    help="Fix an input's shape (every graph that has it); repeat for more inputs.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the sharing report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def build(models: tuple[str, ...], output: Path, input_shapes: tuple[str, ...], as_json: bool, quiet: bool) -> None:
@@ -139,8 +168,9 @@ def _print_graph_table(report: dict[str, Any], title: str) -> None:
 
     for g in report["graphs"]:
         w = g["weights"]
-        table.add_row(g["name"], io(g["inputs"]), io(g["outputs"]), _mb(w["bytes"]), _mb(w["own_bytes"]),
-                      _mb(w["shared_bytes"]))
+        table.add_row(
+            g["name"], io(g["inputs"]), io(g["outputs"]), _mb(w["bytes"]), _mb(w["own_bytes"]), _mb(w["shared_bytes"])
+        )
     console.print(table)
 
 
@@ -150,8 +180,10 @@ def _print_summary(report: dict[str, Any]) -> None:
     summary.add_row("referenced by the graphs", f"{_mb(w['referenced_bytes'])} ({w['referenced_count']} tensors)")
     summary.add_row("stored (unique)", f"{_mb(w['unique_bytes'])} ({w['unique_count']} tensors)")
     summary.add_row("saved by sharing", _mb(w["saved_bytes"]))
-    summary.add_row("context file", f"{_mb(report['size_bytes'])} "
-                    f"({report['size_bytes'] / max(w['unique_bytes'], 1):.4f} x unique weights)")
+    summary.add_row(
+        "context file",
+        f"{_mb(report['size_bytes'])} ({report['size_bytes'] / max(w['unique_bytes'], 1):.4f} x unique weights)",
+    )
     console.print(summary)
 
 
@@ -182,12 +214,31 @@ def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
 @cli.command()
 @click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--graph", "graph_name", help="Graph to run (default: the only graph).")
-@click.option("--input-list", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="qnn-net-run input list: `name:=file.raw ...` per line (.raw or .npy).")
+@click.option(
+    "--input-list",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="qnn-net-run input list: `name:=file.raw ...` per line (.raw or .npy).",
+)
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--backend", type=click.Choice(available_backends()), default="cpu", show_default=True)
 @click.option("--npy", is_flag=True, help="Also write each output as .npy.")
-def run(context_path: Path, graph_name: str | None, input_list: Path, output_dir: Path, backend: str, npy: bool) -> None:
+@click.option(
+    "--input-shape",
+    "input_shapes",
+    multiple=True,
+    metavar="NAME=D0,D1",
+    help="Shape of raw files for an input whose shape is dynamic; repeat for more inputs.",
+)
+def run(
+    context_path: Path,
+    graph_name: str | None,
+    input_list: Path,
+    output_dir: Path,
+    backend: str,
+    npy: bool,
+    input_shapes: tuple[str, ...],
+) -> None:
     """Execute a graph for every line of an input list (qnn-net-run compatible outputs)."""
     from quiver.tools.netrun import run_input_list
 
@@ -197,7 +248,8 @@ def run(context_path: Path, graph_name: str | None, input_list: Path, output_dir
                 raise QuiverError(f"the context holds {context.graph_names}; choose one with --graph")
             graph_name = context.graph_names[0]
         start = time.perf_counter()
-        written = run_input_list(context.graph(graph_name), input_list, output_dir, npy=npy)
+        shapes = {name: [int(d) for d in dims] for name, dims in _parse_shape_args(input_shapes).items()}
+        written = run_input_list(context.graph(graph_name), input_list, output_dir, npy=npy, shapes=shapes)
         elapsed = time.perf_counter() - start
     results = len({p.parent for p in written})
     err_console.print(f"{results} result(s), {len(written)} output file(s) in {output_dir} ({elapsed:.2f} s)")
@@ -247,14 +299,26 @@ def verify(context_path: Path, as_json: bool) -> None:
     problems = file.verify()
     elapsed = time.perf_counter() - start
     if as_json:
-        _emit_json({"path": str(context_path), "ok": not problems, "problems": problems,
-                    "weights": len(file.weights), "graphs": list(file.graphs), "bytes": file.size})
+        _emit_json(
+            {
+                "path": str(context_path),
+                "ok": not problems,
+                "problems": problems,
+                "weights": len(file.weights),
+                "graphs": list(file.graphs),
+                "bytes": file.size,
+            }
+        )
     elif not problems:
-        console.print(f"{context_path}: ok ({len(file.weights)} weights, {len(file.graphs)} graphs, "
-                      f"{_mb(file.size)} checked in {elapsed:.2f} s)")
+        console.print(
+            f"{context_path}: ok ({len(file.weights)} weights, {len(file.graphs)} graphs, "
+            f"{_mb(file.size)} checked in {elapsed:.2f} s)"
+        )
     file.close()
     if problems:
-        raise QuiverError(f"{context_path}: {len(problems)} problem(s): {'; '.join(problems[:5])}; rebuild or copy it again")
+        raise QuiverError(
+            f"{context_path}: {len(problems)} problem(s): {'; '.join(problems[:5])}; rebuild or copy it again"
+        )
 
 
 @cli.command()
@@ -298,8 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # never a traceback for users; QUIVER_DEBUG=1 shows it
         if os.environ.get("QUIVER_DEBUG"):
             raise
-        err_console.print(f"quiver: internal error: {type(exc).__name__}: {exc} (set QUIVER_DEBUG=1 for details)",
-                          markup=False, highlight=False, soft_wrap=True)
+        err_console.print(
+            f"quiver: internal error: {type(exc).__name__}: {exc} (set QUIVER_DEBUG=1 for details)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return 3
     return 0
 

@@ -47,13 +47,21 @@ class Comparison:
 
     def to_json(self) -> dict[str, object]:
         def rows(pairs: list[tuple[Tensor, Tensor]]) -> list[dict[str, object]]:
-            return [{"a": a.name, "b": b.name, "dtype": a.dtype, "shape": list(a.shape), "bytes": a.nbytes} for a, b in pairs]
+            return [
+                {"a": a.name, "b": b.name, "dtype": a.dtype, "shape": list(a.shape), "bytes": a.nbytes}
+                for a, b in pairs
+            ]
 
         return {
-            "identical": rows(self.identical), "different": rows(self.different),
-            "only_a": [t.name for t in self.only_a], "only_b": [t.name for t in self.only_b],
-            "bytes_a": self.bytes_a, "bytes_b": self.bytes_b, "separate_bytes": self.separate_bytes,
-            "context_bytes": self.context_bytes, "saved_bytes": self.shared_bytes,
+            "identical": rows(self.identical),
+            "different": rows(self.different),
+            "only_a": [t.name for t in self.only_a],
+            "only_b": [t.name for t in self.only_b],
+            "bytes_a": self.bytes_a,
+            "bytes_b": self.bytes_b,
+            "separate_bytes": self.separate_bytes,
+            "context_bytes": self.context_bytes,
+            "saved_bytes": self.shared_bytes,
         }
 
 

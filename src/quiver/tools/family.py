@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -50,12 +51,12 @@ class _Builder:
     def const(self, values: list[int] | list[float], dtype: type = np.int64) -> str:
         return self.weight(np.asarray(values, dtype=dtype))
 
-    def op(self, op_type: str, inputs: list[str], n_out: int = 1, **attrs: object) -> list[str]:
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, **attrs: Any) -> list[str]:
         outputs = [f"t{len(self.nodes)}_{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op_type, inputs, outputs, **attrs))
         return outputs
 
-    def op1(self, op_type: str, inputs: list[str], **attrs: object) -> str:
+    def op1(self, op_type: str, inputs: list[str], **attrs: Any) -> str:
         return self.op(op_type, inputs, 1, **attrs)[0]
 
 
@@ -70,11 +71,21 @@ def _layer_weights(rng: np.random.Generator, shape: TransformerShape) -> dict[st
         return (base + 0.02 * rng.standard_normal(n)).astype(np.float32)
 
     return {
-        "ln1_g": vec(d, 1.0), "ln1_b": vec(d),
-        "wq": mat(d, d), "bq": vec(d), "wk": mat(d, d), "bk": vec(d),
-        "wv": mat(d, d), "bv": vec(d), "wo": mat(d, d), "bo": vec(d),
-        "ln2_g": vec(d, 1.0), "ln2_b": vec(d),
-        "w1": mat(d, f), "b1": vec(f), "w2": (mat(f, d) * math.sqrt(d / f)).astype(np.float32),
+        "ln1_g": vec(d, 1.0),
+        "ln1_b": vec(d),
+        "wq": mat(d, d),
+        "bq": vec(d),
+        "wk": mat(d, d),
+        "bk": vec(d),
+        "wv": mat(d, d),
+        "bv": vec(d),
+        "wo": mat(d, d),
+        "bo": vec(d),
+        "ln2_g": vec(d, 1.0),
+        "ln2_b": vec(d),
+        "w1": mat(d, f),
+        "b1": vec(f),
+        "w2": (mat(f, d) * math.sqrt(d / f)).astype(np.float32),
         "b2": vec(d),
     }
 
@@ -117,8 +128,9 @@ def build_model(
     ids = "input_ids"
     x = b.op1("Gather", [b.weight(weights["tok"]), ids])  # type: ignore[arg-type]
     seq_len = b.op1("Gather", [b.op1("Shape", [ids]), b.const([1])])
-    positions = b.op1("Range", [b.weight(np.array(0, np.int64)), b.op1("Squeeze", [seq_len]),
-                                b.weight(np.array(1, np.int64))])
+    positions = b.op1(
+        "Range", [b.weight(np.array(0, np.int64)), b.op1("Squeeze", [seq_len]), b.weight(np.array(1, np.int64))]
+    )
     x = b.op1("Add", [x, b.op1("Gather", [b.weight(weights["pos"]), positions])])  # type: ignore[arg-type]
 
     split_heads = b.const([0, 0, h, head_dim])
@@ -133,13 +145,13 @@ def build_model(
     for w in layers:
         ln = b.op1("LayerNormalization", [x, b.weight(w["ln1_g"]), b.weight(w["ln1_b"])], axis=-1, epsilon=1e-5)
 
-        def heads(proj: str, bias: str, perm: list[int]) -> str:
-            y = b.op1("Add", [b.op1("MatMul", [ln, b.weight(w[proj])]), b.weight(w[bias])])
+        def heads(x_in: str, weight: np.ndarray, bias: np.ndarray, perm: list[int]) -> str:
+            y = b.op1("Add", [b.op1("MatMul", [x_in, b.weight(weight)]), b.weight(bias)])
             return b.op1("Transpose", [b.op1("Reshape", [y, split_heads])], perm=perm)
 
-        q = heads("wq", "bq", [0, 2, 1, 3])
-        k = heads("wk", "bk", [0, 2, 3, 1])
-        v = heads("wv", "bv", [0, 2, 1, 3])
+        q = heads(ln, w["wq"], w["bq"], [0, 2, 1, 3])
+        k = heads(ln, w["wk"], w["bk"], [0, 2, 3, 1])
+        v = heads(ln, w["wv"], w["bv"], [0, 2, 1, 3])
         scores = b.op1("Mul", [b.op1("MatMul", [q, k]), attn_scale])
         ctx = b.op1("MatMul", [b.op1("Softmax", [scores], axis=-1), v])
         ctx = b.op1("Reshape", [b.op1("Transpose", [ctx], perm=[0, 2, 1, 3]), merge_heads])
@@ -153,8 +165,12 @@ def build_model(
         down = b.op1("Add", [b.op1("MatMul", [gelu, b.weight(w["w2"])]), b.weight(w["b2"])])
         x = b.op1("Add", [x, down])
 
-    out = b.op1("LayerNormalization", [x, b.weight(weights["lnf_g"]), b.weight(weights["lnf_b"])],  # type: ignore[arg-type]
-                axis=-1, epsilon=1e-5)
+    out = b.op1(
+        "LayerNormalization",
+        [x, b.weight(weights["lnf_g"]), b.weight(weights["lnf_b"])],  # type: ignore[arg-type]
+        axis=-1,
+        epsilon=1e-5,
+    )
     b.nodes.append(helper.make_node("Identity", [out], ["last_hidden_state"]))
 
     graph = helper.make_graph(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +19,13 @@ def _resolve(path_text: str, list_folder: Path) -> Path:
     if not path.is_absolute() and not path.exists():
         path = list_folder / path
     if not path.is_file():
-        raise InputListError(f"input file {path_text!r} not found (looked relative to the working folder and the list's)")
+        raise InputListError(
+            f"input file {path_text!r} not found (looked relative to the working folder and the list's)"
+        )
     return path
 
 
-def _read_tensor(path: Path, info: TensorInfo) -> np.ndarray:
+def _read_tensor(path: Path, info: TensorInfo, shape_hint: Sequence[int] | None = None) -> np.ndarray:
     if path.suffix == ".npy":
         try:
             return np.load(path, allow_pickle=False)
@@ -33,26 +36,30 @@ def _read_tensor(path: Path, info: TensorInfo) -> np.ndarray:
     if size % dtype.itemsize:
         raise InputListError(f"{path}: {size} bytes is not a whole number of {info.dtype} values")
     count = size // dtype.itemsize
-    shape = list(info.shape or [count])
+    shape = list(shape_hint or info.shape or [count])
     unknown = [i for i, d in enumerate(shape) if not isinstance(d, int)]
     known = math.prod(d for d in shape if isinstance(d, int))
     if len(unknown) == 1 and known and count % known == 0:
         shape[unknown[0]] = count // known  # one dynamic dim: implied by the file size
     elif unknown:
         raise InputListError(
-            f"input {info.name!r} has dynamic shape {list(info.shape or [])}; a raw file cannot say its shape, "
-            "use a .npy file or fix the shape at build time"
+            f"input {info.name!r} has dynamic shape {list(info.shape or [])}; a raw file cannot say its shape: "
+            "give it with --input-shape, use a .npy file, or fix the shape at build time"
         )
     if math.prod(shape) != count:
         raise InputListError(f"{path}: {count} {info.dtype} values do not fit input {info.name!r} of shape {shape}")
     return np.fromfile(path, dtype=dtype).reshape(shape).astype(info.numpy_dtype, copy=False)
 
 
-def parse_input_list(list_path: str | Path, graph: Graph) -> list[dict[str, np.ndarray]]:
+def parse_input_list(
+    list_path: str | Path, graph: Graph, shapes: Mapping[str, Sequence[int]] | None = None
+) -> list[dict[str, np.ndarray]]:
     """One feed dict per line: `name:=path name2:=path2` or, for one-input graphs, just `path`.
 
-    Lines starting with `#` are comments (qnn-net-run's output-name line included).
+    Lines starting with `#` are comments (qnn-net-run's output-name line included). `shapes` gives the
+    shape of raw files for inputs whose shape is dynamic.
     """
+    shapes = shapes or {}
     list_path = Path(list_path)
     try:
         lines = list_path.read_text().splitlines()
@@ -69,11 +76,13 @@ def parse_input_list(list_path: str | Path, graph: Graph) -> list[dict[str, np.n
             name, sep, path_text = token.partition(":=")
             if not sep:
                 if len(inputs) != 1:
-                    raise InputListError(f"{list_path}:{number}: write `name:=path` for each of the inputs {sorted(inputs)}")
+                    raise InputListError(
+                        f"{list_path}:{number}: write `name:=path` for each of the inputs {sorted(inputs)}"
+                    )
                 name, path_text = next(iter(inputs)), token
             if name not in inputs:
                 raise InputListError(f"{list_path}:{number}: {name!r} is not an input; the inputs are {sorted(inputs)}")
-            feed[name] = _read_tensor(_resolve(path_text, list_path.parent), inputs[name])
+            feed[name] = _read_tensor(_resolve(path_text, list_path.parent), inputs[name], shapes.get(name))
         feeds.append(feed)
     if not feeds:
         raise InputListError(f"{list_path} lists no inputs")
@@ -85,11 +94,17 @@ def output_file_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def run_input_list(graph: Graph, list_path: str | Path, output_dir: str | Path, npy: bool = False) -> list[Path]:
+def run_input_list(
+    graph: Graph,
+    list_path: str | Path,
+    output_dir: str | Path,
+    npy: bool = False,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> list[Path]:
     """Executes the graph for each line of the list; writes `Result_<i>/<output>.raw` (and `.npy`)."""
     output_dir = Path(output_dir)
     written = []
-    for index, feed in enumerate(parse_input_list(list_path, graph)):
+    for index, feed in enumerate(parse_input_list(list_path, graph, shapes)):
         result_dir = output_dir / f"Result_{index}"
         result_dir.mkdir(parents=True, exist_ok=True)
         for name, value in graph.execute(feed).items():

@@ -26,18 +26,20 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
             for other in users[index]:
                 if other != name:
                     shared_with[other] += file.weights[index].length
-        graphs.append({
-            "name": name,
-            "inputs": [t.to_json() for t in graph.inputs],
-            "outputs": [t.to_json() for t in graph.outputs],
-            "weights": {
-                "count": len(indices),
-                "bytes": sum(file.weights[i].length for i in indices),
-                "own_bytes": sum(file.weights[i].length for i in indices if len(users[i]) == 1),
-                "shared_bytes": sum(file.weights[i].length for i in indices if len(users[i]) > 1),
-            },
-            "shared_with": dict(sorted(shared_with.items())),
-        })
+        graphs.append(
+            {
+                "name": name,
+                "inputs": [t.to_json() for t in graph.inputs],
+                "outputs": [t.to_json() for t in graph.outputs],
+                "weights": {
+                    "count": len(indices),
+                    "bytes": sum(file.weights[i].length for i in indices),
+                    "own_bytes": sum(file.weights[i].length for i in indices if len(users[i]) == 1),
+                    "shared_bytes": sum(file.weights[i].length for i in indices if len(users[i]) > 1),
+                },
+                "shared_with": dict(sorted(shared_with.items())),
+            }
+        )
     return {
         "path": source or file.source,
         "format_version": f"{MAJOR}.{file.minor_version}",
@@ -52,8 +54,14 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
         },
         "graphs": graphs,
         "tensors": [
-            {"index": w.index, "dtype": w.dtype, "shape": list(w.shape), "bytes": w.length, "offset": w.offset,
-             "graphs": sorted(users[w.index])}
+            {
+                "index": w.index,
+                "dtype": w.dtype,
+                "shape": list(w.shape),
+                "bytes": w.length,
+                "offset": w.offset,
+                "graphs": sorted(users[w.index]),
+            }
             for w in file.weights
         ],
     }
