@@ -22,6 +22,9 @@ class FinalizedGraph:
     weights: Mapping[str, np.ndarray]
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
+    # True when the weights view a read-only file mapping: their pages may be dropped and are read back
+    # from the file on use. Never true for weights in private memory (dropping would lose them).
+    file_backed: bool = False
 
 
 class Executable(Protocol):
@@ -37,6 +40,10 @@ class Executable(Protocol):
         ...
 
     def release(self) -> None: ...
+
+    def wait_until_ready(self) -> None:
+        """Blocks until background preparation (if the backend does any) is done."""
+        ...
 
 
 class Backend(Protocol):

@@ -1,7 +1,18 @@
-"""The cpu backend: ONNX Runtime's CPU execution provider over the context's mapped weights, without copies."""
+"""The cpu backend: ONNX Runtime's CPU execution provider over the context's mapped weights, without copies.
+
+Weights reach ORT through `AddInitializer` as views of the mapped context, so they are in memory once.
+ORT repacks MatMul/Gemm weights for speed; all sessions of a context share one prepacked-weights
+container (ORT keys it by content), so a weight shared by several graphs is packed once. Packing costs
+time at session creation, so a graph first runs on a session without packing and is upgraded to a
+packed session in the background after its first output ("lazy prepacking").
+"""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -9,27 +20,49 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from quiver.backends import _ort_capi
 from quiver.backends.base import FinalizedGraph
 from quiver.errors import BackendError
 from quiver.formats._layout import WEIGHT_LOCATION
 
-# ORT insists that an external-data initializer's file exists even when `add_initializer` supplies the data,
+# ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the data,
 # so placeholders name this empty file. ORT executes on the supplied arrays and never reads it, unless one
-# of its graph optimizers wants a weight's bytes; then the session is made again with in-memory files.
+# of its graph optimizers wants a weight's bytes; then the graph gets a session with in-memory files.
 _PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
 _EXTERNAL_READ_FAILURE = "can not be read in full"
 
 _PREPACKED_OPS = {"MatMul", "Gemm"}
 
 
-def _prepacked_bytes(graph: FinalizedGraph) -> int:
-    """Bytes ORT copies when it prepacks constant MatMul/Gemm weights (one packed copy per session)."""
+def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
+    """The weights ORT may pack for this graph: constant B inputs of MatMul/Gemm."""
     names = {
         node.input[1]
         for node in graph.model.graph.node
         if node.op_type in _PREPACKED_OPS and node.domain in ("", "ai.onnx") and len(node.input) > 1
     }
-    return sum(graph.weights[n].nbytes for n in names if n in graph.weights)
+    return [graph.weights[n] for n in sorted(names) if n in graph.weights]
+
+
+def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
+    """Tells the kernel the mapped pages of packed weights are not needed now (MADV_DONTNEED).
+
+    ORT computes with the packed copies, so the mapped originals only inflate RSS. The mapping is a
+    read-only shared file mapping: a later read faults the pages back in from the page cache.
+    """
+    if _LIBC is None:
+        return
+    for array in arrays:
+        start = array.__array_interface__["data"][0]
+        first = -(-start // _PAGE) * _PAGE
+        last = (start + array.nbytes) // _PAGE * _PAGE  # whole pages only: neighbours may share the edges
+        if last > first:
+            _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _with_in_memory_weights(graph: FinalizedGraph, options: ort.SessionOptions) -> onnx.ModelProto:
@@ -59,52 +92,117 @@ def _with_in_memory_weights(graph: FinalizedGraph, options: ort.SessionOptions) 
     return model
 
 
+class _PythonApiSession:
+    """The fallback: ORT's Python API with in-memory weight files (no packing shared across graphs)."""
+
+    def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = backend.intra_op_num_threads
+        options.graph_optimization_level = ort.GraphOptimizationLevel(backend.graph_optimization_level)
+        options.log_severity_level = 3
+        for key, value in backend.config(prepack=backend.prepack).items():
+            options.add_session_config_entry(key, value)
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in graph.weights.items()}
+        for name, value in self._values.items():
+            options.add_initializer(name, value)
+        model = _with_in_memory_weights(graph, options)
+        self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def run(self, output_names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        return list(self._session.run(output_names, dict(feeds)))
+
+
+_Session = _ort_capi.Session | _PythonApiSession
+
+
 class CpuExecutable:
     def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
+        self._graph = graph
+        self._backend = backend
         self._output_names = [o.name for o in graph.outputs]
-        # The OrtValues wrap the read-only mapped arrays; they must outlive the session.
-        self._ort_values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in graph.weights.items()}
-        self._prepacked = _prepacked_bytes(graph) if backend.prepack else 0
-        try:
-            self._session: ort.InferenceSession | None = self._create(graph, backend, in_memory=False)
-        except Exception as exc:
-            if _EXTERNAL_READ_FAILURE not in str(exc):
-                raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
-            try:
-                self._session = self._create(graph, backend, in_memory=True)
-            except Exception as exc:
-                raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
+        # Only pages of a file mapping can be dropped: private memory would lose its contents.
+        self._packable = _packable_weights(graph) if backend.prepack else []
+        self._droppable = self._packable if graph.file_backed else []
+        self._prepacked = sum(a.nbytes for a in self._packable)
+        self._upgrade: threading.Thread | None = None
+        self._released = False
+        packed_now = backend.prepack and not backend.lazy_prepack
+        self._session: _Session | None = self._create(prepack=packed_now)
+        # The Python-API fallback packs (or not) as the backend says, at once.
+        self.is_packed = packed_now or (backend.prepack and isinstance(self._session, _PythonApiSession))
+        if packed_now and isinstance(self._session, _ort_capi.Session):
+            _drop_resident_pages(self._droppable)
+        self._upgrade_pending = backend.prepack and not self.is_packed
 
-    def _create(self, graph: FinalizedGraph, backend: CpuBackend, in_memory: bool) -> ort.InferenceSession:
-        options = backend.session_options()
-        for name, value in self._ort_values.items():
-            options.add_initializer(name, value)
-        model = _with_in_memory_weights(graph, options) if in_memory else graph.model
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    def _create(self, prepack: bool) -> _Session:
+        graph, backend = self._graph, self._backend
+        try:
+            return _ort_capi.Session(
+                graph.model.SerializeToString(),
+                graph.weights,
+                backend.container(),
+                backend.config(prepack),
+                backend.intra_op_num_threads,
+                int(backend.graph_optimization_level),
+            )
+        except _ort_capi.CApiUnavailableError:
+            pass  # no shared packing on this install; the Python API still runs the graph
+        except BackendError as exc:
+            if _EXTERNAL_READ_FAILURE not in str(exc):
+                raise BackendError(f"cpu backend cannot prepare graph {graph.name!r}: {exc}") from None
+        try:
+            return _PythonApiSession(graph, backend)
+        except Exception as exc:
+            raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
+
+    def _build_packed_session(self) -> None:
+        try:
+            packed = self._create(prepack=True)
+        except BackendError:
+            return  # keep the unpacked session: slower, but correct
+        if not self._released:
+            self._session = packed  # attribute assignment is atomic; runs in flight keep the old session
+            self.is_packed = True
+            _drop_resident_pages(self._droppable)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        if self._session is None:
+        session = self._session
+        if session is None:
             raise BackendError("this executable was released; prepare the graph again")
         try:
-            return list(self._session.run(self._output_names, dict(feeds)))
+            outputs = session.run(self._output_names, feeds)
+        except BackendError:
+            raise
         except Exception as exc:
             raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
+        if self._upgrade_pending:
+            self._upgrade_pending = False
+            self._upgrade = threading.Thread(target=self._build_packed_session, name="quiver-prepack", daemon=True)
+            self._upgrade.start()
+        return outputs
+
+    def wait_until_ready(self) -> None:
+        """Blocks until the background packed session (if any) is in place."""
+        if self._upgrade is not None:
+            self._upgrade.join()
 
     @property
     def private_bytes(self) -> int:
         return self._prepacked
 
     def release(self) -> None:
+        self.wait_until_ready()
+        self._released = True
         self._session = None
-        self._ort_values = {}
 
 
 class CpuBackend:
-    """ONNX Runtime CPU EP.
+    """ONNX Runtime CPU EP over mapped weights.
 
-    `prepack=True` (default) lets ORT repack MatMul/Gemm weights for speed: each live graph then holds
-    a private packed copy of those weights. `prepack=False` keeps every weight only in the mapping
-    (each added graph costs its unique bytes) at a latency cost; docs/BENCHMARKS.md has both.
+    `prepack=True` (default): ORT repacks MatMul/Gemm weights for speed, once per distinct weight per
+    context (a shared container). `lazy_prepack=True` (default): the first output comes from an
+    unpacked session; the packed one is made in the background after it. `prepack=False`: weights stay
+    only in the mapping (smallest memory), at a latency cost.
     """
 
     name = "cpu"
@@ -113,21 +211,28 @@ class CpuBackend:
         self,
         intra_op_num_threads: int = 0,
         prepack: bool = True,
+        lazy_prepack: bool = True,
         graph_optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     ) -> None:
         self.intra_op_num_threads = intra_op_num_threads
         self.prepack = prepack
+        self.lazy_prepack = lazy_prepack
         self.graph_optimization_level = graph_optimization_level
+        self._container: _ort_capi.PrepackedWeights | None = None
+        self._lock = threading.Lock()
 
-    def session_options(self) -> ort.SessionOptions:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.intra_op_num_threads
-        options.graph_optimization_level = self.graph_optimization_level
-        options.log_severity_level = 3  # errors only: ORT's warnings about old opsets are not the user's business
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", _PLACEHOLDER_FOLDER)
-        if not self.prepack:
-            options.add_session_config_entry("session.disable_prepacking", "1")
-        return options
+    def container(self) -> _ort_capi.PrepackedWeights:
+        """The prepacked-weights container shared by every graph prepared by this backend (one context)."""
+        with self._lock:
+            if self._container is None:
+                self._container = _ort_capi.PrepackedWeights()
+            return self._container
+
+    def config(self, prepack: bool) -> dict[str, str]:
+        entries = {"session.model_external_initializers_file_folder_path": _PLACEHOLDER_FOLDER}
+        if not prepack:
+            entries["session.disable_prepacking"] = "1"
+        return entries
 
     def prepare(self, graph: FinalizedGraph) -> CpuExecutable:
         for tensor in graph.model.graph.initializer:

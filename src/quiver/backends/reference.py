@@ -80,6 +80,9 @@ class ReferenceExecutable:
     def release(self) -> None:
         self._evaluator = None  # type: ignore[assignment]
 
+    def wait_until_ready(self) -> None:
+        pass
+
 
 class ReferenceBackend:
     name = "reference"

@@ -231,6 +231,11 @@ class ContextFile:
             raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}; check the path") from None
 
     @property
+    def file_backed(self) -> bool:
+        """Whether the buffer is a read-only mapping of a file (rather than private memory)."""
+        return self._mmap is not None
+
+    @property
     def size(self) -> int:
         return len(self._buffer)
 

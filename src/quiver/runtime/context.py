@@ -233,7 +233,7 @@ class Context:
         assert self._file is not None
         weights = {t: self._weight_view(i) for t, i in self._file.graphs[name].weights.items()}
         executable = self._backend.prepare(
-            FinalizedGraph(name, self._skeletons[name], weights, graph.inputs, graph.outputs)
+            FinalizedGraph(name, self._skeletons[name], weights, graph.inputs, graph.outputs, self._file.file_backed)
         )
         self._live[name] = executable
         self._evict_over_limit()
@@ -246,6 +246,11 @@ class Context:
         while len(self._live) > 1 and sum(e.private_bytes for e in self._live.values()) > limit:
             _, oldest = self._live.popitem(last=False)
             oldest.release()
+
+    def wait_until_ready(self) -> None:
+        """Blocks until the live graphs' background preparation (e.g. weight packing) is done."""
+        for executable in list(self._live.values()):
+            executable.wait_until_ready()
 
     @property
     def live_graphs(self) -> list[str]:

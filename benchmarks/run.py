@@ -1,0 +1,281 @@
+"""Quiver vs. ONNX Runtime on a transformer family made in-process: size, open-to-first-output, latency, memory.
+
+    python benchmarks/run.py --json benchmarks/results/latest.json
+
+Every ratio is measured side by side in one run. Open-to-first-output and memory run in fresh processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import quiver
+from quiver.tools.family import BENCH, make_family, sample_input_ids
+
+SEQ = 128
+BACKENDS = ("cpu", "cpu-noprepack")
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "onnxruntime": ort.__version__,
+        "quiver": quiver.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _worker(code: str, *args: str) -> dict[str, Any]:
+    """Runs `code` in a fresh interpreter; it prints one JSON line."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_OPEN_WORKER = """
+import json, sys, time
+import numpy as np, onnxruntime as ort
+from onnx import TensorProto, helper
+import quiver
+kind, path, backend = sys.argv[1:4]
+ids = np.load(sys.argv[4])
+ort.set_default_logger_severity(3)
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "t", [x], [y]))
+start = time.perf_counter()  # each side initializes the runtime it uses; reported apart
+if kind == "ort":
+    ort.InferenceSession(tiny.SerializeToString()).run(None, {"x": np.ones(1, np.float32)})
+else:  # the C API Quiver uses: load it and run a tiny session, as the line above does for ORT's Python API
+    from quiver.backends import _ort_capi
+    _ort_capi.Session(tiny.SerializeToString(), {}, _ort_capi.PrepackedWeights(), {}, 0, 99).run(
+        ["y"], {"x": np.ones(1, np.float32)})
+env_ms = (time.perf_counter() - start) * 1e3
+start = time.perf_counter()
+if kind == "ort":
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    session.run(None, {"input_ids": ids})
+else:
+    context = quiver.Context.from_binary(path, backend=backend)
+    context.graph("base").execute({"input_ids": ids})
+print(json.dumps({"env_ms": env_ms, "open_first_ms": (time.perf_counter() - start) * 1e3}))
+"""
+
+_MEMORY_WORKER = """
+import gc, json, sys
+import numpy as np, onnxruntime as ort, psutil
+import quiver
+kind, backend, ids_path = sys.argv[1:4]
+paths = sys.argv[4:]
+ids = np.load(ids_path)
+process = psutil.Process()
+gc.collect()
+rss = [process.memory_info().rss]
+keep = []
+if kind == "ort":
+    for path in paths:
+        keep.append(ort.InferenceSession(path, providers=["CPUExecutionProvider"]))
+        keep[-1].run(None, {"input_ids": ids})
+        gc.collect()
+        rss.append(process.memory_info().rss)
+else:
+    context = quiver.Context.from_binary(paths[0], backend=backend)
+    for name in context.graph_names:
+        context.graph(name).execute({"input_ids": ids})
+        context.wait_until_ready()
+        gc.collect()
+        rss.append(process.memory_info().rss)
+print(json.dumps({"rss": rss}))
+"""
+
+
+def build_family(folder: Path, count: int) -> tuple[dict[str, Path], Path, float]:
+    family = make_family(BENCH, count=count, tuned_layers=1, seed=0)
+    paths = {}
+    for name, model in family.items():
+        paths[name] = folder / f"{name}.onnx"
+        onnx.save(model, str(paths[name]))
+    del family
+    start = time.perf_counter()
+    context = quiver.Context.create("cpu", workdir=folder)
+    for name, path in paths.items():
+        context.add_graph(name, path)
+    qctx = context.save(folder / "family.qctx")
+    context.close()
+    return paths, qctx, time.perf_counter() - start
+
+
+def measure_size(paths: dict[str, Path], qctx: Path) -> dict[str, Any]:
+    with quiver.Context.from_binary(qctx, backend="reference") as context:
+        stats = context.weight_stats()
+    separate = sum(p.stat().st_size for p in paths.values())
+    size = qctx.stat().st_size
+    return {
+        "graphs": len(paths),
+        "context_bytes": size,
+        "unique_weight_bytes": stats.unique_bytes,
+        "referenced_weight_bytes": stats.referenced_bytes,
+        "separate_onnx_bytes": separate,
+        "context_over_unique": size / stats.unique_bytes,
+        "context_over_separate": size / separate,
+    }
+
+
+def measure_open(base: Path, qctx: Path, ids_path: Path, repeats: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"ort": [], **{b: [] for b in BACKENDS}}
+    for _ in range(repeats):  # interleaved, so drift hits every variant alike
+        runs["ort"].append(_worker(_OPEN_WORKER, "ort", str(base), "-", str(ids_path)))
+        for backend in BACKENDS:
+            runs[backend].append(_worker(_OPEN_WORKER, "quiver", str(qctx), backend, str(ids_path)))
+    result: dict[str, Any] = {"repeats": repeats}
+    ort_ms = statistics.median(r["open_first_ms"] for r in runs["ort"])
+    ort_env_ms = statistics.median(r["env_ms"] for r in runs["ort"])
+    result["ort_ms"] = ort_ms
+    result["ort_environment_ms"] = ort_env_ms
+    for backend in BACKENDS:
+        ms = statistics.median(r["open_first_ms"] for r in runs[backend])
+        env_ms = statistics.median(r["env_ms"] for r in runs[backend])
+        result[backend] = {
+            "ms": ms,
+            "environment_ms": env_ms,
+            "ratio_to_ort": ms / ort_ms,
+            "ratio_to_ort_including_environment": (ms + env_ms) / (ort_ms + ort_env_ms),
+        }
+    return result
+
+
+def _median_ms(fn: Any, iterations: int) -> float:
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure_latency(base: Path, qctx: Path, ids: np.ndarray, rounds: int, iterations: int) -> dict[str, Any]:
+    session = ort.InferenceSession(str(base), providers=["CPUExecutionProvider"])
+    contexts = {b: quiver.Context.from_binary(qctx, backend=b) for b in BACKENDS}
+    graphs = {b: context.graph("base") for b, context in contexts.items()}
+    feeds = {"input_ids": ids}
+    reference = session.run(None, feeds)[0]
+    for backend, graph in graphs.items():  # warm-up, and the outputs must agree
+        np.testing.assert_allclose(graph.execute(feeds)["last_hidden_state"], reference, atol=1e-4, rtol=0)
+        contexts[backend].wait_until_ready()  # steady state: weights packed
+    samples: dict[str, list[float]] = {"ort": [], **{b: [] for b in BACKENDS}}
+    for _ in range(rounds):
+        samples["ort"].append(_median_ms(lambda: session.run(None, feeds), iterations))
+        for backend, graph in graphs.items():
+            samples[backend].append(_median_ms(lambda g=graph: g.execute(feeds), iterations))
+    ort_ms = statistics.median(samples["ort"])
+    result: dict[str, Any] = {"batch": int(ids.shape[0]), "sequence": int(ids.shape[1]), "ort_ms": ort_ms}
+    for backend in BACKENDS:
+        ms = statistics.median(samples[backend])
+        result[backend] = {"ms": ms, "ratio_to_ort": ms / ort_ms}
+    return result
+
+
+def measure_memory(paths: dict[str, Path], qctx: Path, ids_path: Path, counts: tuple[int, ...]) -> dict[str, Any]:
+    unique_per_added = None
+    with quiver.Context.from_binary(qctx, backend="reference") as context:
+        file = context.file
+        names = context.graph_names
+        base = set(file.graphs[names[0]].weights.values())
+        added = set(file.graphs[names[1]].weights.values()) - base
+        unique_per_added = sum(file.weights[i].length for i in added)
+        full_graph = sum(file.weights[i].length for i in base)
+    result: dict[str, Any] = {"unique_bytes_per_added_graph": unique_per_added, "full_graph_weight_bytes": full_graph}
+    for label, kind, backend in (("ort", "ort", "-"), *((b, "quiver", b) for b in BACKENDS)):
+        rows = {}
+        for count in counts:
+            if kind == "ort":
+                args = [str(p) for p in list(paths.values())[:count]]
+            else:  # a context of the family's first `count` graphs
+                args = [str(_subset_context(paths, count, qctx.parent / f"first{count}.qctx"))]
+            rss = _worker(_MEMORY_WORKER, kind, backend, str(ids_path), *args)["rss"]
+            growth = [b - a for a, b in zip(rss, rss[1:])]
+            rows[str(count)] = {
+                "rss_bytes": rss[-1],
+                "rss_growth_bytes": rss[-1] - rss[0],
+                "first_graph_bytes": growth[0],
+                "per_added_graph_bytes": statistics.mean(growth[1:]) if len(growth) > 1 else None,
+            }
+        result[label] = rows
+    return result
+
+
+_SUBSETS: dict[int, Path] = {}
+
+
+def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
+    if count not in _SUBSETS:
+        context = quiver.Context.create("cpu", workdir=target.parent)
+        for name, path in list(paths.items())[:count]:
+            context.add_graph(name, path)
+        _SUBSETS[count] = context.save(target)
+        context.close()
+    return _SUBSETS[count]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/latest.json"))
+    parser.add_argument("--graphs", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=7, help="fresh processes per open-to-first-output variant")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved latency rounds")
+    parser.add_argument("--iterations", type=int, default=20, help="runs per latency round")
+    args = parser.parse_args()
+    ort.set_default_logger_severity(3)
+
+    with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
+        folder = Path(tmp)
+        print(f"building a {args.graphs}-graph family in {folder} ...", file=sys.stderr)
+        paths, qctx, build_s = build_family(folder, args.graphs)
+        ids = sample_input_ids(BENCH, batch=1, seq=SEQ)
+        ids_path = folder / "ids.npy"
+        np.save(ids_path, ids)
+        report: dict[str, Any] = {
+            "command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
+            "machine": _machine(),
+            "model": {"shape": vars(BENCH), "input": [1, SEQ]},
+            "build_seconds": build_s,
+        }
+        print("size ...", file=sys.stderr)
+        report["size"] = measure_size(paths, qctx)
+        print("open to first output ...", file=sys.stderr)
+        report["open_to_first_output"] = measure_open(paths["base"], qctx, ids_path, args.repeats)
+        print("steady-state latency ...", file=sys.stderr)
+        report["latency"] = measure_latency(paths["base"], qctx, ids, args.rounds, args.iterations)
+        print("memory ...", file=sys.stderr)
+        counts = tuple(c for c in (1, 4, 16) if c <= args.graphs)
+        report["memory"] = measure_memory(paths, qctx, ids_path, counts)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

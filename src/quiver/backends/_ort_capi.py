@@ -1,0 +1,283 @@
+"""A small ctypes binding of ONNX Runtime's C API: sessions that share one prepacked-weights container.
+
+ORT's Python API cannot pass an `OrtPrepackedWeightsContainer`, which is what lets sessions share the
+repacked (MatMul/Gemm) copies of initializers they share through `AddInitializer`: ORT keys the
+container by the packed bytes' hash, so a weight shared by N graphs is packed once, not N times.
+The wheel ships `libonnxruntime.so` with the C API; function-table indices are ORT's ABI (append-only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+
+from quiver.errors import BackendError
+
+_API_VERSION = 20  # ORT >= 1.20; every function used here predates it
+
+# Indices into `struct OrtApi` (onnxruntime_c_api.h); stable across releases.
+_CREATE_STATUS, _GET_ERROR_MESSAGE = 0, 2
+_CREATE_ENV, _RUN, _CREATE_SESSION_OPTIONS = 3, 9, 10
+_SET_GRAPH_OPTIMIZATION_LEVEL, _SET_INTRA_OP_NUM_THREADS = 23, 24
+_CREATE_TENSOR_WITH_DATA, _GET_TENSOR_MUTABLE_DATA = 49, 51
+_GET_TENSOR_ELEMENT_TYPE, _GET_DIMENSIONS_COUNT, _GET_DIMENSIONS = 60, 61, 62
+_GET_TENSOR_TYPE_AND_SHAPE, _CREATE_CPU_MEMORY_INFO = 65, 69
+_RELEASE_STATUS, _RELEASE_SESSION, _RELEASE_VALUE = 93, 95, 96
+_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, _RELEASE_SESSION_OPTIONS = 99, 100
+_ADD_SESSION_CONFIG_ENTRY, _ADD_INITIALIZER = 130, 150
+_CREATE_PREPACKED_CONTAINER, _RELEASE_PREPACKED_CONTAINER = 166, 167
+_CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER = 169
+
+_P = ctypes.c_void_p
+_PP = ctypes.POINTER(ctypes.c_void_p)
+_STATUS = ctypes.c_void_p
+
+# ONNX element type numbers (TensorProto.DataType) <-> numpy
+_ELEMENT_TYPES = {
+    1: np.float32,
+    2: np.uint8,
+    3: np.int8,
+    4: np.uint16,
+    5: np.int16,
+    6: np.int32,
+    7: np.int64,
+    9: np.bool_,
+    10: np.float16,
+    11: np.float64,
+    12: np.uint32,
+    13: np.uint64,
+}
+_BY_DTYPE = {np.dtype(v): k for k, v in _ELEMENT_TYPES.items()}
+
+
+class CApiUnavailableError(BackendError):
+    """ONNX Runtime's C library cannot be used here; callers fall back to the Python API."""
+
+
+def _library_path() -> Path:
+    folder = Path(onnxruntime.__file__).parent / "capi"
+    candidates = sorted(folder.glob("libonnxruntime.so*")) + sorted(folder.glob("libonnxruntime*.dylib"))
+    if not candidates:
+        raise CApiUnavailableError(f"ONNX Runtime's C library is not in {folder}")
+    return candidates[0]
+
+
+class _Api:
+    """The OrtApi function table, with the signatures Quiver uses."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL(str(_library_path()))
+        except OSError as exc:
+            raise CApiUnavailableError(f"cannot load ONNX Runtime's C library: {exc}") from None
+        lib.OrtGetApiBase.restype = ctypes.POINTER(_P * 2)
+        base = lib.OrtGetApiBase().contents
+        get_api = ctypes.CFUNCTYPE(_P, ctypes.c_uint32)(base[0])
+        table = get_api(_API_VERSION)
+        if not table:
+            raise CApiUnavailableError(f"ONNX Runtime's C library does not offer API version {_API_VERSION}")
+        self._table = ctypes.cast(table, ctypes.POINTER(_P * 200)).contents
+        self._lib = lib
+
+        def fn(index: int, restype: object, *argtypes: object) -> ctypes._CFuncPtr:
+            return ctypes.CFUNCTYPE(restype, *argtypes)(self._table[index])
+
+        self.CreateStatus = fn(_CREATE_STATUS, _STATUS, ctypes.c_int, ctypes.c_char_p)
+        self.GetErrorMessage = fn(_GET_ERROR_MESSAGE, ctypes.c_char_p, _STATUS)
+        self.ReleaseStatus = fn(_RELEASE_STATUS, None, _STATUS)
+        self.CreateEnv = fn(_CREATE_ENV, _STATUS, ctypes.c_int, ctypes.c_char_p, _PP)
+        self.CreateSessionOptions = fn(_CREATE_SESSION_OPTIONS, _STATUS, _PP)
+        self.ReleaseSessionOptions = fn(_RELEASE_SESSION_OPTIONS, None, _P)
+        self.SetGraphOptimizationLevel = fn(_SET_GRAPH_OPTIMIZATION_LEVEL, _STATUS, _P, ctypes.c_int)
+        self.SetIntraOpNumThreads = fn(_SET_INTRA_OP_NUM_THREADS, _STATUS, _P, ctypes.c_int)
+        self.AddSessionConfigEntry = fn(_ADD_SESSION_CONFIG_ENTRY, _STATUS, _P, ctypes.c_char_p, ctypes.c_char_p)
+        self.AddInitializer = fn(_ADD_INITIALIZER, _STATUS, _P, ctypes.c_char_p, _P)
+        self.CreatePrepackedWeightsContainer = fn(_CREATE_PREPACKED_CONTAINER, _STATUS, _PP)
+        self.ReleasePrepackedWeightsContainer = fn(_RELEASE_PREPACKED_CONTAINER, None, _P)
+        self.CreateSessionFromArrayWithContainer = fn(
+            _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER, _STATUS, _P, ctypes.c_char_p, ctypes.c_size_t, _P, _P, _PP
+        )
+        self.ReleaseSession = fn(_RELEASE_SESSION, None, _P)
+        self.CreateCpuMemoryInfo = fn(_CREATE_CPU_MEMORY_INFO, _STATUS, ctypes.c_int, ctypes.c_int, _PP)
+        self.CreateTensorWithDataAsOrtValue = fn(
+            _CREATE_TENSOR_WITH_DATA,
+            _STATUS,
+            _P,
+            _P,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.c_size_t,
+            ctypes.c_int,
+            _PP,
+        )
+        self.ReleaseValue = fn(_RELEASE_VALUE, None, _P)
+        self.Run = fn(
+            _RUN,
+            _STATUS,
+            _P,
+            _P,
+            ctypes.POINTER(ctypes.c_char_p),
+            _PP,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_char_p),
+            ctypes.c_size_t,
+            _PP,
+        )
+        self.GetTensorTypeAndShape = fn(_GET_TENSOR_TYPE_AND_SHAPE, _STATUS, _P, _PP)
+        self.ReleaseTensorTypeAndShapeInfo = fn(_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, None, _P)
+        self.GetTensorElementType = fn(_GET_TENSOR_ELEMENT_TYPE, _STATUS, _P, ctypes.POINTER(ctypes.c_int))
+        self.GetDimensionsCount = fn(_GET_DIMENSIONS_COUNT, _STATUS, _P, ctypes.POINTER(ctypes.c_size_t))
+        self.GetDimensions = fn(_GET_DIMENSIONS, _STATUS, _P, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t)
+        self.GetTensorMutableData = fn(_GET_TENSOR_MUTABLE_DATA, _STATUS, _P, _PP)
+        self._self_check()
+        self.env = self._out(self.CreateEnv, 3, b"quiver")  # ORT_LOGGING_LEVEL_ERROR
+        self.cpu_memory = self._out(self.CreateCpuMemoryInfo, 1, 0)  # OrtArenaAllocator, OrtMemTypeDefault
+
+    def _self_check(self) -> None:
+        """A wrong table index would call the wrong function; prove two of them before trusting any."""
+        status = self.CreateStatus(2, b"quiver-self-check")
+        try:
+            if self.GetErrorMessage(status) != b"quiver-self-check":
+                raise CApiUnavailableError("ONNX Runtime's C API table is not laid out as expected")
+        finally:
+            self.ReleaseStatus(status)
+
+    def check(self, status: int | None) -> None:
+        if status:
+            message = (self.GetErrorMessage(status) or b"").decode(errors="replace")
+            self.ReleaseStatus(status)
+            raise BackendError(f"ONNX Runtime: {message}")
+
+    def _out(self, function: ctypes._CFuncPtr, *args: object) -> int:
+        out = _P()
+        self.check(function(*args, ctypes.byref(out)))
+        return int(out.value or 0)
+
+
+_API: _Api | None = None
+_API_LOCK = threading.Lock()
+
+
+def api() -> _Api:
+    global _API
+    with _API_LOCK:
+        if _API is None:
+            _API = _Api()
+        return _API
+
+
+class PrepackedWeights:
+    """One container per context: the packed copies of shared weights, made once for all its graphs."""
+
+    def __init__(self) -> None:
+        self._api = api()
+        self.handle = self._api._out(self._api.CreatePrepackedWeightsContainer)
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self._api.ReleasePrepackedWeightsContainer(self.handle)
+            self.handle = 0
+
+
+class _Tensor:
+    """An OrtValue over a numpy array's memory (no copy); keeps the array alive."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._api = api()
+        self.array = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        element = _BY_DTYPE.get(self.array.dtype)
+        if element is None:
+            raise BackendError(f"the cpu backend does not exchange {self.array.dtype} tensors")
+        shape = (ctypes.c_int64 * self.array.ndim)(*self.array.shape)
+        self.handle = self._api._out(
+            self._api.CreateTensorWithDataAsOrtValue,
+            self._api.cpu_memory,
+            self.array.ctypes.data_as(_P) if self.array.nbytes else _P(1),
+            self.array.nbytes,
+            shape,
+            self.array.ndim,
+            element,
+        )
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self._api.ReleaseValue(self.handle)
+            self.handle = 0
+
+
+def _to_numpy(value: int) -> np.ndarray:
+    capi = api()
+    info = capi._out(capi.GetTensorTypeAndShape, value)
+    try:
+        element, count = ctypes.c_int(), ctypes.c_size_t()
+        capi.check(capi.GetTensorElementType(info, ctypes.byref(element)))
+        capi.check(capi.GetDimensionsCount(info, ctypes.byref(count)))
+        dims = (ctypes.c_int64 * count.value)()
+        capi.check(capi.GetDimensions(info, dims, count.value))
+    finally:
+        capi.ReleaseTensorTypeAndShapeInfo(info)
+    dtype = _ELEMENT_TYPES.get(element.value)
+    if dtype is None:
+        raise BackendError(f"the cpu backend cannot return ONNX element type {element.value}")
+    result = np.empty(tuple(dims), dtype=dtype)
+    if result.nbytes:
+        data = capi._out(capi.GetTensorMutableData, value)
+        ctypes.memmove(result.ctypes.data, data, result.nbytes)
+    return result
+
+
+class Session:
+    """An ORT session made through the C API, its shared weights bound by AddInitializer and packed once."""
+
+    def __init__(
+        self,
+        model: bytes,
+        weights: Mapping[str, np.ndarray],
+        container: PrepackedWeights,
+        config: Mapping[str, str],
+        intra_op_num_threads: int,
+        optimization_level: int,
+    ) -> None:
+        self._api = capi = api()
+        self._container = container  # must outlive the session
+        self._weights = {name: _Tensor(array) for name, array in weights.items()}  # must outlive the session
+        options = capi._out(capi.CreateSessionOptions)
+        try:
+            capi.check(capi.SetIntraOpNumThreads(options, intra_op_num_threads))
+            capi.check(capi.SetGraphOptimizationLevel(options, optimization_level))
+            for key, value in config.items():
+                capi.check(capi.AddSessionConfigEntry(options, key.encode(), value.encode()))
+            for name, tensor in self._weights.items():
+                capi.check(capi.AddInitializer(options, name.encode(), tensor.handle))
+            self.handle = capi._out(
+                capi.CreateSessionFromArrayWithContainer, capi.env, model, len(model), options, container.handle
+            )
+        finally:
+            capi.ReleaseSessionOptions(options)
+
+    def run(self, output_names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        capi = self._api
+        inputs = [_Tensor(np.asarray(v)) for v in feeds.values()]
+        input_names = (ctypes.c_char_p * len(inputs))(*(n.encode() for n in feeds))
+        input_values = (_P * len(inputs))(*(t.handle for t in inputs))
+        names = (ctypes.c_char_p * len(output_names))(*(n.encode() for n in output_names))
+        outputs = (_P * len(output_names))()
+        capi.check(
+            capi.Run(self.handle, None, input_names, input_values, len(inputs), names, len(output_names), outputs)
+        )
+        try:
+            return [_to_numpy(v) for v in outputs]
+        finally:
+            for v in outputs:
+                if v:
+                    capi.ReleaseValue(v)
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self._api.ReleaseSession(self.handle)
+            self.handle = 0

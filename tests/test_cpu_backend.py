@@ -1,0 +1,95 @@
+"""The cpu backend: lazy weight packing, the shared packing container, and the Python-API fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import quiver
+from quiver.backends import _ort_capi, cpu
+
+
+def _outputs(context: quiver.Context, ids: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: context.graph(name).execute({"input_ids": ids})["last_hidden_state"] for name in context.graph_names}
+
+
+def test_a_graph_runs_unpacked_first_then_packed_with_the_same_outputs(
+    family_context: Path, input_ids: np.ndarray
+) -> None:
+    context = quiver.Context.from_binary(family_context, backend="cpu")
+    first = context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"]
+    executable = context._live["base"]
+    assert isinstance(executable, cpu.CpuExecutable)
+    context.wait_until_ready()
+    assert executable.is_packed
+    later = context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"]
+    np.testing.assert_allclose(first, later, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", [cpu.CpuBackend(lazy_prepack=False), cpu.CpuBackend(prepack=False)])
+def test_eager_packing_and_no_packing_agree_with_onnxruntime(
+    family: dict, family_context: Path, input_ids: np.ndarray, backend: cpu.CpuBackend
+) -> None:
+    context = quiver.Context.from_binary(family_context, backend=backend)
+    for name, ours in _outputs(context, input_ids).items():
+        theirs = ort.InferenceSession(family[name].SerializeToString()).run(None, {"input_ids": input_ids})[0]
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    assert all(e.is_packed == backend.prepack for e in context._live.values())
+
+
+def test_graphs_of_one_context_share_one_packing_container(family_context: Path, input_ids: np.ndarray) -> None:
+    backend = cpu.CpuBackend(lazy_prepack=False)
+    context = quiver.Context.from_binary(family_context, backend=backend)
+    _outputs(context, input_ids)
+    containers = {id(e._session._container) for e in context._live.values()}  # type: ignore[union-attr]
+    assert containers == {id(backend.container())}
+    other = quiver.Context.from_binary(family_context, backend="cpu")
+    assert other._backend.container() is not backend.container()  # type: ignore[attr-defined]
+
+
+def test_releasing_a_graph_while_it_packs_is_safe(family_context: Path, input_ids: np.ndarray) -> None:
+    context = quiver.Context.from_binary(family_context, backend="cpu")
+    context.graph("finetune_1").execute({"input_ids": input_ids})
+    context.release_graph("finetune_1")
+    assert context.live_graphs == []
+    assert context.graph("finetune_1").execute({"input_ids": input_ids})["last_hidden_state"].shape[0] == 2
+
+
+def test_without_the_c_library_the_python_api_runs_the_graph(
+    family: dict, family_context: Path, input_ids: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unavailable(*_: object, **__: object) -> None:
+        raise _ort_capi.CApiUnavailableError("no C library in this test")
+
+    monkeypatch.setattr(_ort_capi.Session, "__init__", unavailable)
+    context = quiver.Context.from_binary(family_context, backend="cpu")
+    ours = context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"]
+    assert isinstance(context._live["base"]._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
+    theirs = ort.InferenceSession(family["base"].SerializeToString()).run(None, {"input_ids": input_ids})[0]
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_the_c_api_table_passes_its_self_check() -> None:
+    capi = _ort_capi.api()
+    assert capi.env and capi.cpu_memory
+    with pytest.raises(quiver.BackendError, match="ONNX Runtime: boom"):
+        capi.check(capi.CreateStatus(1, b"boom"))
+
+
+@pytest.mark.parametrize(("from_bytes", "persistent"), [(False, True), (False, False), (True, True), (True, False)])
+def test_outputs_after_packing_are_right_for_every_kind_of_source(
+    family: dict, family_context: Path, input_ids: np.ndarray, from_bytes: bool, persistent: bool
+) -> None:
+    # Packed weights' mapped pages are dropped only for file mappings; private memory must keep its bytes.
+    source = family_context.read_bytes() if from_bytes else family_context
+    context = quiver.Context.from_binary(source, backend="cpu", persistent=persistent)
+    assert context.file.file_backed == (not from_bytes and persistent)
+    theirs = ort.InferenceSession(family["finetune_2"].SerializeToString()).run(None, {"input_ids": input_ids})[0]
+    for _ in range(2):
+        ours = context.graph("finetune_2").execute({"input_ids": input_ids})["last_hidden_state"]
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+        context.wait_until_ready()
+    assert context._live["finetune_2"].is_packed  # type: ignore[attr-defined]
