@@ -12,6 +12,7 @@ import ctypes
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime
@@ -84,8 +85,8 @@ class _Api:
         self._table = ctypes.cast(table, ctypes.POINTER(_P * 200)).contents
         self._lib = lib
 
-        def fn(index: int, restype: object, *argtypes: object) -> ctypes._CFuncPtr:
-            return ctypes.CFUNCTYPE(restype, *argtypes)(self._table[index])
+        def fn(index: int, restype: Any, *argtypes: Any) -> Any:
+            return ctypes.CFUNCTYPE(restype, *argtypes)(self._table[index] or 0)
 
         self.CreateStatus = fn(_CREATE_STATUS, _STATUS, ctypes.c_int, ctypes.c_char_p)
         self.GetErrorMessage = fn(_GET_ERROR_MESSAGE, ctypes.c_char_p, _STATUS)
@@ -153,7 +154,7 @@ class _Api:
             self.ReleaseStatus(status)
             raise BackendError(f"ONNX Runtime: {message}")
 
-    def _out(self, function: ctypes._CFuncPtr, *args: object) -> int:
+    def _out(self, function: Any, *args: object) -> int:
         out = _P()
         self.check(function(*args, ctypes.byref(out)))
         return int(out.value or 0)
@@ -271,7 +272,7 @@ class Session:
             capi.Run(self.handle, None, input_names, input_values, len(inputs), names, len(output_names), outputs)
         )
         try:
-            return [_to_numpy(v) for v in outputs]
+            return [_to_numpy(int(v or 0)) for v in outputs]
         finally:
             for v in outputs:
                 if v:
