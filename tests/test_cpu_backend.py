@@ -40,12 +40,16 @@ def test_eager_packing_and_no_packing_agree_with_onnxruntime(
     assert all(e.is_packed == backend.prepack for e in context._live.values())
 
 
-def test_graphs_of_one_context_share_one_packing_container(family_context: Path, input_ids: np.ndarray) -> None:
-    backend = cpu.CpuBackend(lazy_prepack=False)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_graphs_of_one_context_share_one_packing_container(family_context: Path, input_ids: np.ndarray,
+                                                           lazy: bool) -> None:
+    backend = cpu.CpuBackend(lazy_prepack=lazy)
     context = quiver.Context.from_binary(family_context, backend=backend)
     _outputs(context, input_ids)
-    containers = {id(e._session._container) for e in context._live.values()}  # type: ignore[union-attr]
-    assert containers == {id(backend.container())}
+    context.wait_until_ready()
+    sessions = [e._session for e in context._live.values()]  # type: ignore[attr-defined]
+    assert all(isinstance(s, _ort_capi.Session) for s in sessions)
+    assert {id(s._container) for s in sessions} == {id(backend.container())}
     other = quiver.Context.from_binary(family_context, backend="cpu")
     assert other._backend.container() is not backend.container()  # type: ignore[attr-defined]
 
@@ -58,6 +62,18 @@ def test_releasing_a_graph_while_it_packs_is_safe(family_context: Path, input_id
     assert context.graph("finetune_1").execute({"input_ids": input_ids})["last_hidden_state"].shape[0] == 2
 
 
+def test_the_first_output_comes_from_an_unpacked_python_api_session(family_context: Path,
+                                                                    input_ids: np.ndarray) -> None:
+    context = quiver.Context.from_binary(family_context, backend="cpu")
+    context.graph("base").execute({"input_ids": input_ids})
+    executable = context._live["base"]
+    context.wait_until_ready()
+    assert executable.is_packed and isinstance(executable._session, _ort_capi.Session)  # type: ignore[attr-defined]
+    unpacked = quiver.Context.from_binary(family_context, backend="cpu-noprepack")
+    unpacked.graph("base").execute({"input_ids": input_ids})
+    assert isinstance(unpacked._live["base"]._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
+
+
 def test_without_the_c_library_the_python_api_runs_the_graph(
     family: dict, family_context: Path, input_ids: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,9 +81,10 @@ def test_without_the_c_library_the_python_api_runs_the_graph(
         raise _ort_capi.CApiUnavailableError("no C library in this test")
 
     monkeypatch.setattr(_ort_capi.Session, "__init__", unavailable)
-    context = quiver.Context.from_binary(family_context, backend="cpu")
+    context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(lazy_prepack=False))
     ours = context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"]
-    assert isinstance(context._live["base"]._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
+    executable = context._live["base"]
+    assert executable.is_packed and isinstance(executable._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
     theirs = ort.InferenceSession(family["base"].SerializeToString()).run(None, {"input_ids": input_ids})[0]
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 

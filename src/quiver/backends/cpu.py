@@ -93,19 +93,24 @@ def _with_in_memory_weights(graph: FinalizedGraph, options: ort.SessionOptions) 
 
 
 class _PythonApiSession:
-    """The fallback: ORT's Python API with in-memory weight files (no packing shared across graphs)."""
+    """A session through ORT's Python API: weights by `add_initializer`, no packing shared across graphs.
 
-    def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
+    Used for the first output (ORT's Python module is loaded already; its C library is not), for
+    `prepack=False`, and where ORT's optimizers need weight bytes (`in_memory`).
+    """
+
+    def __init__(self, graph: FinalizedGraph, backend: CpuBackend, prepack: bool, in_memory: bool,
+                 optimization_level: int) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = backend.intra_op_num_threads
-        options.graph_optimization_level = ort.GraphOptimizationLevel(backend.graph_optimization_level)
+        options.graph_optimization_level = ort.GraphOptimizationLevel(optimization_level)
         options.log_severity_level = 3
-        for key, value in backend.config(prepack=backend.prepack).items():
+        for key, value in backend.config(prepack).items():
             options.add_session_config_entry(key, value)
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in graph.weights.items()}
         for name, value in self._values.items():
             options.add_initializer(name, value)
-        model = _with_in_memory_weights(graph, options)
+        model = _with_in_memory_weights(graph, options) if in_memory else graph.model
         self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
     def run(self, output_names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -113,6 +118,29 @@ class _PythonApiSession:
 
 
 _Session = _ort_capi.Session | _PythonApiSession
+_FIRST_OUTPUT_LEVEL = int(ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)  # cheap to prepare; replaced soon
+
+
+def _create_session(graph: FinalizedGraph, backend: CpuBackend, packed: bool) -> _Session:
+    """A packed session shares the context's container (C API); an unpacked one comes from the Python API."""
+    level = int(backend.graph_optimization_level)
+    try:
+        if packed:
+            try:
+                return _ort_capi.Session(graph.model.SerializeToString(), graph.weights, backend.container(),
+                                         backend.config(prepack=True), backend.intra_op_num_threads, level)
+            except _ort_capi.CApiUnavailableError:
+                pass  # no shared packing on this install: each graph packs its own copy
+        elif backend.prepack and backend.lazy_prepack:
+            level = min(level, _FIRST_OUTPUT_LEVEL)
+        return _PythonApiSession(graph, backend, packed, in_memory=False, optimization_level=level)
+    except Exception as exc:
+        if _EXTERNAL_READ_FAILURE not in str(exc):
+            raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
+    try:
+        return _PythonApiSession(graph, backend, packed, in_memory=True, optimization_level=level)
+    except Exception as exc:
+        raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
 
 class CpuExecutable:
@@ -126,38 +154,15 @@ class CpuExecutable:
         self._prepacked = sum(a.nbytes for a in self._packable)
         self._upgrade: threading.Thread | None = None
         self._released = False
-        packed_now = backend.prepack and not backend.lazy_prepack
-        self._session: _Session | None = self._create(prepack=packed_now)
-        # The Python-API fallback packs (or not) as the backend says, at once.
-        self.is_packed = packed_now or (backend.prepack and isinstance(self._session, _PythonApiSession))
-        if packed_now and isinstance(self._session, _ort_capi.Session):
-            _drop_resident_pages(self._droppable)
+        self.is_packed = backend.prepack and not backend.lazy_prepack
+        self._session: _Session | None = _create_session(graph, backend, packed=self.is_packed)
         self._upgrade_pending = backend.prepack and not self.is_packed
-
-    def _create(self, prepack: bool) -> _Session:
-        graph, backend = self._graph, self._backend
-        try:
-            return _ort_capi.Session(
-                graph.model.SerializeToString(),
-                graph.weights,
-                backend.container(),
-                backend.config(prepack),
-                backend.intra_op_num_threads,
-                int(backend.graph_optimization_level),
-            )
-        except _ort_capi.CApiUnavailableError:
-            pass  # no shared packing on this install; the Python API still runs the graph
-        except BackendError as exc:
-            if _EXTERNAL_READ_FAILURE not in str(exc):
-                raise BackendError(f"cpu backend cannot prepare graph {graph.name!r}: {exc}") from None
-        try:
-            return _PythonApiSession(graph, backend)
-        except Exception as exc:
-            raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
+        if self.is_packed:
+            _drop_resident_pages(self._droppable)
 
     def _build_packed_session(self) -> None:
         try:
-            packed = self._create(prepack=True)
+            packed = _create_session(self._graph, self._backend, packed=True)
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         if not self._released:
