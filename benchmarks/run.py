@@ -80,6 +80,23 @@ else:
 print(json.dumps({"env_ms": env_ms, "open_first_ms": (time.perf_counter() - start) * 1e3}))
 """
 
+_BUILD_WORKER = """
+import json, sys
+import quiver
+
+def high_water_mark():  # VmHWM: peak RSS of this address space (ru_maxrss would include the parent's)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+before = high_water_mark()
+context = quiver.Context.create("cpu", workdir=sys.argv[1])
+for path in sys.argv[3:]:
+    context.add_graph(path.rsplit("/", 1)[-1].removesuffix(".onnx"), path)
+context.save(sys.argv[2])
+print(json.dumps({"peak_rss_bytes": high_water_mark(), "rss_before_bytes": before}))
+"""
+
 _MEMORY_WORKER = """
 import gc, json, sys
 import numpy as np, onnxruntime as ort, psutil
@@ -122,6 +139,17 @@ def build_family(folder: Path, count: int) -> tuple[dict[str, Path], Path, float
     qctx = context.save(folder / "family.qctx")
     context.close()
     return paths, qctx, time.perf_counter() - start
+
+
+def measure_build_memory(paths: dict[str, Path], folder: Path) -> dict[str, Any]:
+    """Peak RSS of building the whole family from its files, in a fresh process: bounded by one model."""
+    result = _worker(_BUILD_WORKER, str(folder), str(folder / "rebuilt.qctx"), *map(str, paths.values()))
+    largest = max(p.stat().st_size for p in paths.values())
+    result["largest_model_bytes"] = largest
+    result["family_bytes"] = sum(p.stat().st_size for p in paths.values())
+    result["peak_over_largest_model"] = (result["peak_rss_bytes"] - result["rss_before_bytes"]) / largest
+    (folder / "rebuilt.qctx").unlink()
+    return result
 
 
 def measure_size(paths: dict[str, Path], qctx: Path) -> dict[str, Any]:
@@ -257,6 +285,7 @@ def main() -> None:
         }
         print("size ...", file=sys.stderr)
         report["size"] = measure_size(paths, qctx)
+        report["build_memory"] = measure_build_memory(paths, folder)
         print("open to first output ...", file=sys.stderr)
         report["open_to_first_output"] = measure_open(paths["base"], qctx, ids_path, args.repeats)
         short_ids_path = folder / "short_ids.npy"

@@ -41,8 +41,9 @@ def test_eager_packing_and_no_packing_agree_with_onnxruntime(
 
 
 @pytest.mark.parametrize("lazy", [False, True])
-def test_graphs_of_one_context_share_one_packing_container(family_context: Path, input_ids: np.ndarray,
-                                                           lazy: bool) -> None:
+def test_graphs_of_one_context_share_one_packing_container(
+    family_context: Path, input_ids: np.ndarray, lazy: bool
+) -> None:
     backend = cpu.CpuBackend(lazy_prepack=lazy)
     context = quiver.Context.from_binary(family_context, backend=backend)
     _outputs(context, input_ids)
@@ -62,8 +63,9 @@ def test_releasing_a_graph_while_it_packs_is_safe(family_context: Path, input_id
     assert context.graph("finetune_1").execute({"input_ids": input_ids})["last_hidden_state"].shape[0] == 2
 
 
-def test_the_first_output_comes_from_an_unpacked_python_api_session(family_context: Path,
-                                                                    input_ids: np.ndarray) -> None:
+def test_the_first_output_comes_from_an_unpacked_python_api_session(
+    family_context: Path, input_ids: np.ndarray
+) -> None:
     context = quiver.Context.from_binary(family_context, backend="cpu")
     context.graph("base").execute({"input_ids": input_ids})
     executable = context._live["base"]

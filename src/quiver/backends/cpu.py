@@ -99,8 +99,9 @@ class _PythonApiSession:
     `prepack=False`, and where ORT's optimizers need weight bytes (`in_memory`).
     """
 
-    def __init__(self, graph: FinalizedGraph, backend: CpuBackend, prepack: bool, in_memory: bool,
-                 optimization_level: int) -> None:
+    def __init__(
+        self, graph: FinalizedGraph, backend: CpuBackend, prepack: bool, in_memory: bool, optimization_level: int
+    ) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = backend.intra_op_num_threads
         options.graph_optimization_level = ort.GraphOptimizationLevel(optimization_level)
@@ -127,8 +128,14 @@ def _create_session(graph: FinalizedGraph, backend: CpuBackend, packed: bool) ->
     try:
         if packed:
             try:
-                return _ort_capi.Session(graph.model.SerializeToString(), graph.weights, backend.container(),
-                                         backend.config(prepack=True), backend.intra_op_num_threads, level)
+                return _ort_capi.Session(
+                    graph.model.SerializeToString(),
+                    graph.weights,
+                    backend.container(),
+                    backend.config(prepack=True),
+                    backend.intra_op_num_threads,
+                    level,
+                )
             except _ort_capi.CApiUnavailableError:
                 pass  # no shared packing on this install: each graph packs its own copy
         elif backend.prepack and backend.lazy_prepack:

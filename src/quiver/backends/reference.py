@@ -18,23 +18,18 @@ from quiver.errors import BackendError
 from quiver.ir.ops import MS_DOMAIN
 
 
-class _MsGelu(OpRun):
-    op_domain = MS_DOMAIN
-
-    def _run(self, x):  # type: ignore[no-untyped-def]
-        erf = np.vectorize(math.erf, otypes=[np.float64])
-        return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
+def _ms_gelu(self: OpRun, x: np.ndarray, approximate: str | None = None) -> tuple[np.ndarray]:
+    # onnx.reference matches the ONNX Gelu schema, so it passes its `approximate` attribute; MS Gelu is exact
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
 
 
-class _MsQuantizeLinear(QuantizeLinear_21):
-    op_domain = MS_DOMAIN
-
-
-class _MsDequantizeLinear(DequantizeLinear_21):
-    op_domain = MS_DOMAIN
-
-
-_MS_OPS: list[Any] = [_MsGelu, _MsQuantizeLinear, _MsDequantizeLinear]
+# onnx.reference finds an operator by its class name, so each class is named after its op type.
+_MS_OPS: list[Any] = [
+    type("Gelu", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gelu}),
+    type("QuantizeLinear", (QuantizeLinear_21,), {"op_domain": MS_DOMAIN}),
+    type("DequantizeLinear", (DequantizeLinear_21,), {"op_domain": MS_DOMAIN}),
+]
 
 
 def _as_declared(result: np.ndarray, dtype: np.dtype) -> np.ndarray:

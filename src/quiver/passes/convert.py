@@ -131,8 +131,11 @@ def convert(
     """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph."""
     loaded, base = load_model(source)
     label = label or (str(source) if not isinstance(source, onnx.ModelProto) else (loaded.graph.name or "model"))
-    model = onnx.ModelProto()
-    model.CopyFrom(loaded)
+    if isinstance(source, onnx.ModelProto):  # the caller's object: work on a copy
+        model = onnx.ModelProto()
+        model.CopyFrom(loaded)
+    else:
+        model = loaded
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     check_operators(model, label)
