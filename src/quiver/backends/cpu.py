@@ -108,6 +108,10 @@ class _PythonApiSession:
         options.log_severity_level = 3
         for key, value in backend.config(prepack).items():
             options.add_session_config_entry(key, value)
+        if backend.prepack and not prepack:
+            # A stand-in until the packed session is ready: its threads should not spin after a run and
+            # keep the packing thread off the cores.
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in graph.weights.items()}
         for name, value in self._values.items():
             options.add_initializer(name, value)
@@ -189,7 +193,8 @@ class CpuExecutable:
             raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
         if self._upgrade_pending:
             self._upgrade_pending = False
-            self._upgrade = threading.Thread(target=self._build_packed_session, name="quiver-prepack", daemon=True)
+            # Not a daemon: at exit the interpreter waits for it rather than tearing ORT down mid-session.
+            self._upgrade = threading.Thread(target=self._build_packed_session, name="quiver-prepack")
             self._upgrade.start()
         return outputs
 

@@ -61,7 +61,6 @@ class ContextWriter:
         self._weights: list[WeightRecord] = []
         self._by_key: dict[ContentKey, int] = {}
         self._graphs: dict[str, tuple[bytes, dict[str, int]]] = {}
-        self.bytes_offered = 0  # weight bytes as referenced by all graphs, before sharing
 
     @property
     def weights(self) -> list[WeightRecord]:
@@ -90,7 +89,6 @@ class ContextWriter:
         if written != expected:
             self._file.truncate(self._end)
             raise ContextStateError(f"tensor of {dtype}{list(shape)} needs {expected} bytes, got {written}")
-        self.bytes_offered += written
         key: ContentKey = (dtype, shape, digest.hexdigest())
         if key in self._by_key:
             # Identical content is already stored: drop the bytes just written.

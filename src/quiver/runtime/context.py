@@ -63,7 +63,8 @@ class Context:
 
     Build: `Context.create()`, `add_graph(...)`, `finalize()`, `save()`. Load: `Context.from_binary(...)`.
     Graphs are prepared on first use; with `memory_limit_hint_mb` the least recently used graph's
-    backend state is released when the live graphs' private memory exceeds the hint. Weights are
+    backend state is released when the live graphs' estimated backend memory (`Executable.private_bytes`;
+    for the cpu backend, the weight bytes ORT packs for the graph) exceeds the hint. Weights are
     in memory once (mapped from the binary), whichever graphs are live.
     """
 

@@ -144,8 +144,11 @@ def build(models: tuple[str, ...], output: Path, input_shapes: tuple[str, ...], 
         task = progress.add_task("building", total=len(parsed))
         for path, name in parsed:
             progress.update(task, description=f"adding {name}")
-            model_inputs = {i.name for i in load_model(path)[0].graph.input}
-            context.add_graph(name, path, {k: v for k, v in shapes.items() if k in model_inputs} or None)
+            fixed = None
+            if shapes:  # fix only the inputs this model has (a family may differ in its inputs)
+                model_inputs = {i.name for i in load_model(path)[0].graph.input}
+                fixed = {k: v for k, v in shapes.items() if k in model_inputs} or None
+            context.add_graph(name, path, fixed)
             progress.advance(task)
         progress.update(task, description="writing")
         context.save(output)
