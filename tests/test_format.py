@@ -279,3 +279,46 @@ def test_random_corruption_never_escapes_as_anything_but_a_quiver_error(good: by
             file.verify()
         except quiver.QuiverError:
             pass
+
+
+def _reseal_skeleton(data: bytes, graph: str, skeleton: bytes) -> bytes:
+    """Replaces a graph's skeleton bytes (same length) and fixes its checksum: damage the checksum cannot see."""
+    file = ContextFile(data)
+    entry = file.graphs[graph]
+    assert len(skeleton) == entry.length
+    body = data[: entry.offset] + skeleton + data[entry.offset + entry.length :]
+
+    def fix(header: dict) -> None:
+        for g in header["graphs"]:
+            if g["name"] == graph:
+                g["sha256"] = hashlib.sha256(skeleton).hexdigest()
+
+    return _rewrite_header(body, fix)
+
+
+def test_a_skeleton_that_is_not_onnx_is_refused_when_its_graph_is_opened(family_context: Path) -> None:
+    data = family_context.read_bytes()
+    length = ContextFile(data).graphs["base"].length
+    damaged = _reseal_skeleton(data, "base", b"\xff" * length)
+    context = quiver.Context.from_binary(damaged)
+    with pytest.raises(quiver.InvalidHeaderError, match="not a valid ONNX structure"):
+        context.graph("base")
+    assert context.graph("finetune_1").name == "finetune_1"  # the other graphs still open
+
+
+def test_a_skeleton_whose_placeholders_do_not_match_the_weights_is_refused(family_context: Path) -> None:
+    data = family_context.read_bytes()
+
+    def drop_one(header: dict) -> None:
+        header["graphs"][0]["weights"].pop(next(iter(header["graphs"][0]["weights"])))
+
+    def point_elsewhere(header: dict) -> None:
+        weights = header["graphs"][0]["weights"]
+        first = next(iter(weights))
+        # a weight of another shape: the last one stored is a fine-tune's, the first is the embedding
+        weights[first] = 0 if weights[first] != 0 else len(header["weights"]) - 1
+
+    with pytest.raises(quiver.InvalidHeaderError, match="weight map does not match"):
+        quiver.Context.from_binary(_rewrite_header(data, drop_one)).graph("base")
+    with pytest.raises(quiver.InvalidHeaderError, match="does not match weight"):
+        quiver.Context.from_binary(_rewrite_header(data, point_elsewhere)).graph("base")

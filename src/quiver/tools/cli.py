@@ -252,7 +252,16 @@ def run(
             graph_name = context.graph_names[0]
         start = time.perf_counter()
         shapes = {name: [int(d) for d in dims] for name, dims in _parse_shape_args(input_shapes).items()}
-        written = run_input_list(context.graph(graph_name), input_list, output_dir, npy=npy, shapes=shapes)
+        with _progress(quiet=False) as progress:
+            task = progress.add_task(f"running {graph_name}", total=None)
+            written = run_input_list(
+                context.graph(graph_name),
+                input_list,
+                output_dir,
+                npy=npy,
+                shapes=shapes,
+                on_result=lambda done, total: progress.update(task, completed=done, total=total),
+            )
         elapsed = time.perf_counter() - start
     results = len({p.parent for p in written})
     err_console.print(f"{results} result(s), {len(written)} output file(s) in {output_dir} ({elapsed:.2f} s)")

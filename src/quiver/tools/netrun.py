@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -100,11 +100,16 @@ def run_input_list(
     output_dir: str | Path,
     npy: bool = False,
     shapes: Mapping[str, Sequence[int]] | None = None,
+    on_result: Callable[[int, int], object] | None = None,
 ) -> list[Path]:
-    """Executes the graph for each line of the list; writes `Result_<i>/<output>.raw` (and `.npy`)."""
+    """Executes the graph for each line of the list; writes `Result_<i>/<output>.raw` (and `.npy`).
+
+    `on_result(done, total)` is called after each result (for progress bars).
+    """
     output_dir = Path(output_dir)
     written = []
-    for index, feed in enumerate(parse_input_list(list_path, graph, shapes)):
+    feeds = parse_input_list(list_path, graph, shapes)
+    for index, feed in enumerate(feeds):
         result_dir = output_dir / f"Result_{index}"
         result_dir.mkdir(parents=True, exist_ok=True)
         for name, value in graph.execute(feed).items():
@@ -113,4 +118,6 @@ def run_input_list(
             written.append(raw)
             if npy:
                 np.save(result_dir / f"{output_file_stem(name)}.npy", value)
+        if on_result is not None:
+            on_result(index + 1, len(feeds))
     return written
