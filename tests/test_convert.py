@@ -152,3 +152,17 @@ def test_a_graph_with_shared_and_inline_weights_matches_onnxruntime(family: dict
         ours = context.finalize().graph("mm").execute({"x": x})["y"]
     theirs = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_small_tensors_in_external_data_are_inlined_like_any_small_tensor(tmp_path: Path) -> None:
+    weight = np.random.default_rng(4).standard_normal((64, 16)).astype(np.float32)
+    model = _matmul_model(weight)
+    model.graph.node.append(helper.make_node("Add", ["y", "b"], ["z"]))
+    model.graph.initializer.append(numpy_helper.from_array(np.arange(16, dtype=np.float32), "b"))
+    model.graph.output[0].name = "z"
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="m.data", size_threshold=0)
+    converted = convert(tmp_path / "m.onnx")
+    assert list(converted.weights) == ["w"]
+    inline = {t.name: t for t in converted.skeleton.graph.initializer}
+    assert inline["b"].data_location == TensorProto.DEFAULT
+    np.testing.assert_array_equal(numpy_helper.to_array(inline["b"]), np.arange(16, dtype=np.float32))

@@ -201,3 +201,18 @@ def test_a_real_shaped_family_builds_within_one_percent_of_its_unique_weights(tm
         ours = context.graph(name).execute({"input_ids": ids})["last_hidden_state"]
         np.testing.assert_allclose(ours, _ort(model, ids), atol=1e-4, rtol=0)
     assert BENCH.hidden > shape.hidden  # the benchmark family is larger still
+
+
+def test_a_context_has_no_graph_limit(family: dict) -> None:
+    # QNN stops at 64 graphs per context; Quiver has no limit.
+    with quiver.Context.create("reference") as context:
+        for index in range(80):
+            context.add_graph(f"variant_{index:02d}", family["base"])
+        context.finalize()
+        assert len(context.graph_names) == 80
+        stats = context.weight_stats()
+        assert stats.referenced_bytes == 80 * stats.unique_bytes
+        ids = np.zeros((1, 4), np.int64)
+        first = context.graph("variant_00").execute({"input_ids": ids})["last_hidden_state"]
+        last = context.graph("variant_79").execute({"input_ids": ids})["last_hidden_state"]
+        np.testing.assert_array_equal(first, last)

@@ -147,12 +147,12 @@ def convert(
     inline = []
     for tensor in graph.initializer:
         src = tensor_source(tensor, base)
-        if src.nbytes >= INLINE_LIMIT or src.array is None:
+        if src.nbytes >= INLINE_LIMIT:
             weights[tensor.name] = src
             inline.append(_placeholder(tensor))
-        else:
-            known[tensor.name] = src.array
-            inline.append(tensor)
+        else:  # small: inline in the skeleton (read from external data if it lives there)
+            known[tensor.name] = array = src.to_array()
+            inline.append(tensor if src.array is not None else numpy_helper.from_array(array, tensor.name))
     del graph.initializer[:]
     graph.initializer.extend(inline)
     # Initializers listed as inputs (IR < 4 style) are weights here, not inputs.
