@@ -6,6 +6,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"QCTX\r\n\x1a\n"
+SECTION_MAGIC = b"QSEC\r\n\x1a\n"
 MAJOR = 1
 MINOR = 0
 PREAMBLE = struct.Struct("<8sHHIQQQ32sQ")
@@ -31,9 +32,9 @@ class Preamble:
     header_sha256: bytes
     reserved: int = 0
 
-    def pack(self) -> bytes:
+    def pack(self, magic: bytes = MAGIC) -> bytes:
         return PREAMBLE.pack(
-            MAGIC,
+            magic,
             self.major,
             self.minor,
             self.flags,

@@ -8,7 +8,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -144,8 +144,19 @@ def _check_order(regions: list[tuple[int, int, str]]) -> None:
         previous_end, previous = offset + length, what
 
 
-class ContextFile:
-    """A validated `.qctx` file over a read-only buffer (a file mapping or bytes)."""
+_T = TypeVar("_T", bound="TensorFile")
+
+
+class TensorFile:
+    """A validated Quiver tensor file (preamble, content-keyed tensors, JSON header) over a read-only buffer.
+
+    Subclasses name their magic and format and parse their own header fields (`_parse_rest`).
+    """
+
+    MAGIC = MAGIC
+    FORMAT = "qctx"
+    WHAT = "context binary"
+    REMEDY = "rebuild it with `quiver build`"
 
     def __init__(self, buffer: mmap.mmap | bytes | bytearray | memoryview, source: str = "<bytes>") -> None:
         self.source = source
@@ -153,19 +164,19 @@ class ContextFile:
         self._buffer = memoryview(buffer).cast("B")
         size = len(self._buffer)
         if size < PREAMBLE_SIZE:
-            raise TruncatedFileError(f"{source}: {size} bytes is too short for a context binary; the file is truncated")
+            raise TruncatedFileError(f"{source}: {size} bytes is too short for a {self.WHAT}; the file is truncated")
         magic, pre = Preamble.unpack(bytes(self._buffer[:PREAMBLE_SIZE]))
-        if magic != MAGIC:
-            raise BadMagicError(f"{source} is not a Quiver context binary (wrong magic); build one with `quiver build`")
+        if magic != self.MAGIC:
+            raise BadMagicError(f"{source} is not a Quiver {self.WHAT} (wrong magic); {self.REMEDY}")
         if pre.major != MAJOR or pre.flags != 0:
             raise UnsupportedVersionError(
                 f"{source} uses format {pre.major}.{pre.minor} (flags {pre.flags:#x}); this Quiver reads format "
-                f"{MAJOR}.x: upgrade Quiver or rebuild the context with this version"
+                f"{MAJOR}.x: upgrade Quiver or {self.REMEDY} with this version"
             )
         if pre.file_length != size:
             raise TruncatedFileError(
                 f"{source} records {pre.file_length} bytes but has {size}; the file is truncated or was "
-                "extended: copy it again or rebuild it"
+                f"extended: copy it again or {self.REMEDY}"
             )
         if pre.header_length > MAX_HEADER:
             raise HeaderTooLargeError(
@@ -174,7 +185,7 @@ class ContextFile:
         if pre.header_offset < DATA_START or pre.header_offset + pre.header_length != size or pre.header_length < 2:
             raise OutOfBoundsError(
                 f"{source}: header at {pre.header_offset}+{pre.header_length} is not the tail of the "
-                f"{size}-byte file; the file is damaged: rebuild it"
+                f"{size}-byte file; the file is damaged: {self.REMEDY}"
             )
         if pre.reserved != 0:
             raise _fail(f"{source}: reserved preamble field is not zero")
@@ -183,6 +194,7 @@ class ContextFile:
             raise ChecksumMismatchError(f"{source}: header checksum mismatch; the file is damaged: copy it again")
         self.minor_version = pre.minor
         self.header_offset = pre.header_offset
+        self.header_sha256 = pre.header_sha256.hex()  # the file's identity: covers every region's checksum
         self._parse_header(header_bytes)
 
     def _parse_header(self, header_bytes: bytes) -> None:
@@ -190,8 +202,8 @@ class ContextFile:
             header = json.loads(header_bytes.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise _fail(f"header is not UTF-8 JSON ({exc})") from None
-        if not isinstance(header, dict) or header.get("format") != "qctx":
-            raise _fail('header must be an object with "format": "qctx"')
+        if not isinstance(header, dict) or header.get("format") != self.FORMAT:
+            raise _fail(f'header must be an object with "format": "{self.FORMAT}"')
         producer = header.get("producer")
         if not isinstance(producer, dict):
             raise _fail("header.producer must be an object")
@@ -206,19 +218,18 @@ class ContextFile:
         keys = {(w.dtype, w.shape, w.sha256) for w in self.weights}
         if len(keys) != len(self.weights):
             raise _fail("two weights have the same content key; each distinct tensor must be stored once")
-        self.graphs: dict[str, GraphEntry] = {}
-        for raw in graphs_raw:
-            entry = _parse_graph(raw, limit, len(self.weights))
-            if entry.name in self.graphs:
-                raise _fail(f"graph name {entry.name!r} appears twice")
-            self.graphs[entry.name] = entry
-        _check_order(
-            [(w.offset, w.length, f"weight {w.index}") for w in self.weights]
-            + [(g.offset, g.length, f"graph {g.name!r}") for g in self.graphs.values()]
-        )
+        regions = self._parse_rest(header, graphs_raw, limit)
+        _check_order([(w.offset, w.length, f"weight {w.index}") for w in self.weights] + regions)
+
+    def _parse_rest(self, header: dict[str, Any], graphs_raw: list[Any], limit: int) -> list[tuple[int, int, str]]:
+        """Parses the subclass's fields; returns the regions they own, for the ordering check."""
+        raise NotImplementedError
+
+    def _regions(self) -> list[tuple[int, int]]:
+        return [(w.offset, w.length) for w in self.weights]
 
     @classmethod
-    def open(cls, path: str | Path, persistent: bool = True) -> ContextFile:
+    def open(cls: type[_T], path: str | Path, persistent: bool = True) -> _T:
         """Maps `path` read-only (persistent) or reads it into private memory."""
         path = Path(path)
         try:
@@ -250,6 +261,47 @@ class ContextFile:
         )
         return array.reshape(w.shape)
 
+    def verify(self) -> list[str]:
+        """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
+        problems = [
+            f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch"
+            for w in self.weights
+            if hashlib.sha256(self._buffer[w.offset : w.offset + w.length]).hexdigest() != w.sha256
+        ]
+        problems += self._verify_rest()
+        regions = sorted([(0, PREAMBLE_SIZE), *self._regions(), (self.header_offset, 0)])
+        for (start, length), (next_start, _) in zip(regions, regions[1:]):
+            if any(self._buffer[start + length : next_start].tobytes()):
+                problems.append(f"non-zero padding between bytes {start + length} and {next_start}")
+        return problems
+
+    def _verify_rest(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        try:
+            self._buffer.release()
+            if self._mmap is not None:
+                self._mmap.close()
+        except BufferError:
+            pass  # arrays still view the buffer; it is released when they are gone
+
+
+class ContextFile(TensorFile):
+    """A validated `.qctx` file: content-keyed weights plus one ONNX skeleton per graph."""
+
+    def _parse_rest(self, header: dict[str, Any], graphs_raw: list[Any], limit: int) -> list[tuple[int, int, str]]:
+        self.graphs: dict[str, GraphEntry] = {}
+        for raw in graphs_raw:
+            entry = _parse_graph(raw, limit, len(self.weights))
+            if entry.name in self.graphs:
+                raise _fail(f"graph name {entry.name!r} appears twice")
+            self.graphs[entry.name] = entry
+        return [(g.offset, g.length, f"graph {g.name!r}") for g in self.graphs.values()]
+
+    def _regions(self) -> list[tuple[int, int]]:
+        return super()._regions() + [(g.offset, g.length) for g in self.graphs.values()]
+
     def skeleton(self, name: str) -> bytes:
         """The graph's ONNX structure, its checksum verified."""
         g = self.graphs[name]
@@ -260,31 +312,9 @@ class ContextFile:
             )
         return data
 
-    def verify(self) -> list[str]:
-        """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
-        problems = []
-        for w in self.weights:
-            if hashlib.sha256(self._buffer[w.offset : w.offset + w.length]).hexdigest() != w.sha256:
-                problems.append(f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch")
-        for g in self.graphs.values():
-            if hashlib.sha256(self._buffer[g.offset : g.offset + g.length]).hexdigest() != g.sha256:
-                problems.append(f"graph {g.name!r} checksum mismatch")
-        regions = sorted(
-            [(0, PREAMBLE_SIZE)]
-            + [(w.offset, w.length) for w in self.weights]
-            + [(g.offset, g.length) for g in self.graphs.values()]
-            + [(self.header_offset, 0)]
-        )
-        for (start, length), (next_start, _) in zip(regions, regions[1:]):
-            gap = self._buffer[start + length : next_start]
-            if any(gap.tobytes()):
-                problems.append(f"non-zero padding between bytes {start + length} and {next_start}")
-        return problems
-
-    def close(self) -> None:
-        try:
-            self._buffer.release()
-            if self._mmap is not None:
-                self._mmap.close()
-        except BufferError:
-            pass  # arrays still view the buffer; it is released when they are gone
+    def _verify_rest(self) -> list[str]:
+        return [
+            f"graph {g.name!r} checksum mismatch"
+            for g in self.graphs.values()
+            if hashlib.sha256(self._buffer[g.offset : g.offset + g.length]).hexdigest() != g.sha256
+        ]

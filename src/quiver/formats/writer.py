@@ -11,13 +11,14 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
 from quiver.formats._layout import (
     ALIGNMENT,
     DATA_START,
+    MAGIC,
     MAJOR,
     MINOR,
     Preamble,
@@ -26,6 +27,7 @@ from quiver.formats._layout import (
 )
 from quiver.ir import dtypes
 
+_W = TypeVar("_W", bound="TensorFileWriter")
 ContentKey = tuple[str, tuple[int, ...], str]  # (dtype, shape, sha256 of bytes)
 
 
@@ -44,15 +46,18 @@ class WeightRecord:
     sha256: str
 
 
-class ContextWriter:
+class TensorFileWriter:
     """Writes weights as they come, each distinct content once, into a temporary file.
 
     Memory stays bounded by one chunk plus the graph skeletons. `finish()` makes the file whole and
     moves it into place; until then the temporary file has no valid preamble.
     """
 
+    MAGIC = MAGIC
+    FORMAT = "qctx"
+
     def __init__(self, directory: str | Path | None = None) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".qctx-", suffix=".partial", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.FORMAT}-", suffix=".partial", dir=directory)
         self._path = Path(tmp)
         self._file: BinaryIO = os.fdopen(fd, "w+b")
         self._file.write(b"\0" * DATA_START)
@@ -99,37 +104,26 @@ class ContextWriter:
         self._by_key[key] = len(self._weights) - 1
         return len(self._weights) - 1
 
-    def add_graph(self, name: str, skeleton: bytes, weights: Mapping[str, int]) -> None:
-        self._require(_State.WEIGHTS)
-        if name in self._graphs:
-            raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
+    def _check_indices(self, graph: str, weights: Mapping[str, int]) -> None:
         for index in weights.values():
             if not 0 <= index < len(self._weights):
-                raise ContextStateError(f"graph {name!r} refers to weight {index}, which was never added")
-        self._graphs[name] = (skeleton, dict(weights))
+                raise ContextStateError(f"graph {graph!r} refers to weight {index}, which was never added")
+
+    def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """Writes the subclass's regions from `offset`; returns their header entries and the new end."""
+        raise NotImplementedError
+
+    def _header_fields(self) -> dict[str, Any]:
+        return {}
 
     def _write_tail(self) -> None:
-        graph_entries = []
-        offset = self._end
         self._file.seek(self._end)
-        for name, (skeleton, weights) in self._graphs.items():
-            start = align_up(offset, ALIGNMENT)
-            self._file.write(b"\0" * (start - offset))
-            self._file.write(skeleton)
-            offset = start + len(skeleton)
-            graph_entries.append(
-                {
-                    "name": name,
-                    "offset": start,
-                    "length": len(skeleton),
-                    "sha256": hashlib.sha256(skeleton).hexdigest(),
-                    "weights": dict(sorted(weights.items())),
-                }
-            )
+        graph_entries, offset = self._write_graphs(self._end)
         header = json.dumps(
             {
-                "format": "qctx",
+                "format": self.FORMAT,
                 "producer": {"name": "quiver", "version": __version__},
+                **self._header_fields(),
                 "weights": [
                     {
                         "dtype": w.dtype,
@@ -153,7 +147,7 @@ class ContextWriter:
         os.fsync(self._file.fileno())
         # The preamble goes last: until it is written the file cannot be mistaken for a whole one.
         self._file.seek(0)
-        self._file.write(preamble.pack())
+        self._file.write(preamble.pack(self.MAGIC))
         self._file.flush()
         os.fsync(self._file.fileno())
 
@@ -179,12 +173,45 @@ class ContextWriter:
             self._path.unlink(missing_ok=True)
             self._state = _State.ABORTED
 
-    def __enter__(self) -> ContextWriter:
+    def __enter__(self: _W) -> _W:
         return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is not None:
             self.abort()
+
+
+class ContextWriter(TensorFileWriter):
+    """Writes a `.qctx`: the weights, then one ONNX skeleton per graph."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        super().__init__(directory)
+        self._graphs: dict[str, tuple[bytes, dict[str, int]]] = {}
+
+    def add_graph(self, name: str, skeleton: bytes, weights: Mapping[str, int]) -> None:
+        self._require(_State.WEIGHTS)
+        if name in self._graphs:
+            raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
+        self._check_indices(name, weights)
+        self._graphs[name] = (skeleton, dict(weights))
+
+    def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        entries = []
+        for name, (skeleton, weights) in self._graphs.items():
+            start = align_up(offset, ALIGNMENT)
+            self._file.write(b"\0" * (start - offset))
+            self._file.write(skeleton)
+            offset = start + len(skeleton)
+            entries.append(
+                {
+                    "name": name,
+                    "offset": start,
+                    "length": len(skeleton),
+                    "sha256": hashlib.sha256(skeleton).hexdigest(),
+                    "weights": dict(sorted(weights.items())),
+                }
+            )
+        return entries, offset
 
 
 def publish(source: Path, destination: Path) -> None:
