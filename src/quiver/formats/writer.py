@@ -65,7 +65,6 @@ class TensorFileWriter:
         self._state = _State.WEIGHTS
         self._weights: list[WeightRecord] = []
         self._by_key: dict[ContentKey, int] = {}
-        self._graphs: dict[str, tuple[bytes, dict[str, int]]] = {}
 
     @property
     def weights(self) -> list[WeightRecord]:
