@@ -24,6 +24,8 @@ from quiver.errors import (
     OutOfBoundsError,
     OverlappingRegionsError,
     QuiverError,
+    SectionMismatchError,
+    TensorUpdateError,
     TruncatedFileError,
     UnknownBackendError,
     UnknownGraphError,
@@ -87,4 +89,6 @@ __all__ = [
     "BackendError",
     "UnknownBackendError",
     "InputListError",
+    "SectionMismatchError",
+    "TensorUpdateError",
 ]

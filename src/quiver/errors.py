@@ -113,5 +113,13 @@ class UnknownBackendError(QuiverError):
     """No backend of that name is registered."""
 
 
+class TensorUpdateError(QuiverError):
+    """A staged tensor update names no updateable tensor, or has the wrong shape or dtype."""
+
+
+class SectionMismatchError(QuiverError):
+    """A binary section does not fit this context: made for another one, or for other graphs or tensors."""
+
+
 class InputListError(QuiverError):
     """A qnn-net-run style input list is malformed."""

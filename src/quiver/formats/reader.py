@@ -54,6 +54,7 @@ class GraphEntry:
     length: int
     sha256: str
     weights: dict[str, int]
+    updateable: tuple[str, ...] = ()  # weights a binary section may replace (format 1.1)
 
 
 def _fail(message: str) -> InvalidHeaderError:
@@ -130,7 +131,12 @@ def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
         if _int(index, f"graph {name!r} weight {tensor!r}") >= weight_count:
             raise _fail(f"graph {name!r} maps {tensor!r} to weight {index}, but there are {weight_count}")
         weights[tensor] = index
-    return GraphEntry(name, offset, length, _sha(raw.get("sha256"), f"graph {name!r} sha256"), weights)
+    updateable = raw.get("updateable", [])
+    if not isinstance(updateable, list) or any(not isinstance(t, str) or t not in weights for t in updateable):
+        raise _fail(f"graph {name!r} updateable must list names of its weights")
+    return GraphEntry(
+        name, offset, length, _sha(raw.get("sha256"), f"graph {name!r} sha256"), weights, tuple(updateable)
+    )
 
 
 def _check_order(regions: list[tuple[int, int, str]]) -> None:

@@ -185,18 +185,21 @@ class ContextWriter(TensorFileWriter):
 
     def __init__(self, directory: str | Path | None = None) -> None:
         super().__init__(directory)
-        self._graphs: dict[str, tuple[bytes, dict[str, int]]] = {}
+        self._graphs: dict[str, tuple[bytes, dict[str, int], list[str]]] = {}
 
-    def add_graph(self, name: str, skeleton: bytes, weights: Mapping[str, int]) -> None:
+    def add_graph(self, name: str, skeleton: bytes, weights: Mapping[str, int], updateable: Iterable[str] = ()) -> None:
         self._require(_State.WEIGHTS)
         if name in self._graphs:
             raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
         self._check_indices(name, weights)
-        self._graphs[name] = (skeleton, dict(weights))
+        missing = sorted(set(updateable) - set(weights))
+        if missing:
+            raise ContextStateError(f"graph {name!r}: updateable tensors {missing} are not among its weights")
+        self._graphs[name] = (skeleton, dict(weights), sorted(set(updateable)))
 
     def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
         entries = []
-        for name, (skeleton, weights) in self._graphs.items():
+        for name, (skeleton, weights, updateable) in self._graphs.items():
             start = align_up(offset, ALIGNMENT)
             self._file.write(b"\0" * (start - offset))
             self._file.write(skeleton)
@@ -208,6 +211,7 @@ class ContextWriter(TensorFileWriter):
                     "length": len(skeleton),
                     "sha256": hashlib.sha256(skeleton).hexdigest(),
                     "weights": dict(sorted(weights.items())),
+                    **({"updateable": updateable} if updateable else {}),
                 }
             )
         return entries, offset

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,9 +126,16 @@ def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def convert(
-    source: str | Path | onnx.ModelProto, input_shapes: InputShapes | None = None, label: str | None = None
+    source: str | Path | onnx.ModelProto,
+    input_shapes: InputShapes | None = None,
+    label: str | None = None,
+    updateable: Collection[str] = (),
 ) -> ConvertedGraph:
-    """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph."""
+    """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph.
+
+    `updateable` names initializers that stay weights whatever their size (they can be replaced at
+    run time), and that constant folding leaves alone.
+    """
     loaded, base = load_model(source)
     label = label or (str(source) if not isinstance(source, onnx.ModelProto) else (loaded.graph.name or "model"))
     if isinstance(source, onnx.ModelProto):  # the caller's object: work on a copy
@@ -147,7 +154,7 @@ def convert(
     inline = []
     for tensor in graph.initializer:
         src = tensor_source(tensor, base)
-        if src.nbytes >= INLINE_LIMIT:
+        if src.nbytes >= INLINE_LIMIT or tensor.name in updateable:
             weights[tensor.name] = src
             inline.append(_placeholder(tensor))
         else:  # small: inline in the skeleton (read from external data if it lives there)
@@ -155,6 +162,9 @@ def convert(
             inline.append(tensor if src.array is not None else numpy_helper.from_array(array, tensor.name))
     del graph.initializer[:]
     graph.initializer.extend(inline)
+    missing = sorted(set(updateable) - set(weights))
+    if missing:
+        raise ConversionError(f"{label}: updateable tensors {missing} are not initializers of the model")
     # Initializers listed as inputs (IR < 4 style) are weights here, not inputs.
     initializer_names = {t.name for t in graph.initializer}
     real_inputs = [i for i in graph.input if i.name not in initializer_names]

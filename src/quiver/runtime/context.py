@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 
 from quiver.backends import Backend, Executable, FinalizedGraph, get_backend
-from quiver.errors import ContextStateError, DuplicateGraphError, InvalidHeaderError, UnknownGraphError
+from quiver.errors import (
+    ContextStateError,
+    DuplicateGraphError,
+    InvalidHeaderError,
+    TensorUpdateError,
+    UnknownGraphError,
+)
 from quiver.formats._layout import WEIGHT_LOCATION
 from quiver.formats.reader import ContextFile
+from quiver.formats.section import SectionFile
 from quiver.formats.writer import ContextWriter, copy_atomically, publish, write_atomically
 from quiver.ir import dtypes
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.convert import InputShapes, convert
+from quiver.runtime import sections
 from quiver.runtime.graph import Graph
 
 
@@ -58,6 +67,20 @@ def _parse_skeleton(file: ContextFile, name: str) -> onnx.ModelProto:
     return model
 
 
+def _updateable_as_inputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """The skeleton with updateable placeholders turned into graph inputs, which the runtime feeds."""
+    if not names:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    placeholders = [t for t in copy.graph.initializer if t.name in names]
+    kept = [t for t in copy.graph.initializer if t.name not in names]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    copy.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in placeholders)
+    return copy
+
+
 class Context:
     """A set of graphs sharing one content-addressed weight store, on one backend.
 
@@ -78,6 +101,8 @@ class Context:
         self._skeletons: dict[str, onnx.ModelProto] = {}
         self._graphs: dict[str, Graph] = {}
         self._live: OrderedDict[str, Executable] = OrderedDict()
+        self._current: dict[str, sections.Values] = {}  # graph -> values of its updateable tensors in use
+        self._staged: dict[str, sections.Values] = {}  # graph -> updates waiting for finalize()
         self._weight_views: dict[int, np.ndarray] = {}
         self.memory_limit_hint_mb: float | None = None
 
@@ -94,7 +119,11 @@ class Context:
         return self._file is not None
 
     def add_graph(
-        self, name: str, model: str | Path | onnx.ModelProto, input_shapes: InputShapes | None = None
+        self,
+        name: str,
+        model: str | Path | onnx.ModelProto,
+        input_shapes: InputShapes | None = None,
+        updateable: Sequence[str] = (),
     ) -> None:
         """Converts an ONNX model (path or ModelProto); streams its weights in, each distinct one stored once."""
         if self.finalized:
@@ -106,17 +135,18 @@ class Context:
             weakref.finalize(self, self._writer.abort)
         if name in self._enabled:
             raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
-        converted = convert(model, input_shapes=input_shapes, label=name)
+        converted = convert(model, input_shapes=input_shapes, label=name, updateable=updateable)
         mapping = {
             tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks())
             for tensor, src in converted.weights.items()
         }
-        self._writer.add_graph(name, converted.skeleton.SerializeToString(), mapping)
+        self._writer.add_graph(name, converted.skeleton.SerializeToString(), mapping, updateable)
         self._enabled.append(name)
 
     def finalize(self) -> Context:
         """Writes the binary (QnnGraph_finalize for all graphs) and maps it; the context is then executable."""
         if self.finalized:
+            self._apply_staged(list(self._staged))
             return self
         if self._writer is None:
             raise ContextStateError("the context has no graphs; add at least one with add_graph() before finalize()")
@@ -201,11 +231,19 @@ class Context:
             raise ContextStateError(f"graph {name!r} is not finalized yet; call finalize() first")
         model = _parse_skeleton(self._file, name)
         self._skeletons[name] = model
-        weights = self._file.graphs[name].weights
+        entry = self._file.graphs[name]
+        # Every initializer, stored or inline, is a static tensor of the graph.
         static = tuple(
-            TensorInfo(t, self._file.weights[i].dtype, self._file.weights[i].shape, TensorType.STATIC)
-            for t, i in weights.items()
+            TensorInfo(
+                t.name,
+                dtypes.name_of_onnx(t.data_type),
+                tuple(t.dims),
+                TensorType.UPDATEABLE_STATIC if t.name in entry.updateable else TensorType.STATIC,
+            )
+            for t in model.graph.initializer
         )
+        # Updateable tensors are fed to the backend with each run: replacing them never rebuilds it.
+        self._current[name] = {t: self._weight_view(entry.weights[t]) for t in entry.updateable}
         graph = Graph(
             self,
             name,
@@ -232,9 +270,11 @@ class Context:
             return self._live[name]
         graph = self.graph(name)
         assert self._file is not None
-        weights = {t: self._weight_view(i) for t, i in self._file.graphs[name].weights.items()}
+        entry = self._file.graphs[name]
+        weights = {t: self._weight_view(i) for t, i in entry.weights.items() if t not in entry.updateable}
+        model = _updateable_as_inputs(self._skeletons[name], entry.updateable)
         executable = self._backend.prepare(
-            FinalizedGraph(name, self._skeletons[name], weights, graph.inputs, graph.outputs, self._file.file_backed)
+            FinalizedGraph(name, model, weights, graph.inputs, graph.outputs, self._file.file_backed)
         )
         self._live[name] = executable
         self._evict_over_limit()
@@ -263,6 +303,67 @@ class Context:
         executable = self._live.pop(name, None)
         if executable is not None:
             executable.release()
+
+    # --- updateable tensors and binary sections ----------------------------------------------------
+    def _stage(self, graph: str, values: Mapping[str, object]) -> None:
+        self.graph(graph)  # known, enabled, finalized
+        assert self._file is not None
+        self._staged.setdefault(graph, {}).update(sections.checked_update(self._file, graph, values))
+
+    def _apply_staged(self, graphs: Sequence[str]) -> None:
+        for graph in graphs:
+            self._current[graph] = {**self._current[graph], **self._staged.pop(graph, {})}
+
+    def update_context_tensors(self, values: Mapping[str, object]) -> None:
+        """Stages new values for updateable tensors of every graph that has them (QnnTensor_updateContextTensors).
+
+        They take effect at `finalize()`.
+        """
+        for name in values:
+            if not any(name in self.file.graphs[g].updateable for g in self._enabled):
+                raise TensorUpdateError(f"no graph of this context has an updateable tensor {name!r}")
+        for graph in self._enabled:
+            mine = {n: v for n, v in values.items() if n in self.file.graphs[graph].updateable}
+            if mine:
+                self._stage(graph, mine)
+
+    def updateable_graphs(self) -> list[str]:
+        """Enabled graphs that have updateable tensors."""
+        return [g for g in self._enabled if self.file.graphs[g].updateable]
+
+    def get_binary_section(self, graph: str | Graph | None = None, metadata: Mapping[str, Any] | None = None) -> bytes:
+        """The finalized values of updateable tensors as a `.qsec` (QnnContext_getBinarySection).
+
+        For one graph, or (`graph=None`) for every graph with updateable tensors: a super section that
+        stores each distinct tensor once.
+        """
+        names = [graph.name if isinstance(graph, Graph) else graph] if graph is not None else self.updateable_graphs()
+        for name in names:
+            assert name is not None
+            self.graph(name)
+        if not names:
+            raise ContextStateError("no graph of this context has updateable tensors; mark them in add_graph()")
+        return sections.write_section(self.file, self._current, names, metadata)  # type: ignore[arg-type]
+
+    def apply_binary_section(
+        self,
+        graph: str | Graph | None,
+        section: str | Path | bytes | bytearray | memoryview | SectionFile,
+    ) -> SectionFile:
+        """Binds a section's tensors (QnnContext_applyBinarySection): O(tensors), no copy of their bytes.
+
+        `graph=None` applies it to every graph it covers. A section made for another context, for other
+        graphs or tensors, or damaged, is refused and nothing changes.
+        """
+        loaded = sections.load_section(section)
+        targets = None if graph is None else [graph.name if isinstance(graph, Graph) else graph]
+        for name in targets or [g for g in loaded.graphs if g in self._enabled]:
+            self.graph(name)
+        bound = sections.bind_section(self.file, loaded, targets)
+        for name, values in bound.items():  # every check passed: now swap
+            self._current[name] = {**self._current[name], **values}
+            self._staged.pop(name, None)
+        return loaded
 
     # --- facts ------------------------------------------------------------------------------------
     @property

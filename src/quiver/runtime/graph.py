@@ -65,8 +65,18 @@ class Graph:
     def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
         """Runs the graph (QnnGraph_execute); prepares it on first use."""
         arrays = validate_feeds(self.name, self.inputs, feeds)
-        results = self._context._executable(self.name).run(arrays)
+        executable = self._context._executable(self.name)
+        results = executable.run({**arrays, **self._context._current[self.name]})
         return {info.name: result for info, result in zip(self.outputs, results)}
+
+    def update_tensors(self, values: Mapping[str, object]) -> None:
+        """Stages new values for updateable tensors (QnnTensor_updateGraphTensors); `finalize()` applies them."""
+        self._context._stage(self.name, values)
+
+    def finalize(self) -> Graph:
+        """Applies the staged updates: from now on executions use them (QnnGraph_finalize)."""
+        self._context._apply_staged([self.name])
+        return self
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, inputs={[i.name for i in self.inputs]}, outputs={[o.name for o in self.outputs]})"

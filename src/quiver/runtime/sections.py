@@ -1,0 +1,104 @@
+"""Updateable tensors and binary sections: stage, finalize, extract, check and bind new tensor values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from quiver.errors import ChecksumMismatchError, SectionMismatchError, TensorUpdateError
+from quiver.formats.reader import ContextFile
+from quiver.formats.section import SectionFile, SectionWriter
+
+Values = dict[str, np.ndarray]
+
+
+def checked_update(file: ContextFile, graph: str, values: Mapping[str, Any]) -> Values:
+    """New values for a graph's updateable tensors, checked and copied (staging must not alias caller memory)."""
+    entry = file.graphs[graph]
+    checked = {}
+    for name, value in values.items():
+        if name not in entry.updateable:
+            raise TensorUpdateError(
+                f"graph {graph!r} has no updateable tensor {name!r}; its updateable tensors are "
+                f"{list(entry.updateable) or 'none (mark them with add_graph(..., updateable=[...]))'}"
+            )
+        weight = file.weights[entry.weights[name]]
+        array = np.asarray(value)
+        if array.dtype.name != weight.dtype or tuple(array.shape) != weight.shape:
+            raise TensorUpdateError(
+                f"graph {graph!r} tensor {name!r} is {weight.dtype}{list(weight.shape)}; "
+                f"the update is {array.dtype}{list(array.shape)}"
+            )
+        checked[name] = np.array(array, order="C", copy=True)
+        checked[name].flags.writeable = False
+    return checked
+
+
+def write_section(
+    file: ContextFile, current: Mapping[str, Values], graphs: Iterable[str], metadata: Mapping[str, Any] | None = None
+) -> bytes:
+    """A section holding the current values of the graphs' updateable tensors, each distinct tensor once."""
+    writer = SectionWriter(file.header_sha256, metadata)
+    try:
+        for graph in graphs:
+            mapping = {
+                name: writer.add_weight(array.dtype.name, array.shape, [array.tobytes()])
+                for name, array in sorted(current[graph].items())
+            }
+            writer.add_graph(graph, mapping)
+        path = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    try:
+        return path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def load_section(source: str | Path | bytes | bytearray | memoryview | SectionFile) -> SectionFile:
+    """A section, every checksum verified (a damaged section is refused); bytes and mappings are not copied."""
+    if isinstance(source, SectionFile):
+        return source
+    section = SectionFile(source) if isinstance(source, (bytes, bytearray, memoryview)) else SectionFile.open(source)
+    problems = section.verify()
+    if problems:
+        raise ChecksumMismatchError(
+            f"{section.source}: {'; '.join(problems[:3])}; the section is damaged: make it again"
+        )
+    return section
+
+
+def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str] | None) -> dict[str, Values]:
+    """Views of the section's tensors per graph, after checking they fit; nothing changes if they do not."""
+    if section.context_id != file.header_sha256:
+        raise SectionMismatchError(
+            f"{section.source} was made for another context ({section.context_id[:12]}…), not this one "
+            f"({file.header_sha256[:12]}…); apply it to the context it was made from"
+        )
+    targets = list(section.graphs) if graphs is None else list(graphs)
+    bound: dict[str, Values] = {}
+    for graph in targets:
+        if graph not in section.graphs:
+            raise SectionMismatchError(
+                f"{section.source} has no values for graph {graph!r}; it covers {list(section.graphs)}"
+            )
+        if graph not in file.graphs:
+            raise SectionMismatchError(f"{section.source} is for graph {graph!r}, which this context does not hold")
+        entry = file.graphs[graph]
+        bound[graph] = {}
+        for name, index in section.graphs[graph].tensors.items():
+            stored = section.weights[index]
+            if name not in entry.updateable:
+                raise SectionMismatchError(f"{section.source}: graph {graph!r} has no updateable tensor {name!r}")
+            weight = file.weights[entry.weights[name]]
+            if (stored.dtype, stored.shape) != (weight.dtype, weight.shape):
+                raise SectionMismatchError(
+                    f"{section.source}: tensor {name!r} is {stored.dtype}{list(stored.shape)}, graph {graph!r} "
+                    f"needs {weight.dtype}{list(weight.shape)}"
+                )
+            bound[graph][name] = section.weight_array(index)
+    return bound

@@ -1,0 +1,227 @@
+"""Updateable tensors and binary sections: stage, finalize, extract, apply, switch, refuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import quiver
+from quiver.formats.section import SectionFile
+from quiver.ir.tensors import TensorType
+
+IN, OUT, RANK = 16, 12, 4
+RNG = np.random.default_rng(0)
+W = RNG.standard_normal((IN, OUT)).astype(np.float32)
+
+
+def _lora_model(name: str = "lora", batch: int | str = "n") -> onnx.ModelProto:
+    """y = x·W + (x·A)·B, as a LoRA branch looks after export; A and B start at zero (no adapter)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["base"]),
+        helper.make_node("MatMul", ["x", "lora_A"], ["xa"]),
+        helper.make_node("MatMul", ["xa", "lora_B"], ["delta"]),
+        helper.make_node("Add", ["base", "delta"], ["y"]),
+    ]
+    initializers = [
+        numpy_helper.from_array(W, "W"),
+        numpy_helper.from_array(np.zeros((IN, RANK), np.float32), "lora_A"),
+        numpy_helper.from_array(np.zeros((RANK, OUT), np.float32), "lora_B"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, IN])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, OUT])],
+        initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _adapter(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "lora_A": rng.standard_normal((IN, RANK)).astype(np.float32),
+        "lora_B": rng.standard_normal((RANK, OUT)).astype(np.float32),
+    }
+
+
+def _expected(x: np.ndarray, adapter: dict[str, np.ndarray] | None) -> np.ndarray:
+    y = x @ W
+    return y if adapter is None else y + (x @ adapter["lora_A"]) @ adapter["lora_B"]
+
+
+X = RNG.standard_normal((3, IN)).astype(np.float32)
+
+
+@pytest.fixture
+def binary(tmp_path: Path) -> Path:
+    with quiver.Context.create("cpu") as context:
+        context.add_graph("lora", _lora_model(), updateable=["lora_A", "lora_B"])
+        return context.save(tmp_path / "lora.qctx")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_updates_take_effect_at_finalize_not_before(binary: Path, backend: str) -> None:
+    context = quiver.Context.from_binary(binary, backend=backend)
+    graph = context.graph("lora")
+    np.testing.assert_allclose(graph.execute({"x": X})["y"], _expected(X, None), rtol=1e-5, atol=1e-5)
+    adapter = _adapter(1)
+    graph.update_tensors(adapter)
+    np.testing.assert_allclose(graph.execute({"x": X})["y"], _expected(X, None), rtol=1e-5, atol=1e-5)
+    graph.finalize()
+    np.testing.assert_allclose(graph.execute({"x": X})["y"], _expected(X, adapter), rtol=1e-5, atol=1e-5)
+
+
+def test_updateable_tensors_are_described_and_not_inputs(binary: Path) -> None:
+    graph = quiver.Context.from_binary(binary).graph("lora")
+    assert [i.name for i in graph.inputs] == ["x"]
+    kinds = {t.name: t.tensor_type for t in graph.static_tensors}
+    assert kinds == {
+        "W": TensorType.STATIC,
+        "lora_A": TensorType.UPDATEABLE_STATIC,
+        "lora_B": TensorType.UPDATEABLE_STATIC,
+    }
+
+
+def test_bad_updates_are_refused_and_change_nothing(binary: Path) -> None:
+    context = quiver.Context.from_binary(binary)
+    graph = context.graph("lora")
+    with pytest.raises(quiver.TensorUpdateError, match="no updateable tensor 'W'"):
+        graph.update_tensors({"W": W})
+    with pytest.raises(quiver.TensorUpdateError, match=r"float32\[16, 4\].*float32\[16, 5\]"):
+        graph.update_tensors({"lora_A": np.zeros((IN, RANK + 1), np.float32)})
+    with pytest.raises(quiver.TensorUpdateError, match="float64"):
+        graph.update_tensors({"lora_A": np.zeros((IN, RANK), np.float64)})
+    with pytest.raises(quiver.TensorUpdateError, match="no graph"):
+        context.update_context_tensors({"nope": np.zeros(1)})
+    context.finalize()
+    np.testing.assert_allclose(graph.execute({"x": X})["y"], _expected(X, None), rtol=1e-5, atol=1e-5)
+
+
+def test_staging_copies_so_later_changes_to_the_array_do_not_leak_in(binary: Path) -> None:
+    context = quiver.Context.from_binary(binary)
+    adapter = _adapter(2)
+    expected = _expected(X, adapter)
+    context.graph("lora").update_tensors(adapter)
+    adapter["lora_A"][:] = 0
+    context.graph("lora").finalize()
+    np.testing.assert_allclose(context.graph("lora").execute({"x": X})["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_sections_switch_adapters_back_and_forth(binary: Path, tmp_path: Path, backend: str) -> None:
+    maker = quiver.Context.from_binary(binary)
+    sections = {}
+    for name, seed in (("one", 1), ("two", 2)):
+        maker.graph("lora").update_tensors(_adapter(seed))
+        maker.graph("lora").finalize()
+        sections[name] = tmp_path / f"{name}.qsec"
+        sections[name].write_bytes(maker.get_binary_section("lora", metadata={"adapter": name}))
+    context = quiver.Context.from_binary(binary, backend=backend)
+    for name, seed in (("one", 1), ("two", 2), ("one", 1), ("two", 2)):
+        applied = context.apply_binary_section("lora", sections[name])
+        assert applied.metadata == {"adapter": name}
+        np.testing.assert_allclose(
+            context.graph("lora").execute({"x": X})["y"], _expected(X, _adapter(seed)), rtol=1e-4, atol=1e-4
+        )
+
+
+def test_applying_binds_the_mapped_section_without_copying(binary: Path, tmp_path: Path) -> None:
+    maker = quiver.Context.from_binary(binary)
+    maker.graph("lora").update_tensors(_adapter(3))
+    maker.finalize()
+    (tmp_path / "s.qsec").write_bytes(maker.get_binary_section())
+    section = SectionFile.open(tmp_path / "s.qsec")
+    context = quiver.Context.from_binary(binary)
+    context.apply_binary_section("lora", section)
+    assert section.file_backed
+    bound = context._current["lora"]["lora_A"]
+    assert np.shares_memory(bound, np.frombuffer(section._buffer, np.uint8))
+
+
+def test_a_section_for_another_context_is_refused_and_the_context_keeps_working(binary: Path, tmp_path: Path) -> None:
+    other_model = _lora_model()
+    other_model.graph.initializer[0].CopyFrom(numpy_helper.from_array(W * 2, "W"))
+    with quiver.Context.create("cpu") as other:
+        other.add_graph("lora", other_model, updateable=["lora_A", "lora_B"])
+        other.finalize()
+        other.graph("lora").update_tensors(_adapter(4))
+        other.finalize()
+        foreign = other.get_binary_section("lora")
+    context = quiver.Context.from_binary(binary)
+    with pytest.raises(quiver.SectionMismatchError, match="another context"):
+        context.apply_binary_section("lora", foreign)
+    np.testing.assert_allclose(context.graph("lora").execute({"x": X})["y"], _expected(X, None), rtol=1e-5, atol=1e-5)
+
+
+def test_a_damaged_section_is_refused_and_nothing_changes(binary: Path) -> None:
+    maker = quiver.Context.from_binary(binary)
+    maker.graph("lora").update_tensors(_adapter(5))
+    maker.finalize()
+    good = maker.get_binary_section("lora")
+    section = SectionFile(good)
+    flipped = bytearray(good)
+    flipped[section.weights[0].offset + 5] ^= 0x40
+    context = quiver.Context.from_binary(binary)
+    context.apply_binary_section("lora", good)
+    for damaged, error in (
+        (bytes(flipped), quiver.ChecksumMismatchError),
+        (good[:-3], quiver.TruncatedFileError),
+        (b"QCTX" + good[4:], quiver.BadMagicError),
+    ):
+        with pytest.raises(error):
+            context.apply_binary_section("lora", damaged)
+    np.testing.assert_allclose(
+        context.graph("lora").execute({"x": X})["y"], _expected(X, _adapter(5)), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_a_section_for_a_graph_it_does_not_cover_is_refused() -> None:
+    with quiver.Context.create("cpu") as context:
+        context.add_graph("prefill", _lora_model("prefill"), updateable=["lora_A", "lora_B"])
+        context.add_graph("decode", _lora_model("decode"), updateable=["lora_A", "lora_B"])
+        context.finalize()
+        only_prefill = context.get_binary_section("prefill")
+        with pytest.raises(quiver.SectionMismatchError, match="no values for graph 'decode'"):
+            context.apply_binary_section("decode", only_prefill)
+        with pytest.raises(quiver.UnknownGraphError):
+            context.apply_binary_section("missing", only_prefill)
+        context.apply_binary_section(None, only_prefill)  # None: every graph the section covers
+
+
+def test_a_super_section_stores_shared_adapter_tensors_once(tmp_path: Path) -> None:
+    with quiver.Context.create("cpu") as context:
+        context.add_graph("prefill", _lora_model("prefill", batch=8), updateable=["lora_A", "lora_B"])
+        context.add_graph("decode", _lora_model("decode", batch=1), updateable=["lora_A", "lora_B"])
+        context.finalize()
+        adapter = _adapter(6)
+        context.update_context_tensors(adapter)  # one update for both graphs
+        context.finalize()
+        both = context.get_binary_section()
+        separate = len(context.get_binary_section("prefill")) + len(context.get_binary_section("decode"))
+        binary = context.save(tmp_path / "llm.qctx")
+    assert len(both) < 0.6 * separate
+    assert set(SectionFile(both).graphs) == {"prefill", "decode"} and len(SectionFile(both).weights) == 2
+    fresh = quiver.Context.from_binary(binary)
+    fresh.apply_binary_section(None, both)
+    x8 = np.random.default_rng(7).standard_normal((8, IN)).astype(np.float32)
+    np.testing.assert_allclose(
+        fresh.graph("prefill").execute({"x": x8})["y"], _expected(x8, adapter), rtol=1e-4, atol=1e-4
+    )
+    np.testing.assert_allclose(
+        fresh.graph("decode").execute({"x": x8[:1]})["y"], _expected(x8[:1], adapter), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_small_updateable_tensors_stay_weights_and_unknown_ones_are_refused() -> None:
+    tiny = _lora_model()
+    with quiver.Context.create("reference") as context:
+        context.add_graph("lora", tiny, updateable=["lora_B"])  # 192 bytes: below the inline limit
+        context.finalize()
+        assert "lora_B" in context.file.graphs["lora"].updateable
+        with pytest.raises(quiver.ConversionError, match="not initializers"):
+            quiver.Context.create().add_graph("x", tiny, updateable=["missing"])
