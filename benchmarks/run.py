@@ -26,6 +26,9 @@ import onnxruntime as ort
 import quiver
 from quiver.tools.family import BENCH, make_family, sample_input_ids
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
+
 SEQ = 128
 SHORT_SEQ = 16  # a short prompt: load time dominates the first output
 BACKENDS = ("cpu", "cpu-noprepack")
@@ -297,6 +300,8 @@ def main() -> None:
         print("memory ...", file=sys.stderr)
         counts = tuple(c for c in (1, 4, 16) if c <= args.graphs)
         report["memory"] = measure_memory(paths, qctx, ids_path, counts)
+        print("adapter switching ...", file=sys.stderr)
+        report["lora_sections"] = measure_lora(folder)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -48,6 +48,10 @@ class _Builder:
         self.initializers.append(numpy_helper.from_array(array, name))
         return name
 
+    def named_weight(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(array, name))
+        return name
+
     def const(self, values: list[int] | list[float], dtype: type = np.int64) -> str:
         return self.weight(np.asarray(values, dtype=dtype))
 
@@ -117,10 +121,21 @@ def fine_tune(weights: dict[str, object], layers: list[int], seed: int) -> dict[
     return tuned
 
 
+LORA_PREFIX = "lora_"
+
+
 def build_model(
-    shape: TransformerShape, weights: dict[str, object], name: str = "encoder", rename_offset: int = 0
+    shape: TransformerShape,
+    weights: dict[str, object],
+    name: str = "encoder",
+    rename_offset: int = 0,
+    lora_rank: int = 0,
 ) -> onnx.ModelProto:
-    """An encoder graph as `torch.onnx` would export it: input_ids [batch, seq] -> last_hidden_state."""
+    """An encoder graph as `torch.onnx` would export it: input_ids [batch, seq] -> last_hidden_state.
+
+    With `lora_rank`, every linear layer gets a LoRA branch (x·A·B added to its output) whose weights,
+    named `lora_A_<layer>_<proj>` / `lora_B_...`, start at zero: mark them updateable to swap adapters.
+    """
     b = _Builder(rename_offset)
     d, h = shape.hidden, shape.heads
     head_dim = d // h
@@ -142,27 +157,35 @@ def build_model(
 
     layers = weights["layers"]
     assert isinstance(layers, list)
-    for w in layers:
+    for layer_index, w in enumerate(layers):
         ln = b.op1("LayerNormalization", [x, b.weight(w["ln1_g"]), b.weight(w["ln1_b"])], axis=-1, epsilon=1e-5)
 
-        def heads(x_in: str, weight: np.ndarray, bias: np.ndarray, perm: list[int]) -> str:
-            y = b.op1("Add", [b.op1("MatMul", [x_in, b.weight(weight)]), b.weight(bias)])
+        def linear(x_in: str, weight: np.ndarray, bias: np.ndarray, tag: str) -> str:
+            y = b.op1("MatMul", [x_in, b.weight(weight)])
+            if lora_rank:
+                a = b.named_weight(f"{LORA_PREFIX}A_{tag}", np.zeros((weight.shape[0], lora_rank), np.float32))
+                lb = b.named_weight(f"{LORA_PREFIX}B_{tag}", np.zeros((lora_rank, weight.shape[1]), np.float32))
+                y = b.op1("Add", [y, b.op1("MatMul", [b.op1("MatMul", [x_in, a]), lb])])
+            return b.op1("Add", [y, b.weight(bias)])
+
+        def heads(x_in: str, weight: np.ndarray, bias: np.ndarray, perm: list[int], tag: str) -> str:
+            y = linear(x_in, weight, bias, tag)
             return b.op1("Transpose", [b.op1("Reshape", [y, split_heads])], perm=perm)
 
-        q = heads(ln, w["wq"], w["bq"], [0, 2, 1, 3])
-        k = heads(ln, w["wk"], w["bk"], [0, 2, 3, 1])
-        v = heads(ln, w["wv"], w["bv"], [0, 2, 1, 3])
+        q = heads(ln, w["wq"], w["bq"], [0, 2, 1, 3], f"{layer_index}_q")
+        k = heads(ln, w["wk"], w["bk"], [0, 2, 3, 1], f"{layer_index}_k")
+        v = heads(ln, w["wv"], w["bv"], [0, 2, 1, 3], f"{layer_index}_v")
         scores = b.op1("Mul", [b.op1("MatMul", [q, k]), attn_scale])
         ctx = b.op1("MatMul", [b.op1("Softmax", [scores], axis=-1), v])
         ctx = b.op1("Reshape", [b.op1("Transpose", [ctx], perm=[0, 2, 1, 3]), merge_heads])
-        attn = b.op1("Add", [b.op1("MatMul", [ctx, b.weight(w["wo"])]), b.weight(w["bo"])])
+        attn = linear(ctx, w["wo"], w["bo"], f"{layer_index}_o")
         x = b.op1("Add", [x, attn])
 
         ln = b.op1("LayerNormalization", [x, b.weight(w["ln2_g"]), b.weight(w["ln2_b"])], axis=-1, epsilon=1e-5)
-        up = b.op1("Add", [b.op1("MatMul", [ln, b.weight(w["w1"])]), b.weight(w["b1"])])
+        up = linear(ln, w["w1"], w["b1"], f"{layer_index}_up")
         # Gelu as torch exports it (erf form), so that older opsets run it too.
         gelu = b.op1("Mul", [b.op1("Mul", [up, half]), b.op1("Add", [b.op1("Erf", [b.op1("Div", [up, sqrt2])]), one])])
-        down = b.op1("Add", [b.op1("MatMul", [gelu, b.weight(w["w2"])]), b.weight(w["b2"])])
+        down = linear(gelu, w["w2"], w["b2"], f"{layer_index}_down")
         x = b.op1("Add", [x, down])
 
     out = b.op1(
