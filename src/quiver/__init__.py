@@ -3,6 +3,7 @@
 from quiver._version import __version__
 from quiver.backends import Backend, CpuBackend, ReferenceBackend, available_backends, register_backend
 from quiver.errors import (
+    AdapterError,
     BackendError,
     BadMagicError,
     ChecksumMismatchError,
@@ -89,6 +90,7 @@ __all__ = [
     "BackendError",
     "UnknownBackendError",
     "InputListError",
+    "AdapterError",
     "SectionMismatchError",
     "TensorUpdateError",
 ]

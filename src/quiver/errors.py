@@ -121,5 +121,9 @@ class SectionMismatchError(QuiverError):
     """A binary section does not fit this context: made for another one, or for other graphs or tensors."""
 
 
+class AdapterError(QuiverError):
+    """A LoRA adapter folder cannot be used: missing files, an unsupported method, inconsistent tensors."""
+
+
 class InputListError(QuiverError):
     """A qnn-net-run style input list is malformed."""

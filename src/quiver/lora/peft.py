@@ -1,0 +1,188 @@
+"""Reads PEFT LoRA adapter folders (`adapter_config.json` + `adapter_model.safetensors`) without torch."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
+
+from quiver.errors import AdapterError
+
+_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
+_DEFAULT_LAYER_PATTERNS = ("layers", "h", "block", "blocks", "layer")
+# Config options that change the math in ways Quiver does not implement.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (weight-decomposed LoRA)",
+    "lora_bias": "LoRA bias terms",
+}
+
+
+def _pattern_value(patterns: dict[str, Any], module: str) -> Any:
+    """PEFT's rule: a pattern key applies when the module name ends with it at a dot boundary."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?{key}$", module):
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The parts of PEFT's `LoraConfig` that decide which modules are adapted and how much."""
+
+    r: int
+    lora_alpha: float
+    target_modules: list[str] | str
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    fan_in_fan_out: bool = False
+    layers_to_transform: list[int] | None = None
+    layers_pattern: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise AdapterError(f"adapter_config.json: r must be positive, got {self.r}")
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], source: str) -> LoraConfig:
+        peft_type = raw.get("peft_type", "LORA")
+        if peft_type != "LORA":
+            raise AdapterError(f"{source}: peft_type {peft_type!r} is not LoRA; Quiver reads LoRA adapters only")
+        for key, what in _UNSUPPORTED.items():
+            if raw.get(key):
+                raise AdapterError(f"{source}: {what} ({key}=true) is not supported; train a plain LoRA adapter")
+        try:
+            layers = raw.get("layers_to_transform")
+            pattern = raw.get("layers_pattern")
+            return cls(
+                r=int(raw["r"]),
+                lora_alpha=float(raw.get("lora_alpha", raw["r"])),
+                target_modules=raw.get("target_modules") or [],
+                use_rslora=bool(raw.get("use_rslora", False)),
+                rank_pattern={str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
+                alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
+                fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
+                layers_to_transform=[layers] if isinstance(layers, int) else layers,
+                layers_pattern=[pattern] if isinstance(pattern, str) else pattern,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AdapterError(f"{source}: not a valid LoRA config ({type(exc).__name__}: {exc})") from None
+
+    def targets(self, module: str) -> bool:
+        """Whether PEFT adapts this module (target_modules, then layers_to_transform)."""
+        if self.target_modules == "all-linear":
+            pass  # PEFT's shorthand for every linear layer
+        elif isinstance(self.target_modules, str):
+            if not re.fullmatch(self.target_modules, module):
+                return False
+        elif not any(module == t or module.endswith(f".{t}") for t in self.target_modules):
+            return False
+        if self.layers_to_transform is None:
+            return True
+        patterns = self.layers_pattern or list(_DEFAULT_LAYER_PATTERNS)
+        for pattern in patterns:
+            found = re.match(rf".*\.{pattern}\.(\d+)\.", module)
+            if found:
+                return int(found.group(1)) in self.layers_to_transform
+        return False
+
+    def rank(self, module: str) -> int:
+        value = _pattern_value(self.rank_pattern, module)
+        return self.r if value is None else int(value)
+
+    def scaling(self, module: str) -> float:
+        """lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA, per module after the patterns."""
+        alpha = _pattern_value(self.alpha_pattern, module)
+        alpha = self.lora_alpha if alpha is None else float(alpha)
+        rank = self.rank(module)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted module: A is [r, in], B is [out, r] (PEFT's layout); scaling as PEFT computes it."""
+
+    name: str
+    lora_a: np.ndarray
+    lora_b: np.ndarray
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[0])
+
+    def delta(self) -> np.ndarray:
+        """ΔW in torch's [out, in] layout: scaling · B·A."""
+        return self.scaling * (self.lora_b @ self.lora_a)
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    name: str
+    config: LoraConfig
+    modules: dict[str, LoraModule]  # module path as in the base model ("model.layers.0.self_attn.q_proj")
+
+
+def load_peft_adapter(folder: str | Path, name: str | None = None) -> PeftAdapter:
+    """Reads a PEFT LoRA adapter folder; refuses what Quiver cannot apply exactly, saying why."""
+    folder = Path(folder)
+    config_path = folder / "adapter_config.json"
+    weights_path = folder / "adapter_model.safetensors"
+    if not config_path.is_file():
+        raise AdapterError(f"{folder}: no adapter_config.json; pass a PEFT adapter folder (save_pretrained output)")
+    if not weights_path.is_file():
+        if (folder / "adapter_model.bin").is_file():
+            raise AdapterError(
+                f"{folder}: only adapter_model.bin (a pickle) is there; Quiver does not unpickle. Save the adapter "
+                "with safe_serialization=True to get adapter_model.safetensors"
+            )
+        raise AdapterError(f"{folder}: no adapter_model.safetensors")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{config_path}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{config_path}: must hold a JSON object")
+    config = LoraConfig.from_json(raw, str(config_path))
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(f"{weights_path}: not a readable safetensors file ({exc})") from None
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for key, array in tensors.items():
+        if "lora_embedding" in key or "lora_magnitude_vector" in key:
+            raise AdapterError(f"{weights_path}: {key!r} is an embedding/DoRA adapter tensor; not supported")
+        found = _KEY.match(key)
+        if found is None:
+            raise AdapterError(f"{weights_path}: {key!r} is not a LoRA A/B weight; is this a LoRA adapter?")
+        module = found.group("module").removeprefix(_PREFIX)
+        pairs.setdefault(module, {})[found.group("which")] = np.asarray(array, dtype=np.float32)
+    modules = {}
+    for module, pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{weights_path}: module {module!r} has lora_{''.join(pair)} but not both A and B")
+        a, b = pair["A"], pair["B"]
+        rank = config.rank(module)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise AdapterError(
+                f"{weights_path}: module {module!r} has A {list(a.shape)} and B {list(b.shape)}; "
+                f"the config says rank {rank} (A is [r, in], B is [out, r])"
+            )
+        modules[module] = LoraModule(module, a, b, config.scaling(module))
+    if not modules:
+        raise AdapterError(f"{weights_path}: holds no LoRA weights")
+    stray = [m for m in modules if not config.targets(m)]
+    if stray:
+        raise AdapterError(
+            f"{folder}: weights for {stray[:3]} but the config's target_modules/layers_to_transform do not "
+            "select them; the config and the weights do not belong together"
+        )
+    return PeftAdapter(name or folder.name, config, modules)
