@@ -1,0 +1,150 @@
+"""The max-rank LoRA graph serves every use case: outputs equal the merged-weight model, on both backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import quiver
+from quiver.lora.attach import NAME_SCOPES, find_attach_points
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.peft import PeftAdapter, load_peft_adapter
+from tests.test_lora_inputs import write_adapter
+
+CHAIN = [  # module, in, out: a Llama-like stack of projections joined by Tanh
+    ("model.layers.0.self_attn.q_proj", 16, 16),
+    ("model.layers.0.self_attn.v_proj", 16, 16),
+    ("model.layers.1.self_attn.q_proj", 16, 16),
+    ("model.layers.1.self_attn.v_proj", 16, 8),
+]
+BASE_WEIGHTS = {
+    m: np.random.default_rng(i).standard_normal((i_, o)).astype(np.float32) * 0.3 for i, (m, i_, o) in enumerate(CHAIN)
+}
+
+
+def dynamo_like_model(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """As torch.onnx (dynamo) exports linears: MatMul by a renamed [in, out] weight, module path in metadata."""
+    nodes, initializers, x = [], [], "x"
+    for i, (module, _, _) in enumerate(CHAIN):
+        node = helper.make_node("MatMul", [x, f"val_{10 + i}"], [f"linear_{i}"], name=f"node_linear_{i}")
+        scopes = ["", *[".".join(module.split(".")[:k]) for k in range(1, module.count(".") + 2)], f"linear_{i}"]
+        node.metadata_props.add(key=NAME_SCOPES, value=repr(scopes))
+        nodes.append(node)
+        initializers.append(numpy_helper.from_array(weights[module], f"val_{10 + i}"))
+        x = f"linear_{i}"
+        if i < len(CHAIN) - 1:
+            nodes.append(helper.make_node("Tanh", [x], [f"tanh_{i}"], name=f"tanh_{i}"))
+            x = f"tanh_{i}"
+    nodes.append(helper.make_node("Identity", [x], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "llama_like",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+        initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def merged(adapters: dict[str, PeftAdapter], active: dict[str, float]) -> onnx.ModelProto:
+    """The exact math: W + Σ αᵢ·sᵢ·(Bᵢ·Aᵢ)ᵀ per module."""
+    weights = {m: w.copy() for m, w in BASE_WEIGHTS.items()}
+    for name, alpha in active.items():
+        for module, lora in adapters[name].modules.items():
+            weights[module] += alpha * lora.delta().T
+    return dynamo_like_model(weights)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PeftAdapter]:
+    root = tmp_path_factory.mktemp("adapters")
+    modules = {m: (i, o) for m, i, o in CHAIN}
+    q_only = {m: s for m, s in modules.items() if m.endswith("q_proj")}
+    return {
+        "elementary": load_peft_adapter(
+            write_adapter(
+                root / "elementary",
+                {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                seed=1,
+                modules=modules,
+            )
+        ),
+        "long": load_peft_adapter(
+            write_adapter(
+                root / "long",
+                {"r": 2, "lora_alpha": 4, "use_rslora": True, "target_modules": ["q_proj"]},
+                seed=2,
+                modules=q_only,
+            )
+        ),
+    }
+
+
+USE_CASES = {"base": [], "elementary": ["elementary"], "long": ["long"], "elementary_long": ["elementary", "long"]}
+ORDER = ["elementary", "long"]
+
+
+@pytest.fixture(scope="module")
+def lora_context(adapters: dict[str, PeftAdapter], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    base = dynamo_like_model(BASE_WEIGHTS)
+    modules = sorted({m for a in adapters.values() for m in a.modules})
+    points, missing = find_attach_points(base, modules)
+    assert missing == [] and all(p.found_by == "name_scopes" for p in points.values())
+    ranks = slot_ranks(adapters, USE_CASES)
+    assert ranks["model.layers.0.self_attn.q_proj"] == 6 and ranks["model.layers.0.self_attn.v_proj"] == 4
+    lora_model, slots = create_lora_graph(base, points, ranks, len(ORDER))
+    path = tmp_path_factory.mktemp("lora") / "lora.qctx"
+    with quiver.Context.create("cpu") as context:
+        context.add_graph("llama", lora_model, updateable=[t for s in slots for t in s.tensors])
+        context.save(path)
+    return path, slots
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("use_case", list(USE_CASES))
+@pytest.mark.parametrize("strength", [0.0, 0.5, 1.0])
+def test_every_use_case_and_strength_matches_the_merged_weights(
+    adapters: dict, lora_context: tuple, backend: str, use_case: str, strength: float
+) -> None:
+    path, slots = lora_context
+    active = USE_CASES[use_case]
+    context = quiver.Context.from_binary(path, backend=backend)
+    graph = context.graph("llama")
+    graph.update_tensors(use_case_values(slots, adapters, active, ORDER))
+    graph.finalize()
+    alphas = np.array([strength if name in active else 0.0 for name in ORDER], np.float32)
+    x = np.random.default_rng(9).standard_normal((5, 16)).astype(np.float32)
+    ours = graph.execute({"x": x, ALPHA_INPUT: alphas})["y"]
+    expected_model = merged(adapters, {name: strength for name in active})
+    theirs = ort.InferenceSession(expected_model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_two_adapters_at_once_take_their_own_strengths(adapters: dict, lora_context: tuple) -> None:
+    path, slots = lora_context
+    context = quiver.Context.from_binary(path, backend="cpu")
+    context.graph("llama").update_tensors(use_case_values(slots, adapters, ["elementary", "long"], ORDER))
+    context.finalize()
+    x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
+    ours = context.graph("llama").execute({"x": x, ALPHA_INPUT: np.array([0.25, 1.5], np.float32)})["y"]
+    theirs = ort.InferenceSession(merged(adapters, {"elementary": 0.25, "long": 1.5}).SerializeToString()).run(
+        None, {"x": x}
+    )[0]
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_an_adapter_for_another_base_model_is_refused(adapters: dict, lora_context: tuple, tmp_path: Path) -> None:
+    _, slots = lora_context
+    wrong = {m: (3, 3) for m, _, _ in CHAIN}
+    other = load_peft_adapter(
+        write_adapter(
+            tmp_path / "other", {"r": 1, "lora_alpha": 1, "target_modules": ["q_proj", "v_proj"]}, modules=wrong
+        )
+    )
+    with pytest.raises(quiver.AdapterError, match="wrong base model"):
+        use_case_values(slots, {"other": other}, ["other"], ["other"])
