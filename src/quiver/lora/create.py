@@ -94,7 +94,7 @@ def use_case_values(
     slots: Sequence[LoraSlot], adapters: Mapping[str, PeftAdapter], active: Sequence[str], adapter_order: Sequence[str]
 ) -> dict[str, np.ndarray]:
     """The updateable tensors of one use case: its adapters' A and s·B side by side, zero-padded."""
-    values = {}
+    values: dict[str, np.ndarray] = {}
     for slot in slots:
         point = slot.attach
         a_t = np.zeros((point.in_features, slot.rank), np.float32)
