@@ -67,6 +67,32 @@ def _parse_skeleton(file: ContextFile, name: str) -> onnx.ModelProto:
     return model
 
 
+@dataclass
+class LoraStrengths:
+    """The `lora_alpha` feed a section's metadata sets: one strength per adapter (Genie's LoRA strengths)."""
+
+    alpha_input: str
+    adapters: list[str]
+    alphas: np.ndarray
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> LoraStrengths | None:
+        lora = metadata.get("lora")
+        if not isinstance(lora, dict):
+            return None
+        try:
+            alphas = np.asarray(lora["alphas"], dtype=np.float32)
+            adapters = [str(a) for a in lora["adapters"]]
+            if alphas.shape != (len(adapters),):
+                return None
+            return cls(str(lora["alpha_input"]), adapters, alphas)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def copy(self) -> LoraStrengths:
+        return LoraStrengths(self.alpha_input, list(self.adapters), self.alphas.copy())
+
+
 def _updateable_as_inputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
     """The skeleton with updateable placeholders turned into graph inputs, which the runtime feeds."""
     if not names:
@@ -103,6 +129,7 @@ class Context:
         self._live: OrderedDict[str, Executable] = OrderedDict()
         self._current: dict[str, sections.Values] = {}  # graph -> values of its updateable tensors in use
         self._staged: dict[str, sections.Values] = {}  # graph -> updates waiting for finalize()
+        self._lora: dict[str, LoraStrengths] = {}  # graph -> adapter strengths from the applied section
         self._weight_views: dict[int, np.ndarray] = {}
         self.memory_limit_hint_mb: float | None = None
 
@@ -360,9 +387,12 @@ class Context:
         for name in targets or [g for g in loaded.graphs if g in self._enabled]:
             self.graph(name)
         bound = sections.bind_section(self.file, loaded, targets)
+        strengths = LoraStrengths.from_metadata(loaded.metadata)
         for name, values in bound.items():  # every check passed: now swap
             self._current[name] = {**self._current[name], **values}
             self._staged.pop(name, None)
+            if strengths is not None:
+                self._lora[name] = strengths.copy()
         return loaded
 
     # --- facts ------------------------------------------------------------------------------------

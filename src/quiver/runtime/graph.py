@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError
+from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError, TensorUpdateError
 from quiver.ir.tensors import TensorInfo
 
 if TYPE_CHECKING:
@@ -64,10 +64,29 @@ class Graph:
 
     def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
         """Runs the graph (QnnGraph_execute); prepares it on first use."""
+        lora = self._context._lora.get(self.name)
+        if lora is not None and lora.alpha_input not in feeds:
+            feeds = {**feeds, lora.alpha_input: lora.alphas}
         arrays = validate_feeds(self.name, self.inputs, feeds)
         executable = self._context._executable(self.name)
         results = executable.run({**arrays, **self._context._current[self.name]})
         return {info.name: result for info, result in zip(self.outputs, results)}
+
+    def set_lora_strength(self, adapter: str, value: float) -> None:
+        """Sets one adapter's strength (Genie's setLoraStrength) after a LoRA section was applied."""
+        lora = self._context._lora.get(self.name)
+        if lora is None:
+            raise TensorUpdateError(f"graph {self.name!r} has no LoRA section applied; apply one first")
+        if adapter not in lora.adapters:
+            raise TensorUpdateError(f"graph {self.name!r} has no adapter {adapter!r}; its adapters are {lora.adapters}")
+        lora.alphas = lora.alphas.copy()  # a run in flight keeps the vector it was given
+        lora.alphas[lora.adapters.index(adapter)] = value
+
+    @property
+    def lora_strengths(self) -> dict[str, float]:
+        """Strength per adapter from the applied section (and set_lora_strength); empty without one."""
+        lora = self._context._lora.get(self.name)
+        return {} if lora is None else {a: float(v) for a, v in zip(lora.adapters, lora.alphas)}
 
     def update_tensors(self, values: Mapping[str, object]) -> None:
         """Stages new values for updateable tensors (QnnTensor_updateGraphTensors); `finalize()` applies them."""

@@ -233,6 +233,18 @@ def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
     metavar="NAME=D0,D1",
     help="Shape of raw files for an input whose shape is dynamic; repeat for more inputs.",
 )
+@click.option(
+    "--section",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A binary section (.qsec) to apply before running, e.g. a LoRA use case.",
+)
+@click.option(
+    "--lora-strength",
+    "strengths",
+    multiple=True,
+    metavar="ADAPTER=VALUE",
+    help="Set an adapter's strength (after --section); repeat for more adapters.",
+)
 def run(
     context_path: Path,
     graph_name: str | None,
@@ -241,6 +253,8 @@ def run(
     backend: str,
     npy: bool,
     input_shapes: tuple[str, ...],
+    section: Path | None,
+    strengths: tuple[str, ...],
 ) -> None:
     """Execute a graph for every line of an input list (qnn-net-run compatible outputs)."""
     from quiver.tools.netrun import run_input_list
@@ -250,6 +264,15 @@ def run(
             if len(context.graph_names) != 1:
                 raise QuiverError(f"the context holds {context.graph_names}; choose one with --graph")
             graph_name = context.graph_names[0]
+        if section is not None:
+            context.apply_binary_section(graph_name, section)
+        for strength in strengths:
+            adapter, _, value = strength.partition("=")
+            try:
+                number = float(value)
+            except ValueError:
+                raise click.BadParameter(f"{strength!r}: write ADAPTER=VALUE, e.g. elementary=0.5") from None
+            context.graph(graph_name).set_lora_strength(adapter, number)
         start = time.perf_counter()
         shapes = {name: [int(d) for d in dims] for name, dims in _parse_shape_args(input_shapes).items()}
         with _progress(quiet=False) as progress:
@@ -356,6 +379,43 @@ def check(model: Path, as_json: bool) -> None:
         raise QuiverError(f"{model} uses unsupported operators: {', '.join(report.unsupported)}")
     if report.problem:
         raise QuiverError(report.problem)
+
+
+@cli.group()
+def lora() -> None:
+    """LoRA adapters as binary sections (QNN's LoRA v3 flow from PEFT adapters)."""
+
+
+@lora.command("prepare")
+@click.option(
+    "--lora-config",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="QNN-style YAML: adapters (PEFT folders), use cases, the base model.",
+)
+@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--genie-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write a Genie-style config with the 'lora' block for this folder.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def lora_prepare(lora_config: Path, output_dir: Path, genie_config: Path | None, as_json: bool) -> None:
+    """Map, create, import: one context, one section per use case, and manifest.json."""
+    from quiver.lora.prepare import prepare
+
+    with err_console.status("preparing") as status:
+        manifest = prepare(lora_config, output_dir, genie_config, on_step=lambda step: status.update(step))
+    if as_json:
+        _emit_json(manifest)
+        return
+    table = Table(title=f"{output_dir / manifest['context']}: graph {manifest['graph']}")
+    for column in ("use case", "adapters", "alphas", "section", "bytes"):
+        table.add_column(column)
+    for name, case in manifest["use_cases"].items():
+        size = (output_dir / case["section"]).stat().st_size
+        table.add_row(name, ", ".join(case["adapters"]) or "-", str(case["alphas"]), case["section"], f"{size:,}")
+    console.print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,184 @@
+"""`quiver lora prepare`: QNN-style LoRA YAML -> one context, one section per use case, a manifest."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import yaml
+
+from quiver.errors import AdapterError
+from quiver.lora.attach import find_attach_points
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.peft import PeftAdapter, load_peft_adapter
+from quiver.passes.load import load_model
+from quiver.runtime.context import Context
+from quiver.tools.compare import compare_models
+
+
+@dataclass(frozen=True)
+class UseCase:
+    name: str
+    adapters: list[str]
+    alphas: list[float]
+    model: Path | None  # QNN needs one export per use case; Quiver only checks it against the base
+
+
+@dataclass(frozen=True)
+class LoraProject:
+    base_model: Path
+    adapters: dict[str, Path]
+    use_cases: list[UseCase]
+    attach_map: dict[str, str] | None
+
+
+def _list(raw: dict[str, Any], key: str, source: Path) -> list[Any]:
+    value = raw.get(key, [])
+    if not isinstance(value, list):
+        raise AdapterError(f"{source}: {key!r} must be a list")
+    return value
+
+
+def load_lora_config(path: str | Path) -> LoraProject:
+    """Reads the YAML of DESIGN.md; relative paths are relative to the YAML's folder."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise AdapterError(f"cannot read LoRA config {path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{path}: must be a YAML mapping with 'adapter' and 'use-case' lists")
+    folder = path.parent
+    adapters = {}
+    for entry in _list(raw, "adapter", path):
+        if not isinstance(entry, dict) or "name" not in entry or "lora_config" not in entry:
+            raise AdapterError(f"{path}: each adapter needs 'name' and 'lora_config'")
+        adapters[str(entry["name"])] = folder / str(entry["lora_config"])
+    use_cases = []
+    for entry in _list(raw, "use-case", path):
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise AdapterError(f"{path}: each use case needs a 'name'")
+        names = [str(n) for n in entry.get("adapter_names") or []]
+        unknown = sorted(set(names) - set(adapters))
+        if unknown:
+            raise AdapterError(f"{path}: use case {entry['name']!r} names unknown adapters {unknown}")
+        alphas = [float(a) for a in entry.get("adapter_alphas") or [1.0] * len(names)]
+        if len(alphas) != len(names):
+            raise AdapterError(f"{path}: use case {entry['name']!r} has {len(names)} adapters but {len(alphas)} alphas")
+        model = folder / str(entry["model_name"]) if entry.get("model_name") else None
+        use_cases.append(UseCase(str(entry["name"]), names, alphas, model))
+    bases = [u for u in use_cases if not u.adapters and u.model is not None]
+    if not bases:
+        raise AdapterError(f"{path}: no base use case (adapter_names: [] with a model_name) gives the base model")
+    mapping = None
+    if raw.get("attach_point_onnx_mapping"):
+        map_path = folder / str(raw["attach_point_onnx_mapping"])
+        try:
+            mapping = {str(k): str(v) for k, v in json.loads(map_path.read_text()).items()}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise AdapterError(f"cannot read the attach-point map {map_path}: {exc}") from None
+    assert bases[0].model is not None
+    return LoraProject(bases[0].model, adapters, use_cases, mapping)
+
+
+def _check_use_case_models(project: LoraProject) -> None:
+    """A use case exported with its own model must share the base part with the base model."""
+    for use_case in project.use_cases:
+        if use_case.model is None or use_case.model == project.base_model:
+            continue
+        comparison = compare_models(project.base_model, use_case.model)
+        if comparison.only_a or comparison.different:
+            changed = [a.name for a, _ in comparison.different][:3] + [t.name for t in comparison.only_a][:3]
+            raise AdapterError(
+                f"use case {use_case.name!r}: {use_case.model} does not contain the base model's weights unchanged "
+                f"(e.g. {changed}); its base part must equal {project.base_model}"
+            )
+
+
+def prepare(
+    config: str | Path,
+    out_dir: str | Path,
+    genie_config: str | Path | None = None,
+    on_step: Callable[[str], object] = lambda _: None,
+) -> dict[str, Any]:
+    """The whole LoRA v3 flow: map, create, import, then the context, sections and manifest in `out_dir`."""
+    config = Path(config)
+    project = load_lora_config(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    on_step("reading adapters")
+    adapters: dict[str, PeftAdapter] = {name: load_peft_adapter(p, name) for name, p in project.adapters.items()}
+    _check_use_case_models(project)
+    order = list(project.adapters)
+    on_step("mapping adapted modules to attach points")
+    base, _ = load_model(project.base_model)
+    modules = sorted({m for a in adapters.values() for m in a.modules})
+    points, missing = find_attach_points(base, modules, project.attach_map)
+    if missing:
+        raise AdapterError(
+            f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; export with torch.onnx "
+            "(dynamo) or give attach_point_onnx_mapping (module -> node name)"
+        )
+    on_step("creating the LoRA graph")
+    cases = {u.name: u.adapters for u in project.use_cases}
+    lora_model, slots = create_lora_graph(
+        onnx.load(str(project.base_model)), points, slot_ranks(adapters, cases), len(order)
+    )
+    graph = project.base_model.stem
+    name = config.stem
+    context = Context.create("reference", workdir=out)
+    context.add_graph(graph, lora_model, updateable=[t for s in slots for t in s.tensors])
+    context.save(out / f"{name}.qctx")
+    manifest: dict[str, Any] = {
+        "context": f"{name}.qctx",
+        "graph": graph,
+        "alpha_input": ALPHA_INPUT,
+        "adapters": order,
+        "use_cases": {},
+    }
+    for use_case in project.use_cases:
+        on_step(f"importing use case {use_case.name}")
+        alphas = [use_case.alphas[use_case.adapters.index(a)] if a in use_case.adapters else 0.0 for a in order]
+        context.graph(graph).update_tensors(use_case_values(slots, adapters, use_case.adapters, order))
+        context.finalize()
+        metadata = {
+            "lora": {"use_case": use_case.name, "alpha_input": ALPHA_INPUT, "adapters": order, "alphas": alphas}
+        }
+        section = f"{use_case.name}.qsec"
+        (out / section).write_bytes(context.get_binary_section(graph, metadata))
+        manifest["use_cases"][use_case.name] = {
+            "section": section,
+            "adapters": use_case.adapters,
+            "alphas": use_case.alphas,
+        }
+    context.close()
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    if genie_config is not None:
+        Path(genie_config).write_text(json.dumps(genie_lora_block(manifest, out, Path(genie_config).parent), indent=2))
+    return manifest
+
+
+def genie_lora_block(manifest: dict[str, Any], out_dir: Path, relative_to: Path) -> dict[str, Any]:
+    """The `"lora"` block of a Genie dialog config for a prepared folder (DESIGN.md)."""
+
+    def where(section: str) -> str:
+        target = (out_dir / section).resolve()
+        try:
+            return str(target.relative_to(relative_to.resolve()))
+        except ValueError:
+            return str(target)
+
+    return {
+        "lora": {
+            "version": 1,
+            "alpha-tensor-name": manifest["alpha_input"],
+            "adapters": [
+                {"version": 1, "name": name, "alphas": case["adapters"], "bin-sections": [where(case["section"])]}
+                for name, case in manifest["use_cases"].items()
+            ],
+        }
+    }

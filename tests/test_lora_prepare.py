@@ -1,0 +1,176 @@
+"""`quiver lora prepare`: YAML + PEFT folders -> context, sections, manifest; strengths at run time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import quiver
+from quiver.lora.peft import load_peft_adapter
+from quiver.lora.prepare import prepare
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import quiver as run_cli
+from tests.test_lora_create import BASE_WEIGHTS, CHAIN, dynamo_like_model, merged
+from tests.test_lora_inputs import write_adapter
+
+YAML = """
+adapter:
+- name: elementary
+  lora_config: elementary
+- name: long
+  lora_config: long
+use-case:
+- name: base
+  adapter_names: []
+  model_name: base/model.onnx
+- name: elementary
+  adapter_names: [elementary]
+- name: elementary_long
+  adapter_names: [elementary, long]
+  adapter_alphas: [1.0, 0.5]
+"""
+X = np.random.default_rng(11).standard_normal((4, 16)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    (root / "base").mkdir()
+    onnx.save(dynamo_like_model(BASE_WEIGHTS), str(root / "base" / "model.onnx"))
+    modules = {m: (i, o) for m, i, o in CHAIN}
+    write_adapter(
+        root / "elementary", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, seed=1, modules=modules
+    )
+    write_adapter(
+        root / "long",
+        {"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]},
+        seed=2,
+        modules={m: s for m, s in modules.items() if m.endswith("q_proj")},
+    )
+    (root / "lora.yaml").write_text(YAML)
+    return root
+
+
+@pytest.fixture(scope="module")
+def prepared(project: Path) -> Path:
+    out = project / "out"
+    result = run_cli(
+        "lora", "prepare", "--lora-config", project / "lora.yaml", "-o", out, "--genie-config", out / "genie.json"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "elementary_long" in result.stdout
+    return out
+
+
+def _expected(project: Path, strengths: dict[str, float]) -> np.ndarray:
+    adapters = {n: load_peft_adapter(project / n, n) for n in ("elementary", "long")}
+    model = merged(adapters, {name: value for name, value in strengths.items() if value})
+    return ort.InferenceSession(model.SerializeToString()).run(None, {"x": X})[0]
+
+
+def test_prepare_writes_context_sections_manifest_and_genie_config(prepared: Path) -> None:
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["context"] == "lora.qctx" and manifest["graph"] == "model"
+    assert manifest["alpha_input"] == "lora_alpha" and manifest["adapters"] == ["elementary", "long"]
+    assert manifest["use_cases"]["elementary_long"] == {
+        "section": "elementary_long.qsec",
+        "adapters": ["elementary", "long"],
+        "alphas": [1.0, 0.5],
+    }
+    for case in manifest["use_cases"].values():
+        assert (prepared / case["section"]).is_file()
+    genie = json.loads((prepared / "genie.json").read_text())["lora"]
+    assert genie["alpha-tensor-name"] == "lora_alpha"
+    assert genie["adapters"][2] == {
+        "version": 1,
+        "name": "elementary_long",
+        "alphas": ["elementary", "long"],
+        "bin-sections": ["elementary_long.qsec"],
+    }
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_each_use_case_runs_with_its_yaml_alphas_and_strengths_can_change(
+    project: Path, prepared: Path, backend: str
+) -> None:
+    context = quiver.Context.from_binary(prepared / "lora.qctx", backend=backend)
+    graph = context.graph("model")
+    cases = {"base": {}, "elementary": {"elementary": 1.0}, "elementary_long": {"elementary": 1.0, "long": 0.5}}
+    for case, strengths in cases.items():
+        context.apply_binary_section("model", prepared / f"{case}.qsec")
+        expected_alphas = {"elementary": strengths.get("elementary", 0.0), "long": strengths.get("long", 0.0)}
+        assert graph.lora_strengths == expected_alphas
+        np.testing.assert_allclose(graph.execute({"x": X})["y"], _expected(project, strengths), atol=1e-4, rtol=1e-4)
+    graph.set_lora_strength("long", 0.0)
+    np.testing.assert_allclose(
+        graph.execute({"x": X})["y"], _expected(project, {"elementary": 1.0}), atol=1e-4, rtol=1e-4
+    )
+    fed = graph.execute({"x": X, "lora_alpha": np.array([0.5, 1.0], np.float32)})["y"]  # feeding works too
+    np.testing.assert_allclose(fed, _expected(project, {"elementary": 0.5, "long": 1.0}), atol=1e-4, rtol=1e-4)
+    with pytest.raises(quiver.TensorUpdateError, match="no adapter 'short'"):
+        graph.set_lora_strength("short", 1.0)
+
+
+def test_quiver_run_applies_a_section_with_strengths(project: Path, prepared: Path, tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", X)
+    (tmp_path / "list.txt").write_text(f"x:={tmp_path / 'x.npy'}\n")
+    result = run_cli(
+        "run",
+        prepared / "lora.qctx",
+        "--input-list",
+        tmp_path / "list.txt",
+        "--output-dir",
+        tmp_path / "o",
+        "--npy",
+        "--section",
+        prepared / "elementary_long.qsec",
+        "--lora-strength",
+        "long=2.0",
+    )
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(
+        np.load(tmp_path / "o" / "Result_0" / "y.npy"),
+        _expected(project, {"elementary": 1.0, "long": 2.0}),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    assert_one_line_error(
+        run_cli(
+            "run",
+            prepared / "lora.qctx",
+            "--input-list",
+            tmp_path / "list.txt",
+            "--output-dir",
+            tmp_path / "o",
+            "--lora-strength",
+            "long=1",
+        ),
+        "no LoRA section applied",
+    )
+
+
+def test_a_use_case_model_with_another_base_is_refused(project: Path, tmp_path: Path) -> None:
+    other = {m: w + 1.0 for m, w in BASE_WEIGHTS.items()}
+    onnx.save(dynamo_like_model(other), str(project / "other.onnx"))
+    (project / "bad.yaml").write_text(YAML + "- name: drifted\n  adapter_names: [long]\n  model_name: other.onnx\n")
+    with pytest.raises(quiver.AdapterError, match="base part must equal"):
+        prepare(project / "bad.yaml", tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("use-case:\n- name: x\n  adapter_names: [nope]\n", "unknown adapters"),
+        ("adapter: []\nuse-case:\n- name: only\n  adapter_names: []\n", "no base use case"),
+        ("- not a mapping", "YAML mapping"),
+    ],
+)
+def test_broken_yaml_is_refused_with_what_to_do(tmp_path: Path, yaml_text: str, message: str) -> None:
+    (tmp_path / "l.yaml").write_text(yaml_text)
+    with pytest.raises(quiver.AdapterError, match=message):
+        prepare(tmp_path / "l.yaml", tmp_path / "out")
