@@ -148,3 +148,31 @@ def test_an_adapter_for_another_base_model_is_refused(adapters: dict, lora_conte
     )
     with pytest.raises(quiver.AdapterError, match="wrong base model"):
         use_case_values(slots, {"other": other}, ["other"], ["other"])
+
+
+def test_rank_and_alpha_patterns_and_fan_in_fan_out_match_the_merged_weights(tmp_path: Path) -> None:
+    # fan_in_fan_out changes how PEFT stores the *base* weight (Conv1D); A and B, and so the branch, are as usual.
+    config = {
+        "r": 4,
+        "lora_alpha": 4,
+        "target_modules": ["q_proj", "v_proj"],
+        "fan_in_fan_out": True,
+        "rank_pattern": {"v_proj": 2},
+        "alpha_pattern": {"layers.1.self_attn.q_proj": 16},
+    }
+    modules = {m: (i, o) for m, i, o in CHAIN}
+    ranks = {m: 2 for m in modules if m.endswith("v_proj")}
+    adapters = {"patterned": load_peft_adapter(write_adapter(tmp_path / "p", config, ranks, seed=5, modules=modules))}
+    base = dynamo_like_model(BASE_WEIGHTS)
+    points, _ = find_attach_points(base, sorted(adapters["patterned"].modules))
+    lora_model, slots = create_lora_graph(base, points, slot_ranks(adapters, {"p": ["patterned"]}), 1)
+    assert {s.attach.module: s.rank for s in slots}["model.layers.0.self_attn.v_proj"] == 2
+    with quiver.Context.create("reference") as context:
+        context.add_graph("g", lora_model, updateable=[t for s in slots for t in s.tensors])
+        graph = context.finalize().graph("g")
+        graph.update_tensors(use_case_values(slots, adapters, ["patterned"], ["patterned"]))
+        graph.finalize()
+        x = np.random.default_rng(6).standard_normal((3, 16)).astype(np.float32)
+        ours = graph.execute({"x": x, ALPHA_INPUT: np.array([1.0], np.float32)})["y"]
+    theirs = ort.InferenceSession(merged(adapters, {"patterned": 1.0}).SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)

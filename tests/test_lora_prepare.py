@@ -174,3 +174,20 @@ def test_broken_yaml_is_refused_with_what_to_do(tmp_path: Path, yaml_text: str, 
     (tmp_path / "l.yaml").write_text(yaml_text)
     with pytest.raises(quiver.AdapterError, match=message):
         prepare(tmp_path / "l.yaml", tmp_path / "out")
+
+
+def test_lora_map_reports_attach_points_and_writes_a_reusable_map(project: Path, tmp_path: Path) -> None:
+    result = run_cli("lora", "map", "--lora-config", project / "lora.yaml", "-o", tmp_path / "map.json", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["missing"] == [] and len(report["attach_points"]) == 4
+    assert json.loads((tmp_path / "map.json").read_text())["model.layers.1.self_attn.v_proj"] == "node_linear_3"
+    # a module the graph does not have: listed, one-line error, non-zero exit
+    extra = {"model.layers.9.mlp.up_proj": (16, 16)}
+    write_adapter(project / "stray", {"r": 2, "lora_alpha": 2, "target_modules": ["up_proj"]}, modules=extra)
+    (project / "stray.yaml").write_text(YAML.replace("lora_config: long", "lora_config: stray"))
+    assert_one_line_error(
+        run_cli("lora", "map", "--lora-config", project / "stray.yaml"),
+        "model.layers.9.mlp.up_proj",
+        "attach_point_onnx_mapping",
+    )

@@ -12,7 +12,7 @@ import onnx
 import yaml
 
 from quiver.errors import AdapterError
-from quiver.lora.attach import find_attach_points
+from quiver.lora.attach import AttachPoint, find_attach_points
 from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.passes.load import load_model
@@ -99,6 +99,19 @@ def _check_use_case_models(project: LoraProject) -> None:
             )
 
 
+def map_attach_points(
+    project: LoraProject, adapters: dict[str, PeftAdapter]
+) -> tuple[dict[str, AttachPoint], list[str]]:
+    """`quiver lora map`: the attach point of every adapted module, and the modules that found none."""
+    base, _ = load_model(project.base_model)
+    modules = sorted({m for a in adapters.values() for m in a.modules})
+    return find_attach_points(base, modules, project.attach_map)
+
+
+def load_adapters(project: LoraProject) -> dict[str, PeftAdapter]:
+    return {name: load_peft_adapter(path, name) for name, path in project.adapters.items()}
+
+
 def prepare(
     config: str | Path,
     out_dir: str | Path,
@@ -111,13 +124,11 @@ def prepare(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     on_step("reading adapters")
-    adapters: dict[str, PeftAdapter] = {name: load_peft_adapter(p, name) for name, p in project.adapters.items()}
+    adapters = load_adapters(project)
     _check_use_case_models(project)
     order = list(project.adapters)
     on_step("mapping adapted modules to attach points")
-    base, _ = load_model(project.base_model)
-    modules = sorted({m for a in adapters.values() for m in a.modules})
-    points, missing = find_attach_points(base, modules, project.attach_map)
+    points, missing = map_attach_points(project, adapters)
     if missing:
         raise AdapterError(
             f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; export with torch.onnx "

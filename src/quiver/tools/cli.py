@@ -386,6 +386,51 @@ def lora() -> None:
     """LoRA adapters as binary sections (QNN's LoRA v3 flow from PEFT adapters)."""
 
 
+@lora.command("map")
+@click.option(
+    "--lora-config",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="QNN-style YAML: adapters (PEFT folders), use cases, the base model.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the map (module -> node name) as JSON, usable as attach_point_onnx_mapping.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the attach points as JSON.")
+def lora_map(lora_config: Path, output: Path | None, as_json: bool) -> None:
+    """Find the ONNX attach point (MatMul/Gemm) of every adapted module; list those with none."""
+    from quiver.lora.prepare import load_adapters, load_lora_config, map_attach_points
+
+    project = load_lora_config(lora_config)
+    points, missing = map_attach_points(project, load_adapters(project))
+    if output is not None:
+        output.write_text(json.dumps({module: point.node for module, point in sorted(points.items())}, indent=2))
+    if as_json:
+        _emit_json({"attach_points": {m: vars(p) for m, p in sorted(points.items())}, "missing": missing})
+    else:
+        table = Table(title=f"attach points in {project.base_model.name}")
+        for column in ("module", "node", "op", "weight", "in x out", "found by"):
+            table.add_column(column)
+        for module, point in sorted(points.items()):
+            table.add_row(
+                module,
+                point.node,
+                point.op_type,
+                point.weight,
+                f"{point.in_features} x {point.out_features}",
+                point.found_by,
+            )
+        console.print(table)
+    if missing:
+        raise QuiverError(
+            f"{len(missing)} adapted module(s) found no attach point: {', '.join(missing[:5])}; "
+            "give them in an attach_point_onnx_mapping JSON (module -> node name)"
+        )
+
+
 @lora.command("prepare")
 @click.option(
     "--lora-config",
