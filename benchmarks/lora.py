@@ -1,4 +1,7 @@
-"""Adapter switching with binary sections on the benchmark transformer (rank-r LoRA on every linear layer)."""
+"""Adapter switching with binary sections: the LoRA flow (map, create, import) on the benchmark transformer.
+
+Rank-r adapters on every linear layer, in PEFT's layout; the graph is the one `quiver lora prepare` makes.
+"""
 
 from __future__ import annotations
 
@@ -11,27 +14,41 @@ import numpy as np
 import onnxruntime as ort
 
 import quiver
+from quiver.lora.attach import find_attach_points
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.peft import LoraConfig, LoraModule, PeftAdapter
 from quiver.runtime.sections import load_section
-from quiver.tools.family import BENCH, LORA_PREFIX, build_model, family_weights, sample_input_ids
+from quiver.tools.family import BENCH, build_model, family_weights, sample_input_ids
 
 _LINEARS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"}
 
 
-def _adapter(lora_names: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
+def _adapter(name: str, weights: dict[str, Any], rank: int, seed: int) -> PeftAdapter:
+    """A PEFT-layout adapter on every linear layer: A [r, in], B [out, r], scaling lora_alpha / r = 2."""
     rng = np.random.default_rng(seed)
-    return {name: (0.02 * rng.standard_normal(shape)).astype(np.float32) for name, shape in lora_names.items()}
+    modules = {}
+    for index, layer in enumerate(weights["layers"]):
+        for tag, key in _LINEARS.items():
+            fan_in, fan_out = layer[key].shape
+            module = f"layers.{index}.{tag}"
+            modules[module] = LoraModule(
+                module,
+                (0.02 * rng.standard_normal((rank, fan_in))).astype(np.float32),
+                (0.02 * rng.standard_normal((fan_out, rank))).astype(np.float32),
+                2.0,
+            )
+    config = LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=list(_LINEARS))
+    return PeftAdapter(name, config, modules)
 
 
-def _merged_weights(weights: dict[str, Any], adapter: dict[str, np.ndarray]) -> dict[str, Any]:
-    """The base weights with each linear weight W replaced by W + A·B: what merging an adapter does."""
+def _merged_weights(weights: dict[str, Any], adapter: PeftAdapter) -> dict[str, Any]:
+    """The base weights with each linear W ([in, out]) replaced by W + ΔWᵀ: what merging an adapter does."""
     merged = dict(weights)
     merged["layers"] = []
     for index, layer in enumerate(weights["layers"]):
         layer = dict(layer)
         for tag, key in _LINEARS.items():
-            layer[key] = (
-                layer[key] + adapter[f"{LORA_PREFIX}A_{index}_{tag}"] @ adapter[f"{LORA_PREFIX}B_{index}_{tag}"]
-            )
+            layer[key] = layer[key] + adapter.modules[f"layers.{index}.{tag}"].delta().T
         merged["layers"].append(layer)
     return merged
 
@@ -40,45 +57,58 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
 
+def _latency(graph: quiver.Graph, feeds: dict[str, np.ndarray]) -> float:
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        graph.execute(feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def measure_lora(folder: Path, rank: int = 16, sequence: int = 128, switches: int = 200) -> dict[str, Any]:
     weights = family_weights(BENCH, seed=0)
-    lora_model = build_model(BENCH, weights, "lora", lora_rank=rank)
-    lora_names = {t.name: tuple(t.dims) for t in lora_model.graph.initializer if t.name.startswith(LORA_PREFIX)}
+    base_model = build_model(BENCH, weights, "base")
+    adapters = {"one": _adapter("one", weights, rank, 1), "two": _adapter("two", weights, rank, 2)}
+    use_cases = {"one": ["one"], "two": ["two"]}
+    order = list(adapters)
+    points, missing = find_attach_points(base_model, sorted(adapters["one"].modules))
+    assert not missing, missing
+    lora_model, slots = create_lora_graph(base_model, points, slot_ranks(adapters, use_cases), len(order))
+    updateable = [t for s in slots for t in s.tensors]
     context = quiver.Context.create("cpu", workdir=folder)
-    context.add_graph("lora", lora_model, updateable=list(lora_names))
-    context.add_graph("base", build_model(BENCH, weights, "base"))
+    context.add_graph("lora", lora_model, updateable=updateable)
+    context.add_graph("base", base_model)
+    context.finalize()
+    paths = {}
+    for name, active in use_cases.items():
+        context.graph("lora").update_tensors(use_case_values(slots, adapters, active, order))
+        context.finalize()
+        alphas = [1.0 if a in active else 0.0 for a in order]
+        metadata = {"lora": {"use_case": name, "alpha_input": ALPHA_INPUT, "adapters": order, "alphas": alphas}}
+        paths[name] = folder / f"{name}.qsec"
+        paths[name].write_bytes(context.get_binary_section("lora", metadata))
     qctx = context.save(folder / "lora.qctx")
     context.close()
 
-    adapters = {"one": _adapter(lora_names, 1), "two": _adapter(lora_names, 2)}
-    maker = quiver.Context.from_binary(qctx, backend="reference")
-    paths = {}
-    for name, adapter in adapters.items():
-        maker.graph("lora").update_tensors(adapter)
-        maker.finalize()
-        paths[name] = folder / f"{name}.qsec"
-        paths[name].write_bytes(maker.get_binary_section("lora", metadata={"adapter": name}))
-    maker.close()
-
-    ids = sample_input_ids(BENCH, batch=1, seq=sequence)
-    feeds = {"input_ids": ids}
+    feeds = {"input_ids": sample_input_ids(BENCH, batch=1, seq=sequence)}
     runtime = quiver.Context.from_binary(qctx, backend="cpu")
     graph, base_graph = runtime.graph("lora"), runtime.graph("base")
+    sections = {name: load_section(path) for name, path in paths.items()}  # loaded and verified once
+    runtime.apply_binary_section("lora", sections["one"])
     graph.execute(feeds)
     base_graph.execute(feeds)
     runtime.wait_until_ready()
-    sections = {name: load_section(path) for name, path in paths.items()}  # loaded and verified once
 
-    # Correctness: the adapted graph equals ORT on the model with the adapter merged into its weights.
+    # Correctness: each use case equals ORT on the model with its adapter merged into the weights.
     merged_bytes = {}
-    for name, adapter in adapters.items():
+    for name in order:
         runtime.apply_binary_section("lora", sections[name])
-        merged_bytes[name] = build_model(BENCH, _merged_weights(weights, adapter), "merged").SerializeToString()
+        merged_bytes[name] = build_model(BENCH, _merged_weights(weights, adapters[name]), "merged").SerializeToString()
         theirs = ort.InferenceSession(merged_bytes[name]).run(None, feeds)[0]
         np.testing.assert_allclose(graph.execute(feeds)["last_hidden_state"], theirs, atol=1e-3, rtol=0)
 
-    apply_times, switch_times = [], []
-    order = ["one", "two"]
+    apply_times, switch_times, ort_switch = [], [], []
     for i in range(switches):
         start = time.perf_counter()
         runtime.apply_binary_section("lora", sections[order[i % 2]])
@@ -88,30 +118,21 @@ def measure_lora(folder: Path, rank: int = 16, sequence: int = 128, switches: in
         runtime.apply_binary_section("lora", sections[order[i % 2]])
         graph.execute(feeds)
         switch_times.append(time.perf_counter() - start)
-    ort_switch = []
     for i in range(5):
         start = time.perf_counter()
         ort.InferenceSession(merged_bytes[order[i % 2]], providers=["CPUExecutionProvider"]).run(None, feeds)
         ort_switch.append(time.perf_counter() - start)
-
-    lora_ms, base_ms = [], []
+    lora_s, base_s = [], []
     for _ in range(7):  # interleaved rounds
-        for samples, g in ((lora_ms, graph), (base_ms, base_graph)):
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                g.execute(feeds)
-                times.append(time.perf_counter() - start)
-            samples.append(statistics.median(times))
+        lora_s.append(_latency(graph, feeds))
+        base_s.append(_latency(base_graph, feeds))
     runtime.close()
 
     super_context = quiver.Context.create("cpu", workdir=folder)
-    super_context.add_graph(
-        "prefill", lora_model, input_shapes={"input_ids": [1, sequence]}, updateable=list(lora_names)
-    )
-    super_context.add_graph("decode", lora_model, input_shapes={"input_ids": [1, 1]}, updateable=list(lora_names))
+    super_context.add_graph("prefill", lora_model, input_shapes={"input_ids": [1, sequence]}, updateable=updateable)
+    super_context.add_graph("decode", lora_model, input_shapes={"input_ids": [1, 1]}, updateable=updateable)
     super_context.finalize()
-    super_context.update_context_tensors(adapters["one"])
+    super_context.update_context_tensors(use_case_values(slots, adapters, ["one"], order))
     super_context.finalize()
     super_bytes = len(super_context.get_binary_section())
     per_graph_bytes = len(super_context.get_binary_section("prefill")) + len(super_context.get_binary_section("decode"))
@@ -121,16 +142,16 @@ def measure_lora(folder: Path, rank: int = 16, sequence: int = 128, switches: in
     section_bytes = paths["one"].stat().st_size
     return {
         "rank": rank,
-        "attach_points": len(lora_names) // 2,
+        "attach_points": len(slots),
         "input": [1, sequence],
         "apply_section_ms": _median_ms(apply_times),
         "apply_section_p90_ms": float(np.percentile(apply_times, 90) * 1e3),
         "switch_to_first_output_ms": _median_ms(switch_times),
         "ort_new_session_with_merged_weights_ms": _median_ms(ort_switch),
         "switch_ratio_to_ort": _median_ms(switch_times) / _median_ms(ort_switch),
-        "lora_graph_latency_ms": _median_ms(lora_ms),
-        "base_graph_latency_ms": _median_ms(base_ms),
-        "lora_overhead": _median_ms(lora_ms) / _median_ms(base_ms),
+        "lora_graph_latency_ms": _median_ms(lora_s),
+        "base_graph_latency_ms": _median_ms(base_s),
+        "lora_overhead": _median_ms(lora_s) / _median_ms(base_s),
         "section_bytes": section_bytes,
         "merged_adapted_weight_bytes": adapted_weight_bytes,
         "section_over_merged": section_bytes / adapted_weight_bytes,

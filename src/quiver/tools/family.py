@@ -10,6 +10,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from quiver.lora.attach import NAME_SCOPES
+
 OPSET = 17
 
 
@@ -162,6 +164,10 @@ def build_model(
 
         def linear(x_in: str, weight: np.ndarray, bias: np.ndarray, tag: str) -> str:
             y = b.op1("MatMul", [x_in, b.weight(weight)])
+            # the module path, as the dynamo exporter records it: LoRA attach points are found by it
+            module = f"layers.{tag.replace('_', '.', 1)}"
+            scopes = ["", module.rsplit(".", 1)[0], module, "linear"]
+            b.nodes[-1].metadata_props.add(key=NAME_SCOPES, value=repr(scopes))
             if lora_rank:
                 a = b.named_weight(f"{LORA_PREFIX}A_{tag}", np.zeros((weight.shape[0], lora_rank), np.float32))
                 lb = b.named_weight(f"{LORA_PREFIX}B_{tag}", np.zeros((lora_rank, weight.shape[1]), np.float32))
