@@ -191,3 +191,25 @@ def test_lora_map_reports_attach_points_and_writes_a_reusable_map(project: Path,
         "model.layers.9.mlp.up_proj",
         "attach_point_onnx_mapping",
     )
+
+
+def test_lora_create_and_import_write_the_steps_of_prepare(project: Path, prepared: Path, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from quiver.formats.section import SectionFile
+
+    created = run_cli("lora", "create", "--lora-config", project / "lora.yaml", "-o", tmp_path / "lora.onnx")
+    assert created.returncode == 0, created.stderr
+    model = onnx.load(str(tmp_path / "lora.onnx"))
+    assert "lora_alpha" in [i.name for i in model.graph.input]
+    session = ort.InferenceSession(str(tmp_path / "lora.onnx"))  # plain ORT runs the created graph
+    zero = session.run(None, {"x": X, "lora_alpha": np.zeros(2, np.float32)})[0]
+    np.testing.assert_allclose(zero, _expected(project, {}), atol=1e-5, rtol=1e-5)  # LoRA weights start at zero
+    imported = run_cli("lora", "import", "--lora-config", project / "lora.yaml", "-o", tmp_path / "import")
+    assert imported.returncode == 0, imported.stderr
+    cases = json.loads((tmp_path / "import" / "use_cases.json").read_text())
+    assert cases["elementary_long"]["alphas"] == [1.0, 0.5]
+    values = load_file(str(tmp_path / "import" / "elementary_long.safetensors"))
+    section = SectionFile((prepared / "elementary_long.qsec").read_bytes())
+    for name, index in section.graphs["model"].tensors.items():
+        np.testing.assert_array_equal(values[name], section.weight_array(index))

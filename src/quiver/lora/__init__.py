@@ -1,1 +1,1 @@
-"""LoRA adapters: PEFT adapter folders, attach points in ONNX graphs (issue 3, in progress)."""
+"""LoRA adapters: PEFT adapter folders, attach points, the max-rank LoRA graph and the prepare flow."""

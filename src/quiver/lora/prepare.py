@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import yaml
 
 from quiver.errors import AdapterError
 from quiver.lora.attach import AttachPoint, find_attach_points
-from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.passes.load import load_model
 from quiver.runtime.context import Context
@@ -112,6 +113,51 @@ def load_adapters(project: LoraProject) -> dict[str, PeftAdapter]:
     return {name: load_peft_adapter(path, name) for name, path in project.adapters.items()}
 
 
+@dataclass(frozen=True)
+class LoraGraph:
+    """The created graph (QNN's model creator output) and what import needs to fill it."""
+
+    model: onnx.ModelProto
+    slots: list[LoraSlot]
+    adapter_order: list[str]
+    name: str  # the graph's name in the context: the base model's file stem
+
+    @property
+    def updateable(self) -> list[str]:
+        return [t for s in self.slots for t in s.tensors]
+
+
+def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter]) -> LoraGraph:
+    """`quiver lora create`: map, then one max-rank LoRA graph for every use case."""
+    _check_use_case_models(project)
+    points, missing = map_attach_points(project, adapters)
+    if missing:
+        raise AdapterError(
+            f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; export with torch.onnx "
+            "(dynamo) or give attach_point_onnx_mapping (module -> node name)"
+        )
+    order = list(project.adapters)
+    cases = {u.name: u.adapters for u in project.use_cases}
+    model, slots = create_lora_graph(
+        onnx.load(str(project.base_model)), points, slot_ranks(adapters, cases), len(order)
+    )
+    return LoraGraph(model, slots, order, project.base_model.stem)
+
+
+def import_use_cases(
+    project: LoraProject, adapters: dict[str, PeftAdapter], graph: LoraGraph
+) -> dict[str, tuple[dict[str, np.ndarray], list[float]]]:
+    """`quiver lora import`: per use case, the updateable tensors (zero-padded) and the full alpha vector."""
+    result = {}
+    for use_case in project.use_cases:
+        values = use_case_values(graph.slots, adapters, use_case.adapters, graph.adapter_order)
+        alphas = [
+            use_case.alphas[use_case.adapters.index(a)] if a in use_case.adapters else 0.0 for a in graph.adapter_order
+        ]
+        result[use_case.name] = (values, alphas)
+    return result
+
+
 def prepare(
     config: str | Path,
     out_dir: str | Path,
@@ -125,46 +171,31 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     on_step("reading adapters")
     adapters = load_adapters(project)
-    _check_use_case_models(project)
-    order = list(project.adapters)
-    on_step("mapping adapted modules to attach points")
-    points, missing = map_attach_points(project, adapters)
-    if missing:
-        raise AdapterError(
-            f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; export with torch.onnx "
-            "(dynamo) or give attach_point_onnx_mapping (module -> node name)"
-        )
-    on_step("creating the LoRA graph")
-    cases = {u.name: u.adapters for u in project.use_cases}
-    lora_model, slots = create_lora_graph(
-        onnx.load(str(project.base_model)), points, slot_ranks(adapters, cases), len(order)
-    )
-    graph = project.base_model.stem
-    name = config.stem
+    on_step("mapping and creating the LoRA graph")
+    graph = create_graph(project, adapters)
     context = Context.create("reference", workdir=out)
-    context.add_graph(graph, lora_model, updateable=[t for s in slots for t in s.tensors])
-    context.save(out / f"{name}.qctx")
+    context.add_graph(graph.name, graph.model, updateable=graph.updateable)
+    context.save(out / f"{config.stem}.qctx")
     manifest: dict[str, Any] = {
-        "context": f"{name}.qctx",
-        "graph": graph,
+        "context": f"{config.stem}.qctx",
+        "graph": graph.name,
         "alpha_input": ALPHA_INPUT,
-        "adapters": order,
+        "adapters": graph.adapter_order,
         "use_cases": {},
     }
-    for use_case in project.use_cases:
-        on_step(f"importing use case {use_case.name}")
-        alphas = [use_case.alphas[use_case.adapters.index(a)] if a in use_case.adapters else 0.0 for a in order]
-        context.graph(graph).update_tensors(use_case_values(slots, adapters, use_case.adapters, order))
+    cases = {u.name: u for u in project.use_cases}
+    for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
+        on_step(f"writing the section of use case {name}")
+        context.graph(graph.name).update_tensors(values)
         context.finalize()
         metadata = {
-            "lora": {"use_case": use_case.name, "alpha_input": ALPHA_INPUT, "adapters": order, "alphas": alphas}
+            "lora": {"use_case": name, "alpha_input": ALPHA_INPUT, "adapters": graph.adapter_order, "alphas": alphas}
         }
-        section = f"{use_case.name}.qsec"
-        (out / section).write_bytes(context.get_binary_section(graph, metadata))
-        manifest["use_cases"][use_case.name] = {
-            "section": section,
-            "adapters": use_case.adapters,
-            "alphas": use_case.alphas,
+        (out / f"{name}.qsec").write_bytes(context.get_binary_section(graph.name, metadata))
+        manifest["use_cases"][name] = {
+            "section": f"{name}.qsec",
+            "adapters": cases[name].adapters,
+            "alphas": cases[name].alphas,
         }
     context.close()
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -431,6 +431,53 @@ def lora_map(lora_config: Path, output: Path | None, as_json: bool) -> None:
         )
 
 
+@lora.command("create")
+@click.option("--lora-config", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The max-rank LoRA graph (.onnx), LoRA weights zero.",
+)
+def lora_create(lora_config: Path, output: Path) -> None:
+    """Write one ONNX graph with a LoRA branch at every attach point, serving every use case."""
+    import onnx
+
+    from quiver.lora.prepare import create_graph, load_adapters, load_lora_config
+
+    project = load_lora_config(lora_config)
+    graph = create_graph(project, load_adapters(project))
+    onnx.save(graph.model, str(output))
+    table = Table(title=f"{output}: {len(graph.slots)} LoRA branches, lora_alpha[{len(graph.adapter_order)}]")
+    for column in ("module", "node", "rank"):
+        table.add_column(column)
+    for slot in graph.slots:
+        table.add_row(slot.attach.module, slot.attach.node, str(slot.rank))
+    console.print(table)
+
+
+@lora.command("import")
+@click.option("--lora-config", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+def lora_import(lora_config: Path, output_dir: Path) -> None:
+    """Write each use case's LoRA tensors (<use case>.safetensors, zero-padded) and alphas (use_cases.json)."""
+    from safetensors.numpy import save_file
+
+    from quiver.lora.prepare import create_graph, import_use_cases, load_adapters, load_lora_config
+
+    project = load_lora_config(lora_config)
+    adapters = load_adapters(project)
+    graph = create_graph(project, adapters)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
+        save_file(values, str(output_dir / f"{name}.safetensors"))
+        summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
+    (output_dir / "use_cases.json").write_text(json.dumps(summary, indent=2))
+    err_console.print(f"{len(summary)} use case(s) in {output_dir}")
+
+
 @lora.command("prepare")
 @click.option(
     "--lora-config",
