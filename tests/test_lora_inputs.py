@@ -154,5 +154,5 @@ def test_an_explicit_map_wins_and_must_name_a_linear_node() -> None:
     node = next(n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1].startswith("val_"))
     found, _ = find_attach_points(model, ["my.module"], explicit={"my.module": node})
     assert found["my.module"].found_by == "explicit"
-    with pytest.raises(quiver.AdapterError, match="not a MatMul/Gemm"):
+    with pytest.raises(quiver.AdapterError, match="not a MatMul/Gemm/Conv"):
         find_attach_points(model, ["my.module"], explicit={"my.module": "no_such_node"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import onnx
 
@@ -15,7 +16,8 @@ NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # the dynamo exporter's module path 
 
 @dataclass(frozen=True)
 class AttachPoint:
-    """A linear layer in the graph: y = x·W (MatMul, W [in, out]) or Gemm (W [out, in] with transB=1)."""
+    """A layer with a weight: y = x·W (MatMul, W [in, out]), Gemm (W [out, in] with transB=1), or Conv
+    (W [out, in, kh, kw], one group; `conv` holds its strides, pads and dilations for the branch)."""
 
     module: str
     node: str
@@ -24,6 +26,8 @@ class AttachPoint:
     in_features: int
     out_features: int
     found_by: str  # "name_scopes", "weight_name" or "explicit"
+    kernel: tuple[int, ...] = ()  # Conv: (kh, kw); empty for MatMul/Gemm
+    conv: tuple[tuple[str, Any], ...] = ()  # Conv: the attributes the branch's first conv copies
 
 
 def _scopes(node: onnx.NodeProto) -> list[str]:
@@ -42,16 +46,31 @@ def _matches(module: str, path: str) -> bool:
     return module == path or module.endswith(f".{path}") or path.endswith(f".{module}")
 
 
-def _linear(node: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) -> tuple[str, int, int] | None:
-    """(weight name, in, out) when the node multiplies by a 2-D initializer, else None."""
-    if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node.input[1] not in initializers:
+_CONV_ATTRIBUTES = ("strides", "pads", "dilations", "auto_pad")
+
+_Linear = tuple[str, int, int, tuple[int, ...], tuple[tuple[str, Any], ...]]
+
+
+def _conv(node: onnx.NodeProto, dims: list[int]) -> _Linear | None:
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if len(dims) != 4 or attributes.get("group", 1) != 1:
+        return None  # 2-D convs of one group only; grouped and depthwise convs are not attach points here
+    conv = tuple((k, attributes[k]) for k in _CONV_ATTRIBUTES if k in attributes)
+    return node.input[1], dims[1], dims[0], tuple(dims[2:]), conv
+
+
+def _linear(node: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) -> _Linear | None:
+    """(weight name, in, out, kernel, conv attributes) when the node applies an initializer weight, else None."""
+    if node.op_type not in ("MatMul", "Gemm", "Conv") or len(node.input) < 2 or node.input[1] not in initializers:
         return None
     dims = list(initializers[node.input[1]].dims)
+    if node.op_type == "Conv":
+        return _conv(node, dims)
     if len(dims) != 2:
         return None
     trans_b = any(a.name == "transB" and a.i for a in node.attribute) if node.op_type == "Gemm" else False
     out_features, in_features = dims if trans_b else dims[::-1]
-    return node.input[1], in_features, out_features
+    return node.input[1], in_features, out_features, (), ()
 
 
 def find_attach_points(
@@ -73,8 +92,8 @@ def find_attach_points(
         if explicit and module in explicit:
             if explicit[module] not in linears:
                 raise AdapterError(
-                    f"the map sends {module!r} to {explicit[module]!r}, which is not a MatMul/Gemm "
-                    "with a 2-D weight in this graph"
+                    f"the map sends {module!r} to {explicit[module]!r}, which is not a MatMul/Gemm/Conv "
+                    "with a weight in this graph"
                 )
             candidates = [(explicit[module], "explicit")]
         else:
@@ -96,6 +115,7 @@ def find_attach_points(
                 "give an explicit map (module -> node name)"
             )
         name, how = candidates[0]
-        weight, in_features, out_features = linears[name][1]
-        found[module] = AttachPoint(module, name, linears[name][0].op_type, weight, in_features, out_features, how)
+        weight, in_features, out_features, kernel, conv = linears[name][1]
+        node = linears[name][0]
+        found[module] = AttachPoint(module, name, node.op_type, weight, in_features, out_features, how, kernel, conv)
     return found, missing

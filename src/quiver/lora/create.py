@@ -4,6 +4,7 @@ At each attach point y = x·W the graph adds ((x·Aᵀ) ⊙ lora_alpha[idx])·(s
 (s·B)ᵀ [R, out] hold the ranks of the use case's adapters side by side (PEFT's "cat"), zero-padded to
 R, the largest total rank any use case needs there; idx [R] says which entry of the `lora_alpha`
 input scales each rank column. ΔW = Σᵢ αᵢ·sᵢ·Bᵢ·Aᵢ, as PEFT computes with several adapters active.
+A Conv attach point gets Conv(x, A) (the base conv's geometry) -> ⊙ alpha per channel -> 1x1 Conv(·, s·B).
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def slot_ranks(adapters: Mapping[str, PeftAdapter], use_cases: Mapping[str, Sequ
     return ranks
 
 
+def _branch_shapes(point: AttachPoint, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the branch's A and B: [in, R] and [R, out], or for a conv [R, in, kh, kw] and [out, R, 1, 1]."""
+    if point.op_type == "Conv":
+        return (rank, point.in_features, *point.kernel), (point.out_features, rank, 1, 1)
+    return (point.in_features, rank), (rank, point.out_features)
+
+
 def create_lora_graph(
     model: onnx.ModelProto, attach_points: Mapping[str, AttachPoint], ranks: Mapping[str, int], adapter_count: int
 ) -> tuple[onnx.ModelProto, list[LoraSlot]]:
@@ -63,22 +71,35 @@ def create_lora_graph(
         node, rank = by_name[point.node], ranks[module]
         tag = f"lora.{index}.{module}"
         slot = LoraSlot(point, rank, f"{tag}.A", f"{tag}.B", f"{tag}.adapter_index")
+        a_shape, b_shape = _branch_shapes(point, rank)
         graph.initializer.extend(
             [
-                numpy_helper.from_array(np.zeros((point.in_features, rank), np.float32), slot.a_name),
-                numpy_helper.from_array(np.zeros((rank, point.out_features), np.float32), slot.b_name),
+                numpy_helper.from_array(np.zeros(a_shape, np.float32), slot.a_name),
+                numpy_helper.from_array(np.zeros(b_shape, np.float32), slot.b_name),
                 numpy_helper.from_array(np.zeros(rank, np.int64), slot.index_name),
             ]
         )
         base_out, final_out = f"{tag}.base", node.output[0]
         node.output[0] = base_out
-        new_nodes[point.node] = [
-            helper.make_node("MatMul", [node.input[0], slot.a_name], [f"{tag}.xa"], name=f"{tag}.down"),
-            helper.make_node("Gather", [ALPHA_INPUT, slot.index_name], [f"{tag}.alpha"], name=f"{tag}.alpha"),
-            helper.make_node("Mul", [f"{tag}.xa", f"{tag}.alpha"], [f"{tag}.scaled"], name=f"{tag}.scale"),
-            helper.make_node("MatMul", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
-            helper.make_node("Add", [base_out, f"{tag}.delta"], [final_out], name=f"{tag}.add"),
-        ]
+        x, alpha = node.input[0], f"{tag}.alpha"
+        branch = [helper.make_node("Gather", [ALPHA_INPUT, slot.index_name], [alpha], name=f"{tag}.alpha")]
+        if point.op_type == "Conv":  # QNN's Conv -> Mul -> Conv: A keeps the base conv's geometry, B is 1x1
+            per_channel = f"{tag}.per_channel"
+            graph.initializer.append(numpy_helper.from_array(np.array([1, -1, 1, 1], np.int64), per_channel))
+            branch += [
+                helper.make_node("Conv", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down", **dict(point.conv)),
+                helper.make_node("Reshape", [alpha, per_channel], [f"{tag}.alpha4"], name=f"{tag}.alpha4"),
+                helper.make_node("Mul", [f"{tag}.xa", f"{tag}.alpha4"], [f"{tag}.scaled"], name=f"{tag}.scale"),
+                helper.make_node("Conv", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
+            ]
+        else:
+            branch += [
+                helper.make_node("MatMul", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down"),
+                helper.make_node("Mul", [f"{tag}.xa", alpha], [f"{tag}.scaled"], name=f"{tag}.scale"),
+                helper.make_node("MatMul", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
+            ]
+        branch.append(helper.make_node("Add", [base_out, f"{tag}.delta"], [final_out], name=f"{tag}.add"))
+        new_nodes[point.node] = branch
         slots.append(slot)
     ordered = []
     for i, node in enumerate(graph.node):  # each branch right after its attach node: stays topological
@@ -97,23 +118,34 @@ def use_case_values(
     values: dict[str, np.ndarray] = {}
     for slot in slots:
         point = slot.attach
-        a_t = np.zeros((point.in_features, slot.rank), np.float32)
-        b_t = np.zeros((slot.rank, point.out_features), np.float32)
+        a_shape, b_shape = _branch_shapes(point, slot.rank)
+        a_t, b_t = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
         index = np.zeros(slot.rank, np.int64)
         column = 0
         for name in active:
             module = adapters[name].modules.get(point.module)
             if module is None:
                 continue
-            a, b = module.lora_a, module.lora_b  # [r, in], [out, r]
-            if a.shape[1] != point.in_features or b.shape[0] != point.out_features:
+            a, b = module.lora_a, module.lora_b  # [r, in] and [out, r], or [r, in, kh, kw] and [out, r, 1, 1]
+            fits = (
+                a.shape[1] == point.in_features
+                and b.shape[0] == point.out_features
+                and module.is_conv == (point.op_type == "Conv")
+                and tuple(a.shape[2:]) == point.kernel
+            )
+            if not fits:
                 raise AdapterError(
-                    f"adapter {name!r} module {point.module!r} is [{b.shape[0]} x {a.shape[1]}], but its attach "
-                    f"point {point.node!r} is [{point.out_features} x {point.in_features}]: wrong base model?"
+                    f"adapter {name!r} module {point.module!r} has A {list(a.shape)} and B {list(b.shape)}, but its "
+                    f"attach point {point.node!r} is a {point.op_type} of [{point.out_features} x {point.in_features}"
+                    f"{' x ' + 'x'.join(map(str, point.kernel)) if point.kernel else ''}]: wrong base model?"
                 )
             end = column + module.rank
-            a_t[:, column:end] = a.T
-            b_t[column:end, :] = module.scaling * b.T
+            if module.is_conv:
+                a_t[column:end] = a
+                b_t[:, column:end] = module.scaling * b
+            else:
+                a_t[:, column:end] = a.T
+                b_t[column:end, :] = module.scaling * b.T
             index[column:end] = adapter_order.index(name)
             column = end
         values.update({slot.a_name: a_t, slot.b_name: b_t, slot.index_name: index})

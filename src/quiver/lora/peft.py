@@ -108,7 +108,11 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class LoraModule:
-    """One adapted module: A is [r, in], B is [out, r] (PEFT's layout); scaling as PEFT computes it."""
+    """One adapted module in PEFT's layout; scaling as PEFT computes it.
+
+    Linear: A is [r, in], B is [out, r]. Conv: A is [r, in, kh, kw] (a conv like the base one), B is
+    [out, r, 1, 1] (a 1x1 conv).
+    """
 
     name: str
     lora_a: np.ndarray
@@ -119,8 +123,14 @@ class LoraModule:
     def rank(self) -> int:
         return int(self.lora_a.shape[0])
 
+    @property
+    def is_conv(self) -> bool:
+        return self.lora_a.ndim == 4
+
     def delta(self) -> np.ndarray:
-        """ΔW in torch's [out, in] layout: scaling · B·A."""
+        """ΔW in torch's layout ([out, in], or [out, in, kh, kw] for a conv): scaling · B·A."""
+        if self.is_conv:
+            return self.scaling * np.einsum("or,rihw->oihw", self.lora_b[:, :, 0, 0], self.lora_a)
         return self.scaling * (self.lora_b @ self.lora_a)
 
 
@@ -171,10 +181,13 @@ def load_peft_adapter(folder: str | Path, name: str | None = None) -> PeftAdapte
             raise AdapterError(f"{weights_path}: module {module!r} has lora_{''.join(pair)} but not both A and B")
         a, b = pair["A"], pair["B"]
         rank = config.rank(module)
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        linear = a.ndim == 2 and b.ndim == 2
+        conv = a.ndim == 4 and b.ndim == 4 and b.shape[2:] == (1, 1)
+        if not (linear or conv) or a.shape[0] != rank or b.shape[1] != rank:
             raise AdapterError(
                 f"{weights_path}: module {module!r} has A {list(a.shape)} and B {list(b.shape)}; "
-                f"the config says rank {rank} (A is [r, in], B is [out, r])"
+                f"the config says rank {rank} (A is [r, in] and B [out, r], or for a conv [r, in, kh, kw] and "
+                "[out, r, 1, 1])"
             )
         modules[module] = LoraModule(module, a, b, config.scaling(module))
     if not modules:

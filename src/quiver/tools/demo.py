@@ -58,7 +58,7 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 def run_demo(
     workdir: str | Path | None = None,
     shape: TransformerShape = DEMO_SHAPE,
-    repeats: int = 10,
+    repeats: int = 30,
     on_step: Callable[[str], None] = lambda _: None,
 ) -> DemoResult:
     """Builds the demo family into one context, runs every graph on the cpu backend and checks it against ORT."""
