@@ -156,3 +156,20 @@ def test_an_explicit_map_wins_and_must_name_a_linear_node() -> None:
     assert found["my.module"].found_by == "explicit"
     with pytest.raises(quiver.AdapterError, match="not a MatMul/Gemm/Conv"):
         find_attach_points(model, ["my.module"], explicit={"my.module": "no_such_node"})
+
+
+def test_a_qnn_adapter_config_json_beside_peft_safetensors_reads_the_same(tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "elementary", BASIC)
+    (folder / "adapter_model.safetensors").rename(folder / "elementary.safetensors")
+    qnn = {"name": "elementary", "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    (folder / "elementary.json").write_text(json.dumps(qnn))
+    from_qnn = load_peft_adapter(folder / "elementary.json")
+    (folder / "elementary.safetensors").rename(folder / "adapter_model.safetensors")
+    from_peft = load_peft_adapter(folder)
+    assert from_qnn.name == "elementary" and from_qnn.modules.keys() == from_peft.modules.keys()
+    for module, lora in from_qnn.modules.items():
+        assert lora.scaling == from_peft.modules[module].scaling == 2.0
+        np.testing.assert_array_equal(lora.lora_a, from_peft.modules[module].lora_a)
+    (folder / "adapter_model.safetensors").unlink()
+    with pytest.raises(quiver.AdapterError, match="elementary.safetensors or adapter_model.safetensors"):
+        load_peft_adapter(folder / "elementary.json")

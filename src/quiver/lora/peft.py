@@ -53,6 +53,8 @@ class LoraConfig:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], source: str) -> LoraConfig:
+        if "rank" in raw and "r" not in raw:  # QNN/QAIRT adapter parameters: {name, rank, alpha, target_modules}
+            raw = {**raw, "r": raw["rank"], "lora_alpha": raw.get("alpha", raw["rank"])}
         peft_type = raw.get("peft_type", "LORA")
         if peft_type != "LORA":
             raise AdapterError(f"{source}: peft_type {peft_type!r} is not LoRA; Quiver reads LoRA adapters only")
@@ -141,20 +143,35 @@ class PeftAdapter:
     modules: dict[str, LoraModule]  # module path as in the base model ("model.layers.0.self_attn.q_proj")
 
 
-def load_peft_adapter(folder: str | Path, name: str | None = None) -> PeftAdapter:
-    """Reads a PEFT LoRA adapter folder; refuses what Quiver cannot apply exactly, saying why."""
-    folder = Path(folder)
-    config_path = folder / "adapter_config.json"
-    weights_path = folder / "adapter_model.safetensors"
-    if not config_path.is_file():
-        raise AdapterError(f"{folder}: no adapter_config.json; pass a PEFT adapter folder (save_pretrained output)")
-    if not weights_path.is_file():
-        if (folder / "adapter_model.bin").is_file():
+def _locate(path: Path) -> tuple[Path, Path]:
+    """(config, weights) of a PEFT adapter folder, or of a QNN adapter-config JSON with its safetensors beside it."""
+    if path.is_file() and path.suffix == ".json":
+        beside = [path.with_suffix(".safetensors"), path.parent / "adapter_model.safetensors"]
+        weights = next((p for p in beside if p.is_file()), None)
+        if weights is None:
+            raise AdapterError(f"{path}: no {beside[0].name} or adapter_model.safetensors beside it")
+        return path, weights
+    config, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config.is_file():
+        raise AdapterError(f"{path}: no adapter_config.json; pass a PEFT adapter folder (save_pretrained output)")
+    if not weights.is_file():
+        if (path / "adapter_model.bin").is_file():
             raise AdapterError(
-                f"{folder}: only adapter_model.bin (a pickle) is there; Quiver does not unpickle. Save the adapter "
+                f"{path}: only adapter_model.bin (a pickle) is there; Quiver does not unpickle. Save the adapter "
                 "with safe_serialization=True to get adapter_model.safetensors"
             )
-        raise AdapterError(f"{folder}: no adapter_model.safetensors")
+        raise AdapterError(f"{path}: no adapter_model.safetensors")
+    return config, weights
+
+
+def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapter:
+    """Reads a PEFT LoRA adapter folder (or a QNN adapter-config JSON beside PEFT-layout safetensors).
+
+    Refuses what Quiver cannot apply exactly, saying why.
+    """
+    source = Path(source)
+    folder = source.parent if source.suffix == ".json" else source
+    config_path, weights_path = _locate(source)
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -198,4 +215,4 @@ def load_peft_adapter(folder: str | Path, name: str | None = None) -> PeftAdapte
             f"{folder}: weights for {stray[:3]} but the config's target_modules/layers_to_transform do not "
             "select them; the config and the weights do not belong together"
         )
-    return PeftAdapter(name or folder.name, config, modules)
+    return PeftAdapter(name or (source.stem if source.suffix == ".json" else source.name), config, modules)
