@@ -55,6 +55,22 @@ def _branch_shapes(point: AttachPoint, rank: int) -> tuple[tuple[int, ...], tupl
     return (point.in_features, rank), (rank, point.out_features)
 
 
+def _splice_point(
+    name: str,
+    node: onnx.NodeProto,
+    users: Mapping[str, list[tuple[str, onnx.NodeProto]]],
+    constants: set[str],
+    outputs: set[str],
+) -> tuple[str, onnx.NodeProto]:
+    """The node whose output gets the LoRA delta: the attach node, or its bias Add when that is its only user."""
+    consumers = users.get(node.output[0], [])
+    if len(consumers) == 1 and node.output[0] not in outputs:
+        user_name, user = consumers[0]
+        if user.op_type == "Add" and len(user.input) == 2 and any(i in constants for i in user.input):
+            return user_name, user
+    return name, node
+
+
 def create_lora_graph(
     model: onnx.ModelProto, attach_points: Mapping[str, AttachPoint], ranks: Mapping[str, int], adapter_count: int
 ) -> tuple[onnx.ModelProto, list[LoraSlot]]:
@@ -65,6 +81,12 @@ def create_lora_graph(
     result.CopyFrom(model)
     graph = result.graph
     by_name = {node.name or f"node_{i}": node for i, node in enumerate(graph.node)}
+    users: dict[str, list[tuple[str, onnx.NodeProto]]] = {}
+    for name, candidate in by_name.items():
+        for value in dict.fromkeys(candidate.input):
+            users.setdefault(value, []).append((name, candidate))
+    constants = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
     slots = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}
     for index, (module, point) in enumerate(sorted(attach_points.items())):
@@ -79,9 +101,11 @@ def create_lora_graph(
                 numpy_helper.from_array(np.zeros(rank, np.int64), slot.index_name),
             ]
         )
-        base_out, final_out = f"{tag}.base", node.output[0]
-        node.output[0] = base_out
         x, alpha = node.input[0], f"{tag}.alpha"
+        # Add the delta after a following bias Add, if there is one: MatMul + bias stays fusable for ORT.
+        splice_name, splice = _splice_point(point.node, node, users, constants, outputs)
+        base_out, final_out = f"{tag}.base", splice.output[0]
+        splice.output[0] = base_out
         branch = [helper.make_node("Gather", [ALPHA_INPUT, slot.index_name], [alpha], name=f"{tag}.alpha")]
         if point.op_type == "Conv":  # QNN's Conv -> Mul -> Conv: A keeps the base conv's geometry, B is 1x1
             per_channel = f"{tag}.per_channel"
@@ -99,7 +123,7 @@ def create_lora_graph(
                 helper.make_node("MatMul", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
             ]
         branch.append(helper.make_node("Add", [base_out, f"{tag}.delta"], [final_out], name=f"{tag}.add"))
-        new_nodes[point.node] = branch
+        new_nodes[splice_name] = branch
         slots.append(slot)
     ordered = []
     for i, node in enumerate(graph.node):  # each branch right after its attach node: stays topological
