@@ -381,18 +381,21 @@ def check(model: Path, as_json: bool) -> None:
         raise QuiverError(report.problem)
 
 
+_lora_config = click.option(
+    "--lora-config",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="QNN-style YAML: adapters (PEFT folders), use cases, the base model.",
+)
+
+
 @cli.group()
 def lora() -> None:
     """LoRA adapters as binary sections (QNN's LoRA v3 flow from PEFT adapters)."""
 
 
 @lora.command("map")
-@click.option(
-    "--lora-config",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="QNN-style YAML: adapters (PEFT folders), use cases, the base model.",
-)
+@_lora_config
 @click.option(
     "-o",
     "--output",
@@ -432,7 +435,7 @@ def lora_map(lora_config: Path, output: Path | None, as_json: bool) -> None:
 
 
 @lora.command("create")
-@click.option("--lora-config", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@_lora_config
 @click.option(
     "-o",
     "--output",
@@ -458,7 +461,7 @@ def lora_create(lora_config: Path, output: Path) -> None:
 
 
 @lora.command("import")
-@click.option("--lora-config", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@_lora_config
 @click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 def lora_import(lora_config: Path, output_dir: Path) -> None:
     """Write each use case's LoRA tensors (<use case>.safetensors, zero-padded) and alphas (use_cases.json)."""
@@ -479,12 +482,7 @@ def lora_import(lora_config: Path, output_dir: Path) -> None:
 
 
 @lora.command("prepare")
-@click.option(
-    "--lora-config",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="QNN-style YAML: adapters (PEFT folders), use cases, the base model.",
-)
+@_lora_config
 @click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--genie-config",
