@@ -213,3 +213,14 @@ def test_lora_create_and_import_write_the_steps_of_prepare(project: Path, prepar
     section = SectionFile((prepared / "elementary_long.qsec").read_bytes())
     for name, index in section.graphs["model"].tensors.items():
         np.testing.assert_array_equal(values[name], section.weight_array(index))
+
+
+def test_verify_checks_sections_and_inspect_lists_updateable_tensors(prepared: Path, tmp_path: Path) -> None:
+    ok = run_cli("verify", prepared / "elementary.qsec")
+    assert ok.returncode == 0 and ": ok" in ok.stdout
+    damaged = bytearray((prepared / "elementary.qsec").read_bytes())
+    damaged[5000] ^= 0x08
+    (tmp_path / "damaged.qsec").write_bytes(bytes(damaged))
+    assert_one_line_error(run_cli("verify", tmp_path / "damaged.qsec"), "checksum mismatch")
+    report = json.loads(run_cli("inspect", prepared / "lora.qctx", "--json").stdout)
+    assert len(report["graphs"][0]["updateable"]) == 3 * 4  # A, B and adapter index at each of 4 attach points

@@ -328,9 +328,17 @@ def compare(model_a: Path, model_b: Path, as_json: bool) -> None:
 @click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def verify(context_path: Path, as_json: bool) -> None:
-    """Check every checksum and padding of a context binary; exit 0 only if all hold."""
+    """Check every checksum and padding of a context binary (or a .qsec section); exit 0 only if all hold."""
+    from quiver.formats._layout import SECTION_MAGIC
+    from quiver.formats.section import SectionFile
+
     start = time.perf_counter()
-    file = ContextFile.open(context_path)
+    try:
+        with open(context_path, "rb") as handle:
+            is_section = handle.read(len(SECTION_MAGIC)) == SECTION_MAGIC
+    except OSError as exc:
+        raise QuiverError(f"cannot read {context_path}: {exc.strerror or exc}; check the path") from None
+    file = (SectionFile if is_section else ContextFile).open(context_path)
     problems = file.verify()
     elapsed = time.perf_counter() - start
     if as_json:

@@ -38,6 +38,7 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
                     "shared_bytes": sum(file.weights[i].length for i in indices if len(users[i]) > 1),
                 },
                 "shared_with": dict(sorted(shared_with.items())),
+                "updateable": list(file.graphs[name].updateable),
             }
         )
     return {
