@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import onnx
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 from onnx.reference.ops.op_dequantize_linear import DequantizeLinear_21
@@ -15,6 +14,7 @@ from onnx.reference.ops.op_quantize_linear import QuantizeLinear_21
 
 from quiver.backends.base import FinalizedGraph
 from quiver.errors import BackendError
+from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.ops import MS_DOMAIN
 
 
@@ -39,25 +39,15 @@ def _as_declared(result: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return result
 
 
-def _weights_as_inputs(graph: FinalizedGraph) -> onnx.ModelProto:
-    """The evaluator takes weights as extra inputs, so it reads the mapped views without copying."""
-    model = onnx.ModelProto()
-    model.CopyFrom(graph.model)
-    kept = [t for t in model.graph.initializer if t.name not in graph.weights]
-    placeholders = [t for t in model.graph.initializer if t.name in graph.weights]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
-    model.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in placeholders)
-    return model
-
-
 class ReferenceExecutable:
     def __init__(self, graph: FinalizedGraph) -> None:
         self._weights = graph.weights
         self._output_names = [o.name for o in graph.outputs]
         self._output_dtypes = [o.numpy_dtype for o in graph.outputs]
         try:
-            self._evaluator = ReferenceEvaluator(_weights_as_inputs(graph), new_ops=_MS_OPS)
+            self._evaluator = ReferenceEvaluator(
+                initializers_as_inputs(graph.model, graph.weights.keys()), new_ops=_MS_OPS
+            )
         except Exception as exc:
             raise BackendError(f"reference backend cannot prepare graph {graph.name!r}: {exc}") from None
 

@@ -13,6 +13,7 @@ from onnx import numpy_helper
 
 from quiver.errors import ConversionError, UnsupportedOperatorError
 from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
+from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.ops import iter_nodes, unsupported_operators
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.fold import fold_constants
@@ -112,19 +113,6 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
-def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy the ONNX checker accepts: placeholders become typed inputs (their data is not on disk)."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    graph = copy.graph
-    placeholders = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    kept = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in placeholders)
-    return copy
-
-
 def convert(
     source: str | Path | onnx.ModelProto,
     input_shapes: InputShapes | None = None,
@@ -180,7 +168,9 @@ def convert(
         del model.graph.value_info[:]
         model = _infer_shapes(model, label)
     try:
-        onnx.checker.check_model(_checkable(model))
+        onnx.checker.check_model(  # placeholders' data is not on disk: let the checker see them as inputs
+            initializers_as_inputs(model, lambda t: t.data_location == onnx.TensorProto.EXTERNAL)
+        )
     except onnx.checker.ValidationError as exc:
         raise ConversionError(f"{label} is not a valid ONNX model: {str(exc).strip().splitlines()[0]}") from None
     kept_weights = {t.name for t in model.graph.initializer}

@@ -25,6 +25,7 @@ from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import ContextWriter, copy_atomically, publish, write_atomically
 from quiver.ir import dtypes
+from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.convert import InputShapes, convert
 from quiver.runtime import sections
@@ -91,20 +92,6 @@ class LoraStrengths:
 
     def copy(self) -> LoraStrengths:
         return LoraStrengths(self.alpha_input, list(self.adapters), self.alphas.copy())
-
-
-def _updateable_as_inputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """The skeleton with updateable placeholders turned into graph inputs, which the runtime feeds."""
-    if not names:
-        return model
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    placeholders = [t for t in copy.graph.initializer if t.name in names]
-    kept = [t for t in copy.graph.initializer if t.name not in names]
-    del copy.graph.initializer[:]
-    copy.graph.initializer.extend(kept)
-    copy.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in placeholders)
-    return copy
 
 
 class Context:
@@ -299,7 +286,9 @@ class Context:
         assert self._file is not None
         entry = self._file.graphs[name]
         weights = {t: self._weight_view(i) for t, i in entry.weights.items() if t not in entry.updateable}
-        model = _updateable_as_inputs(self._skeletons[name], entry.updateable)
+        model = self._skeletons[name]
+        if entry.updateable:  # fed with each run, so replacing them never rebuilds the backend state
+            model = initializers_as_inputs(model, entry.updateable)
         executable = self._backend.prepare(
             FinalizedGraph(name, model, weights, graph.inputs, graph.outputs, self._file.file_backed)
         )
