@@ -225,3 +225,35 @@ def test_small_updateable_tensors_stay_weights_and_unknown_ones_are_refused() ->
         assert "lora_B" in context.file.graphs["lora"].updateable
         with pytest.raises(quiver.ConversionError, match="not initializers"):
             quiver.Context.create().add_graph("x", tiny, updateable=["missing"])
+
+
+def _two_graph_context(decode_rank: int = RANK) -> quiver.Context:
+    decode = _lora_model("decode")
+    for tensor in decode.graph.initializer:
+        if tensor.name == "lora_A":
+            tensor.CopyFrom(numpy_helper.from_array(np.zeros((IN, decode_rank), np.float32), "lora_A"))
+        if tensor.name == "lora_B":
+            tensor.CopyFrom(numpy_helper.from_array(np.zeros((decode_rank, OUT), np.float32), "lora_B"))
+    context = quiver.Context.create("reference")
+    context.add_graph("prefill", _lora_model("prefill"), updateable=["lora_A", "lora_B"])
+    context.add_graph("decode", decode, updateable=["lora_A", "lora_B"])
+    return context.finalize()
+
+
+def test_a_super_section_covering_a_graph_that_is_not_enabled_is_refused_and_changes_nothing() -> None:
+    with _two_graph_context() as built:
+        built.update_context_tensors(_adapter(8))
+        built.finalize()
+        both, binary = built.get_binary_section(), built.get_binary()
+    only_prefill = quiver.Context.from_binary(binary, backend="reference", enable_graphs=["prefill"])
+    with pytest.raises(quiver.UnknownGraphError, match="decode"):
+        only_prefill.apply_binary_section(None, both)
+    np.testing.assert_allclose(only_prefill.graph("prefill").execute({"x": X})["y"], _expected(X, None), atol=1e-5)
+
+
+def test_an_update_one_graph_refuses_is_staged_for_none() -> None:
+    with _two_graph_context(decode_rank=RANK - 1) as context:
+        with pytest.raises(quiver.TensorUpdateError, match="'decode'"):
+            context.update_context_tensors(_adapter(9))  # fits prefill, not decode's smaller rank
+        context.finalize()
+        np.testing.assert_allclose(context.graph("prefill").execute({"x": X})["y"], _expected(X, None), atol=1e-5)

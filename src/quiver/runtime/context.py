@@ -94,6 +94,10 @@ class LoraStrengths:
         return LoraStrengths(self.alpha_input, list(self.adapters), self.alphas.copy())
 
 
+def _graph_name(graph: str | Graph) -> str:
+    return graph.name if isinstance(graph, Graph) else graph
+
+
 class Context:
     """A set of graphs sharing one content-addressed weight store, on one backend.
 
@@ -321,10 +325,13 @@ class Context:
             executable.release()
 
     # --- updateable tensors and binary sections ----------------------------------------------------
-    def _stage(self, graph: str, values: Mapping[str, object]) -> None:
-        self.graph(graph)  # known, enabled, finalized
-        assert self._file is not None
-        self._staged.setdefault(graph, {}).update(sections.checked_update(self._file, graph, values))
+    def _stage(self, updates: Mapping[str, Mapping[str, object]]) -> None:
+        """Stages updates per graph, all checked first: one refused update stages nothing."""
+        for graph in updates:
+            self.graph(graph)  # known, enabled, finalized
+        checked = {graph: sections.checked_update(self.file, graph, values) for graph, values in updates.items()}
+        for graph, values in checked.items():
+            self._staged.setdefault(graph, {}).update(values)
 
     def _apply_staged(self, graphs: Sequence[str]) -> None:
         for graph in graphs:
@@ -338,10 +345,11 @@ class Context:
         for name in values:
             if not any(name in self.file.graphs[g].updateable for g in self._enabled):
                 raise TensorUpdateError(f"no graph of this context has an updateable tensor {name!r}")
-        for graph in self._enabled:
-            mine = {n: v for n, v in values.items() if n in self.file.graphs[graph].updateable}
-            if mine:
-                self._stage(graph, mine)
+        per_graph = {
+            graph: {n: v for n, v in values.items() if n in self.file.graphs[graph].updateable}
+            for graph in self._enabled
+        }
+        self._stage({graph: mine for graph, mine in per_graph.items() if mine})
 
     def updateable_graphs(self) -> list[str]:
         """Enabled graphs that have updateable tensors."""
@@ -353,13 +361,12 @@ class Context:
         For one graph, or (`graph=None`) for every graph with updateable tensors: a super section that
         stores each distinct tensor once.
         """
-        names = [graph.name if isinstance(graph, Graph) else graph] if graph is not None else self.updateable_graphs()
+        names = self.updateable_graphs() if graph is None else [_graph_name(graph)]
         for name in names:
-            assert name is not None
             self.graph(name)
         if not names:
             raise ContextStateError("no graph of this context has updateable tensors; mark them in add_graph()")
-        return sections.write_section(self.file, self._current, names, metadata)  # type: ignore[arg-type]
+        return sections.write_section(self.file, self._current, names, metadata)
 
     def apply_binary_section(
         self,
@@ -372,9 +379,9 @@ class Context:
         graphs or tensors, or damaged, is refused and nothing changes.
         """
         loaded = sections.load_section(section)
-        targets = None if graph is None else [graph.name if isinstance(graph, Graph) else graph]
-        for name in targets or [g for g in loaded.graphs if g in self._enabled]:
-            self.graph(name)
+        targets = list(loaded.graphs) if graph is None else [_graph_name(graph)]
+        for name in targets:
+            self.graph(name)  # every graph it would change must be one this context offers
         bound = sections.bind_section(self.file, loaded, targets)
         strengths = LoraStrengths.from_metadata(loaded.metadata)
         for name, values in bound.items():  # every check passed: now swap

@@ -90,7 +90,7 @@ class Graph:
 
     def update_tensors(self, values: Mapping[str, object]) -> None:
         """Stages new values for updateable tensors (QnnTensor_updateGraphTensors); `finalize()` applies them."""
-        self._context._stage(self.name, values)
+        self._context._stage({self.name: values})
 
     def finalize(self) -> Graph:
         """Applies the staged updates: from now on executions use them (QnnGraph_finalize)."""

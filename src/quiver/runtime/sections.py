@@ -72,14 +72,14 @@ def load_section(source: str | Path | bytes | bytearray | memoryview | SectionFi
     return section
 
 
-def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str] | None) -> dict[str, Values]:
+def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str]) -> dict[str, Values]:
     """Views of the section's tensors per graph, after checking they fit; nothing changes if they do not."""
     if section.context_id != file.header_sha256:
         raise SectionMismatchError(
             f"{section.source} was made for another context ({section.context_id[:12]}…), not this one "
             f"({file.header_sha256[:12]}…); apply it to the context it was made from"
         )
-    targets = list(section.graphs) if graphs is None else list(graphs)
+    targets = list(graphs)
     bound: dict[str, Values] = {}
     for graph in targets:
         if graph not in section.graphs:
