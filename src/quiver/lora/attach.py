@@ -85,6 +85,7 @@ def find_attach_points(
     initializers = {t.name: t for t in graph.initializer}
     nodes = {node.name or f"node_{i}": node for i, node in enumerate(graph.node)}
     linears = {name: (node, info) for name, node in nodes.items() if (info := _linear(node, initializers))}
+    scopes = {name: _scopes(node)[-2:] for name, (node, _) in linears.items()}  # parsed once, not per module
     found: dict[str, AttachPoint] = {}
     missing = []
     for module in modules:
@@ -97,11 +98,7 @@ def find_attach_points(
                 )
             candidates = [(explicit[module], "explicit")]
         else:
-            candidates = [
-                (n, "name_scopes")
-                for n, (node, _) in linears.items()
-                if any(_matches(module, scope) for scope in _scopes(node)[-2:])
-            ]
+            candidates = [(n, "name_scopes") for n in linears if any(_matches(module, s) for s in scopes[n])]
             if not candidates:
                 candidates = [
                     (n, "weight_name") for n, (_, info) in linears.items() if _matches(f"{module}.weight", info[0])

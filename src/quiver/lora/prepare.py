@@ -101,10 +101,14 @@ def _check_use_case_models(project: LoraProject) -> None:
 
 
 def map_attach_points(
-    project: LoraProject, adapters: dict[str, PeftAdapter]
+    project: LoraProject, adapters: dict[str, PeftAdapter], base: onnx.ModelProto | None = None
 ) -> tuple[dict[str, AttachPoint], list[str]]:
-    """`quiver lora map`: the attach point of every adapted module, and the modules that found none."""
-    base, _ = load_model(project.base_model)
+    """`quiver lora map`: the attach point of every adapted module, and the modules that found none.
+
+    `base` is the base model if it is already loaded (its structure is all that is read).
+    """
+    if base is None:
+        base, _ = load_model(project.base_model)
     modules = sorted({m for a in adapters.values() for m in a.modules})
     return find_attach_points(base, modules, project.attach_map)
 
@@ -130,7 +134,8 @@ class LoraGraph:
 def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter]) -> LoraGraph:
     """`quiver lora create`: map, then one max-rank LoRA graph for every use case."""
     _check_use_case_models(project)
-    points, missing = map_attach_points(project, adapters)
+    base = onnx.load(str(project.base_model))  # with its weights: the created graph carries them
+    points, missing = map_attach_points(project, adapters, base)
     if missing:
         raise AdapterError(
             f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; export with torch.onnx "
@@ -138,9 +143,7 @@ def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter]) -> Lora
         )
     order = list(project.adapters)
     cases = {u.name: u.adapters for u in project.use_cases}
-    model, slots = create_lora_graph(
-        onnx.load(str(project.base_model)), points, slot_ranks(adapters, cases), len(order)
-    )
+    model, slots = create_lora_graph(base, points, slot_ranks(adapters, cases), len(order))
     return LoraGraph(model, slots, order, project.base_model.stem)
 
 
