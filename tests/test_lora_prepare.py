@@ -119,19 +119,8 @@ def test_each_use_case_runs_with_its_yaml_alphas_and_strengths_can_change(
 def test_quiver_run_applies_a_section_with_strengths(project: Path, prepared: Path, tmp_path: Path) -> None:
     np.save(tmp_path / "x.npy", X)
     (tmp_path / "list.txt").write_text(f"x:={tmp_path / 'x.npy'}\n")
-    result = run_cli(
-        "run",
-        prepared / "lora.qctx",
-        "--input-list",
-        tmp_path / "list.txt",
-        "--output-dir",
-        tmp_path / "o",
-        "--npy",
-        "--section",
-        prepared / "elementary_long.qsec",
-        "--lora-strength",
-        "long=2.0",
-    )
+    run = ["run", prepared / "lora.qctx", "--input-list", tmp_path / "list.txt", "--output-dir", tmp_path / "o"]
+    result = run_cli(*run, "--npy", "--section", prepared / "elementary_long.qsec", "--lora-strength", "long=2.0")
     assert result.returncode == 0, result.stderr
     np.testing.assert_allclose(
         np.load(tmp_path / "o" / "Result_0" / "y.npy"),
@@ -139,19 +128,7 @@ def test_quiver_run_applies_a_section_with_strengths(project: Path, prepared: Pa
         atol=1e-4,
         rtol=1e-4,
     )
-    assert_one_line_error(
-        run_cli(
-            "run",
-            prepared / "lora.qctx",
-            "--input-list",
-            tmp_path / "list.txt",
-            "--output-dir",
-            tmp_path / "o",
-            "--lora-strength",
-            "long=1",
-        ),
-        "no LoRA section applied",
-    )
+    assert_one_line_error(run_cli(*run, "--lora-strength", "long=1"), "no LoRA section applied")
 
 
 def test_a_use_case_model_with_another_base_is_refused(project: Path, tmp_path: Path) -> None:

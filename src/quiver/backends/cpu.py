@@ -32,6 +32,9 @@ _PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
 _EXTERNAL_READ_FAILURE = "can not be read in full"
 
 _PREPACKED_OPS = {"MatMul", "Gemm"}
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
@@ -58,11 +61,6 @@ def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
         last = (start + array.nbytes) // _PAGE * _PAGE  # whole pages only: neighbours may share the edges
         if last > first:
             _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
-
-
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _with_in_memory_weights(graph: FinalizedGraph, options: ort.SessionOptions) -> onnx.ModelProto:

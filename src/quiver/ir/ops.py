@@ -60,7 +60,3 @@ def iter_nodes(graph: onnx.GraphProto):  # type: ignore[no-untyped-def]
 def unsupported_operators(model: onnx.ModelProto) -> Counter[str]:
     """Unsupported operators of a model with their node counts."""
     return Counter(op_id(n) for n in iter_nodes(model.graph) if not is_supported(n))
-
-
-def supported_operator_names() -> list[str]:
-    return sorted(SUPPORTED[""]) + sorted(f"{MS_DOMAIN}::{op}" for op in MICROSOFT_OPS)
