@@ -247,6 +247,7 @@ class Session:
         self._api = capi = api()
         self._container = container  # must outlive the session
         self._weights = {name: _Tensor(array) for name, array in weights.items()}  # must outlive the session
+        self._bound: dict[str, _Tensor] = {}
         options = capi._out(capi.CreateSessionOptions)
         try:
             capi.check(capi.SetIntraOpNumThreads(options, intra_op_num_threads))
@@ -261,10 +262,21 @@ class Session:
         finally:
             capi.ReleaseSessionOptions(options)
 
-    def run(self, output_names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def _bound_tensor(self, name: str, array: np.ndarray) -> _Tensor:
+        """The OrtValue made for this very array object last time, or a new one (which is kept)."""
+        tensor = self._bound.get(name)
+        if tensor is None or tensor.array is not array:
+            # Wrapping costs a few ctypes calls per tensor: with dozens of LoRA tensors, a noticeable
+            # part of a run. A different object (a section applied) replaces the cached wrapper.
+            tensor = self._bound[name] = _Tensor(array)
+        return tensor
+
+    def run(
+        self, output_names: Sequence[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
+    ) -> list[np.ndarray]:
         capi = self._api
-        inputs = [_Tensor(np.asarray(v)) for v in feeds.values()]
-        input_names = (ctypes.c_char_p * len(inputs))(*(n.encode() for n in feeds))
+        inputs = [self._bound_tensor(n, v) for n, v in bound.items()] + [_Tensor(np.asarray(v)) for v in feeds.values()]
+        input_names = (ctypes.c_char_p * len(inputs))(*(n.encode() for n in [*bound, *feeds]))
         input_values = (_P * len(inputs))(*(t.handle for t in inputs))
         names = (ctypes.c_char_p * len(output_names))(*(n.encode() for n in output_names))
         outputs = (_P * len(output_names))()

@@ -30,8 +30,12 @@ class FinalizedGraph:
 class Executable(Protocol):
     """A graph prepared by a backend."""
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Outputs in the graph's output order; feeds were validated by the runtime."""
+    def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """Outputs in the graph's output order; feeds were validated by the runtime.
+
+        `bound` holds inputs that stay the same array objects from run to run (updateable tensors, LoRA
+        strengths): a backend may keep what it wraps them in until a different object arrives.
+        """
         ...
 
     @property

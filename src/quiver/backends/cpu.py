@@ -116,8 +116,10 @@ class _PythonApiSession:
         model = _with_in_memory_weights(graph, options) if in_memory else graph.model
         self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
-    def run(self, output_names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        return list(self._session.run(output_names, dict(feeds)))
+    def run(
+        self, output_names: list[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
+    ) -> list[np.ndarray]:
+        return list(self._session.run(output_names, {**bound, **feeds}))
 
 
 _Session = _ort_capi.Session | _PythonApiSession
@@ -179,12 +181,12 @@ class CpuExecutable:
             self.is_packed = True
             _drop_resident_pages(self._droppable)
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         session = self._session
         if session is None:
             raise BackendError("this executable was released; prepare the graph again")
         try:
-            outputs = session.run(self._output_names, feeds)
+            outputs = session.run(self._output_names, feeds, bound or {})
         except BackendError:
             raise
         except Exception as exc:

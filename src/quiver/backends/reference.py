@@ -51,9 +51,9 @@ class ReferenceExecutable:
         except Exception as exc:
             raise BackendError(f"reference backend cannot prepare graph {graph.name!r}: {exc}") from None
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         try:
-            results = self._evaluator.run(self._output_names, {**self._weights, **feeds})
+            results = self._evaluator.run(self._output_names, {**self._weights, **(bound or {}), **feeds})
         except Exception as exc:
             raise BackendError(f"reference backend failed: {type(exc).__name__}: {exc}") from None
         return [_as_declared(np.asarray(r), dtype) for r, dtype in zip(results, self._output_dtypes)]

@@ -65,11 +65,14 @@ class Graph:
     def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
         """Runs the graph (QnnGraph_execute); prepares it on first use."""
         lora = self._context._lora.get(self.name)
-        if lora is not None and lora.alpha_input not in feeds:
+        default_alphas = lora is not None and lora.alpha_input not in feeds
+        if lora is not None and default_alphas:
             feeds = {**feeds, lora.alpha_input: lora.alphas}
         arrays = validate_feeds(self.name, self.inputs, feeds)
-        executable = self._context._executable(self.name)
-        results = executable.run({**arrays, **self._context._current[self.name]})
+        bound = dict(self._context._current[self.name])  # the same arrays run after run, until an update
+        if lora is not None and default_alphas:
+            bound[lora.alpha_input] = arrays.pop(lora.alpha_input)
+        results = self._context._executable(self.name).run(arrays, bound)
         return {info.name: result for info, result in zip(self.outputs, results)}
 
     def set_lora_strength(self, adapter: str, value: float) -> None:
