@@ -127,3 +127,11 @@ class AdapterError(QuiverError):
 
 class InputListError(QuiverError):
     """A qnn-net-run style input list is malformed."""
+
+
+class EncodingsError(QuiverError):
+    """An encodings file or value Quiver cannot use; the message says which entry and why."""
+
+
+class QuantizationError(QuiverError):
+    """A model, option or calibration input that quantization cannot use."""

@@ -24,11 +24,27 @@ def _ms_gelu(self: OpRun, x: np.ndarray, approximate: str | None = None) -> tupl
     return ((0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))).astype(x.dtype),)
 
 
+def _ms_matmul_nbits(
+    self: OpRun, a: np.ndarray, b: np.ndarray, scales: np.ndarray, *rest: Any, **attributes: Any
+) -> tuple[np.ndarray]:
+    """ORT's MatMulNBits (4 bits): B [N, blocks, block/2] packed low nibble first, zero point 8 unless given."""
+    k, n, block = int(attributes["K"]), int(attributes["N"]), int(attributes["block_size"])
+    blocks = b.shape[1]
+    q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, blocks, block).astype(np.float32)
+    zero: np.ndarray | float = 8.0
+    if rest and rest[0] is not None and rest[0].size:
+        packed = rest[0].reshape(n, -1)
+        zero = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks, None].astype(np.float32)
+    weight = ((q - zero) * scales.reshape(n, blocks, 1).astype(np.float32)).reshape(n, -1)[:, :k]
+    return ((a.astype(np.float32) @ weight.T).astype(a.dtype),)
+
+
 # onnx.reference finds an operator by its class name, so each class is named after its op type.
 _MS_OPS: list[Any] = [
     type("Gelu", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gelu}),
     type("QuantizeLinear", (QuantizeLinear_21,), {"op_domain": MS_DOMAIN}),
     type("DequantizeLinear", (DequantizeLinear_21,), {"op_domain": MS_DOMAIN}),
+    type("MatMulNBits", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_matmul_nbits}),
 ]
 
 

@@ -28,7 +28,8 @@ ReduceL2 ReduceSumSquare ReduceLogSumExp Mean Sum NonZero
 )
 
 MS_DOMAIN = "com.microsoft"
-MICROSOFT_OPS = frozenset({"DequantizeLinear", "Gelu", "QuantizeLinear"})
+# MatMulNBits: Quiver writes it itself for 4-bit block-quantized MatMul weights (passes/nbits.py).
+MICROSOFT_OPS = frozenset({"DequantizeLinear", "Gelu", "MatMulNBits", "QuantizeLinear"})
 
 SUPPORTED: dict[str, frozenset[str]] = {
     "": QNN_EP_OPS | EXPORT_OPS,

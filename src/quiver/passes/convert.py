@@ -18,6 +18,7 @@ from quiver.ir.ops import iter_nodes, unsupported_operators
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.fold import fold_constants
 from quiver.passes.load import TensorSource, load_model, tensor_source
+from quiver.passes.nbits import to_matmul_nbits
 
 InputShapes = Mapping[str, Sequence[int | str]]
 
@@ -133,6 +134,7 @@ def convert(
         model = loaded
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
+    to_matmul_nbits(model, base)  # before the dtype checks: 4-bit weights leave as packed uint8
     check_operators(model, label)
     graph = model.graph
     _lift_constants(graph)

@@ -63,6 +63,14 @@ def _parse_shape_args(values: Sequence[str]) -> dict[str, list[int | str]]:
     return shapes
 
 
+def _parse_file_shapes(values: Sequence[str]) -> dict[str, list[int]]:
+    """Shapes of raw input files: every dimension a number."""
+    try:
+        return {name: [int(d) for d in dims] for name, dims in _parse_shape_args(values).items()}
+    except ValueError:
+        raise click.BadParameter("input file shapes are numbers: NAME=1,128") from None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="quiver")
 def cli() -> None:
@@ -274,7 +282,7 @@ def run(
                 raise click.BadParameter(f"{strength!r}: write ADAPTER=VALUE, e.g. elementary=0.5") from None
             context.graph(graph_name).set_lora_strength(adapter, number)
         start = time.perf_counter()
-        shapes = {name: [int(d) for d in dims] for name, dims in _parse_shape_args(input_shapes).items()}
+        shapes = _parse_file_shapes(input_shapes)
         with _progress(quiet=False) as progress:
             task = progress.add_task(f"running {graph_name}", total=None)
             written = run_input_list(
@@ -387,6 +395,136 @@ def check(model: Path, as_json: bool) -> None:
         raise QuiverError(f"{model} uses unsupported operators: {', '.join(report.unsupported)}")
     if report.problem:
         raise QuiverError(report.problem)
+
+
+def _print_accuracy(report: Any) -> None:
+    outputs = Table(title=f"accuracy vs. float ({report.samples} samples)")
+    for column in ("output", "SQNR dB", "cosine", "max |diff|"):
+        outputs.add_column(column, justify="left" if column == "output" else "right")
+    for o in report.outputs:
+        outputs.add_row(o.name, f"{o.sqnr_db:.2f}", f"{o.cosine:.6f}", f"{o.max_abs_diff:.4g}")
+    console.print(outputs)
+    layers = Table(title="least accurate tensors: promote these to 16 bit first")
+    layers.add_column("tensor")
+    layers.add_column("output of")
+    layers.add_column("SQNR dB", justify="right")
+    for name, op, value in report.layers[:10]:
+        layers.add_row(name, op, f"{value:.2f}")
+    console.print(layers)
+
+
+_input_shape = click.option(
+    "--input-shape",
+    "input_shapes",
+    multiple=True,
+    metavar="NAME=D0,D1",
+    help="Shape of raw input files for an input with dynamic dimensions; repeat for more inputs.",
+)
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="QDQ model.")
+@click.option("--act-bitwidth", type=click.Choice(["8", "16"]), default="8", show_default=True)
+@click.option("--weight-bitwidth", type=click.Choice(["4", "8", "16"]), default="8", show_default=True)
+@click.option("--bias-bitwidth", type=click.Choice(["32"]), default="32", show_default=True)
+@click.option("--per-channel", is_flag=True, help="One weight scale per output channel.")
+@click.option("--block-size", type=int, default=0, help="4-bit weights in blocks of N along the reduction axis.")
+@click.option(
+    "--input-list",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Calibration inputs: a QNN input list (`name:=file.raw ...` per line).",
+)
+@click.option(
+    "--float-fallback", is_flag=True, help="Tensors without an encoding in the overrides stay float (no calibration)."
+)
+@click.option(
+    "--quantization-overrides",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="AIMET encodings (0.6.1/1.0.0/2.0.0) or ORT TensorQuantOverrides JSON.",
+)
+@click.option("--calibration", type=click.Choice(["minmax", "percentile", "entropy"]), default="minmax")
+@click.option("--encodings-out", type=click.Path(dir_okay=False, path_type=Path), help="Write the encodings used.")
+@click.option("--encodings-version", type=click.Choice(["0.6.1", "1.0.0", "2.0.0"]), default="1.0.0")
+@_input_shape
+@click.option("--report", is_flag=True, help="Accuracy vs. float on the calibration inputs, per output and layer.")
+@click.option("--json", "as_json", is_flag=True, help="Print sizes, encodings counts and the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def quantize(
+    model: Path,
+    output: Path,
+    act_bitwidth: str,
+    weight_bitwidth: str,
+    bias_bitwidth: str,
+    per_channel: bool,
+    block_size: int,
+    input_list: Path | None,
+    float_fallback: bool,
+    quantization_overrides: Path | None,
+    calibration: str,
+    encodings_out: Path | None,
+    encodings_version: str,
+    input_shapes: tuple[str, ...],
+    report: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Quantize MODEL.onnx to a QDQ model (runnable by ONNX Runtime), as qairt-quantizer does."""
+    from quiver.passes.quantize import QuantizeOptions
+    from quiver.tools.quantize import read_overrides, run_quantize
+
+    if input_list is None and not float_fallback:
+        raise click.UsageError("give --input-list (calibration inputs), or --float-fallback with overrides")
+    encodings, ort_overrides = read_overrides(quantization_overrides) if quantization_overrides else (None, {})
+    options = QuantizeOptions(
+        int(act_bitwidth), int(weight_bitwidth), int(bias_bitwidth), per_channel, block_size, calibration,
+        float_fallback, encodings, ort_overrides,
+    )  # fmt: skip
+    with _progress(quiet) as progress:
+        progress.add_task("calibrating and quantizing" + (", then measuring accuracy" if report else ""), total=None)
+        result = run_quantize(
+            model, output, options, input_list, _parse_file_shapes(input_shapes), encodings_out, encodings_version,
+            report,
+        )  # fmt: skip
+    summary = {
+        "output": str(output),
+        "float_weight_bytes": result.float_bytes,
+        "quantized_weight_bytes": result.quantized_bytes,
+        "param_encodings": len(result.encodings.params()),
+        "activation_encodings": len(result.encodings.activations()),
+        "encodings_out": str(encodings_out) if encodings_out else None,
+        "accuracy": result.report.to_json() if result.report else None,
+    }
+    if as_json:
+        _emit_json(summary)
+        return
+    table = Table(show_header=False, box=None, title=f"quantized {model.name} -> {output}")
+    table.add_row("weights", f"{_mb(result.float_bytes)} float -> {_mb(result.quantized_bytes)}")
+    table.add_row("encodings", f"{summary['param_encodings']} params, {summary['activation_encodings']} activations")
+    if encodings_out:
+        table.add_row("encodings file", f"{encodings_out} (AIMET {encodings_version})")
+    console.print(table)
+    if result.report:
+        _print_accuracy(result.report)
+
+
+@cli.command("eval")
+@click.argument("float_model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("quantized_model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--input-list", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@_input_shape
+@click.option("--json", "as_json", is_flag=True)
+def eval_(
+    float_model: Path, quantized_model: Path, input_list: Path, input_shapes: tuple[str, ...], as_json: bool
+) -> None:
+    """Accuracy of a quantized model vs. its float model: SQNR and cosine per output, SQNR per layer."""
+    from quiver.tools.quantize import run_eval
+
+    report = run_eval(float_model, quantized_model, input_list, _parse_file_shapes(input_shapes))
+    if as_json:
+        _emit_json(report.to_json())
+        return
+    _print_accuracy(report)
 
 
 _lora_config = click.option(

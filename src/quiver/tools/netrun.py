@@ -52,12 +52,13 @@ def _read_tensor(path: Path, info: TensorInfo, shape_hint: Sequence[int] | None 
 
 
 def parse_input_list(
-    list_path: str | Path, graph: Graph, shapes: Mapping[str, Sequence[int]] | None = None
+    list_path: str | Path, graph: Graph | Sequence[TensorInfo], shapes: Mapping[str, Sequence[int]] | None = None
 ) -> list[dict[str, np.ndarray]]:
     """One feed dict per line: `name:=path name2:=path2` or, for one-input graphs, just `path`.
 
-    Lines starting with `#` are comments (qnn-net-run's output-name line included). `shapes` gives the
-    shape of raw files for inputs whose shape is dynamic.
+    `graph` is the graph the feeds are for, or just its inputs. Lines starting with `#` are comments
+    (qnn-net-run's output-name line included). `shapes` gives the shape of raw files for inputs whose
+    shape is dynamic.
     """
     shapes = shapes or {}
     list_path = Path(list_path)
@@ -65,7 +66,7 @@ def parse_input_list(
         lines = list_path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise InputListError(f"cannot read input list {list_path}: {exc}") from None
-    inputs = {i.name: i for i in graph.inputs}
+    inputs = {i.name: i for i in (graph.inputs if isinstance(graph, Graph) else graph)}
     feeds = []
     for number, line in enumerate(lines, 1):
         line = line.strip()

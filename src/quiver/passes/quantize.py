@@ -1,0 +1,401 @@
+"""Calibrated QDQ quantization (qairt-quantizer's options) on top of ONNX Runtime's QNN quantization tools.
+
+ONNX Runtime does the calibration and the Q/DQ insertion (`get_qnn_qdq_config` + `quantize`), mixed
+precision included (its `convert` overrides). Quiver adds what ORT lacks: AIMET encodings as overrides
+(activations exactly, weights requantized exactly with the given scales), qairt's `--float_fallback`
+(tensors without an encoding stay float), and the encodings of the result as an AIMET file.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from quiver.errors import QuantizationError
+from quiver.formats.encodings import Encoding, EncodingSet
+from quiver.passes.nbits import pack_nibbles
+
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
+DEFAULT_BLOCK_SIZE = 64
+# Ops whose output is a rearrangement of their input: an encoding carries over unchanged (qairt propagates
+# encodings across such "math-invariant" ops before falling back to float).
+_INVARIANT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice", "Gather"}
+_QUANTIZED_SUFFIX = "_quantized"
+
+
+@dataclass
+class QuantizeOptions:
+    """qairt-quantizer's knobs, named as `quiver quantize` names them."""
+
+    activation_bits: int = 16
+    weight_bits: int = 8
+    bias_bits: int = 32
+    per_channel: bool = False
+    block_size: int = 0  # > 0: per-block weights (4-bit), blocks along the reduction axis
+    calibration: str = "minmax"
+    float_fallback: bool = False
+    encodings: EncodingSet | None = None  # AIMET overrides
+    ort_overrides: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # ORT TensorQuantOverrides
+
+    def check(self) -> None:
+        if self.activation_bits not in (8, 16):
+            raise QuantizationError(f"activation bit width {self.activation_bits} is not supported; use 8 or 16")
+        if self.weight_bits not in (4, 8, 16):
+            raise QuantizationError(f"weight bit width {self.weight_bits} is not supported; use 4, 8 or 16")
+        if self.bias_bits != 32:
+            raise QuantizationError(f"bias bit width {self.bias_bits} is not supported; use 32")
+        if self.calibration not in CALIBRATION_METHODS:
+            raise QuantizationError(f"calibration {self.calibration!r} is unknown; use one of {CALIBRATION_METHODS}")
+        if self.block_size and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
+            raise QuantizationError(f"block size {self.block_size} must be a power of two ≥ 16")
+        if self.block_size and self.weight_bits != 4:
+            raise QuantizationError("--block-size is for 4-bit weights; add --weight-bitwidth 4")
+        if self.float_fallback and self.encodings is None and not self.ort_overrides:
+            raise QuantizationError(
+                "--float-fallback keeps tensors without an encoding in float: give the encodings "
+                "with --quantization-overrides"
+            )
+
+
+def _quant_type(dtype: str) -> Any:
+    from onnxruntime.quantization import QuantType
+
+    names = {"uint8": "QUInt8", "int8": "QInt8", "uint16": "QUInt16", "int16": "QInt16", "uint4": "QUInt4",
+             "int4": "QInt4"}  # fmt: skip
+    if dtype not in names:
+        raise QuantizationError(f"ONNX Runtime's QDQ tools have no {dtype} type; use 4, 8 or 16-bit encodings")
+    return QuantType[names[dtype]]
+
+
+def _quant_types(options: QuantizeOptions) -> tuple[Any, Any]:
+    activation = "uint16" if options.activation_bits == 16 else "uint8"
+    weight = {4: "uint8", 8: "uint8", 16: "int16"}[options.weight_bits]  # 4: MatMul weights redone afterwards
+    return _quant_type(activation), _quant_type(weight)
+
+
+def parse_ort_overrides(raw: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """ORT's TensorQuantOverrides from JSON: quant types by name, scales and zero points as numpy values."""
+    result: dict[str, list[dict[str, Any]]] = {}
+    try:
+        for tensor, entries in raw.items():
+            parsed = []
+            for entry in entries if isinstance(entries, list) else [entries]:
+                entry = dict(entry)
+                if "quant_type" in entry:
+                    entry["quant_type"] = _ort_type_by_name(entry["quant_type"])
+                if "convert" in entry:
+                    convert = dict(entry["convert"])
+                    convert["quant_type"] = _ort_type_by_name(convert["quant_type"])
+                    if "recv_nodes" in convert:
+                        convert["recv_nodes"] = set(convert["recv_nodes"])
+                    entry["convert"] = convert
+                if "scale" in entry or "zero_point" in entry:
+                    dtype = _numpy_of_quant_type(entry["quant_type"])
+                    entry["scale"] = np.asarray(entry["scale"], np.float32)
+                    entry["zero_point"] = np.asarray(entry["zero_point"], dtype)
+                parsed.append(entry)
+            result[str(tensor)] = parsed
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise QuantizationError(f"not a TensorQuantOverrides file ({type(exc).__name__}: {exc})") from None
+    return result
+
+
+def _ort_type_by_name(name: Any) -> Any:
+    from onnxruntime.quantization import QuantType
+
+    try:
+        return QuantType[str(name)]
+    except KeyError:
+        valid = ", ".join(t.name for t in QuantType)
+        raise QuantizationError(f"quant_type {name!r} is unknown; use one of {valid}") from None
+
+
+def _numpy_of_quant_type(quant_type: Any) -> np.dtype:
+    from onnxruntime.quantization.quant_utils import ONNX_TYPE_TO_NP_TYPE
+
+    return np.dtype(ONNX_TYPE_TO_NP_TYPE[quant_type.tensor_type])
+
+
+def _encoding_overrides(model: onnx.ModelProto, encodings: EncodingSet) -> dict[str, list[dict[str, Any]]]:
+    """AIMET encodings as ORT overrides: activations get their scale and zero point; weights their type."""
+    initializers = {t.name for t in model.graph.initializer}
+    overrides: dict[str, list[dict[str, Any]]] = {}
+    for name, encoding in encodings.tensors.items():
+        if encoding.is_float or encoding.bitwidth == 32:
+            continue  # 32-bit biases: ORT derives their scale from the input's and the weight's, as QNN does
+        if encoding.block_size:
+            raise QuantizationError(f"tensor {name!r}: per-block encodings as overrides are not supported; "
+                                    "use --block-size instead")  # fmt: skip
+        quant_type = _quant_type(encoding.dtype)
+        if name in initializers:
+            # The exact values are written afterwards (`_requantize_weights`): ORT computes weight scales itself.
+            entry: dict[str, Any] = {"quant_type": quant_type, "symmetric": encoding.symmetric}
+            if encoding.granularity == "per_channel":
+                entry["axis"] = encoding.axis if encoding.axis is not None else _channel_axis(model, name)
+            overrides[name] = [entry]
+        elif encoding.granularity == "per_tensor":
+            dtype = _numpy_of_quant_type(quant_type)
+            overrides[name] = [
+                {
+                    "quant_type": quant_type,
+                    "scale": np.asarray(encoding.scale[0], np.float32),
+                    "zero_point": np.asarray(encoding.zero_point[0], dtype),
+                }
+            ]
+        else:
+            raise QuantizationError(f"activation {name!r}: only per-tensor activation encodings are supported")
+    return overrides
+
+
+def _embedding_tables(model: onnx.ModelProto) -> list[str]:
+    initializers = {t.name: t for t in model.graph.initializer}
+    return [
+        node.input[0]
+        for node in model.graph.node
+        if node.op_type == "Gather" and node.input[0] in initializers and len(initializers[node.input[0]].dims) == 2
+    ]
+
+
+def _channel_axis(model: onnx.ModelProto, weight: str) -> int:
+    """The output-channel axis of a weight: 1 for MatMul's B [in, out], 0 for Conv and Gemm (transB) weights."""
+    for node in model.graph.node:
+        if weight in node.input[1:2] and node.op_type == "MatMul":
+            return 1
+    return 0
+
+
+def _float_fallback_exclusions(model: onnx.ModelProto, encodings: set[str]) -> list[str]:
+    """Nodes touching a float activation that has no encoding (after propagation): these stay float."""
+    initializers = {t.name for t in model.graph.initializer}
+    known = set(encodings)
+    for node in model.graph.node:  # topological: propagate forward through rearranging ops
+        if node.op_type in _INVARIANT_OPS and node.input and node.input[0] in known:
+            known.update(node.output)
+    float_values = _float_values(model)
+    excluded = []
+    for index, node in enumerate(model.graph.node):
+        activations = [v for v in [*node.input, *node.output] if v and v not in initializers and v in float_values]
+        if any(v not in known for v in activations):
+            if not node.name:
+                node.name = f"quiver_node_{index}"  # ORT excludes nodes by name
+            excluded.append(node.name)
+    return excluded
+
+
+def _float_values(model: onnx.ModelProto) -> set[str]:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    values = [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+    return {v.name for v in values if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+
+
+class SampleReader:
+    """ORT's CalibrationDataReader over a list of feed dicts; rewinds for another pass."""
+
+    def __init__(self, samples: Sequence[Mapping[str, np.ndarray]]) -> None:
+        self._samples = list(samples)
+        self._iterator: Iterator[Mapping[str, np.ndarray]] = iter(self._samples)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return dict(sample) if (sample := next(self._iterator, None)) is not None else None
+
+    def rewind(self) -> None:
+        self._iterator = iter(self._samples)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:  # ORT's debugging tools iterate
+        return (dict(sample) for sample in self._samples)
+
+
+def _placeholder_sample(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """One all-zero feed (dynamic dims as 1): enough when every quantized activation has an encoding."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    initializers = {t.name for t in model.graph.initializer}
+    feed = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor = value.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor.shape.dim]
+        feed[value.name] = np.zeros(shape, tensor_dtype_to_np_dtype(tensor.elem_type))
+    return feed
+
+
+def quantize(
+    model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]], options: QuantizeOptions
+) -> tuple[onnx.ModelProto, EncodingSet]:
+    """A QDQ model runnable by plain ONNX Runtime, and the encodings it uses (AIMET model)."""
+    from onnxruntime.quantization import CalibrationMethod
+    from onnxruntime.quantization import quantize as ort_quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    options.check()
+    if not samples and not options.float_fallback:
+        raise QuantizationError("calibration needs sample inputs: give --input-list, or --float-fallback with "
+                                "--quantization-overrides")  # fmt: skip
+    model_copy = onnx.ModelProto()
+    model_copy.CopyFrom(model)
+    overrides = dict(options.ort_overrides)
+    if options.encodings is not None:
+        overrides.update(_encoding_overrides(model_copy, options.encodings))
+    for table in _embedding_tables(model_copy):
+        # QNN's config gives a Gather table the activations' type (its output shares the encoding): with
+        # 16-bit activations that doubles the biggest weight of a transformer. Tables are weights.
+        overrides.setdefault(table, [{"quant_type": _quant_type("uint8")}])
+    excluded: list[str] = []
+    if options.float_fallback:
+        excluded = _float_fallback_exclusions(model_copy, set(overrides))
+    activation_type, weight_type = _quant_types(options)
+    method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
+              "entropy": CalibrationMethod.Entropy}[options.calibration]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="quiver-quantize-") as tmp:
+        source, target = Path(tmp) / "float.onnx", Path(tmp) / "qdq.onnx"
+        onnx.save(model_copy, source, save_as_external_data=model_copy.ByteSize() > 1 << 30)
+        reader = SampleReader(samples or [_placeholder_sample(model_copy)])
+        quiet = logging.getLogger()
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # ORT's advice to pre-process and its opset notes are not the user's business
+        try:
+            config = get_qnn_qdq_config(
+                str(source),
+                reader,
+                calibrate_method=method,
+                activation_type=activation_type,
+                weight_type=weight_type,
+                per_channel=options.per_channel,
+                init_overrides=overrides or None,
+                nodes_to_exclude=excluded or None,
+            )
+            ort_quantize(str(source), str(target), config)
+        except QuantizationError:
+            raise
+        except Exception as exc:
+            raise QuantizationError(f"ONNX Runtime's quantizer failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            quiet.setLevel(level)
+        result = onnx.load(target)
+    if options.encodings is not None:
+        _requantize_weights(result, model_copy, options.encodings)
+    if options.weight_bits == 4:
+        _matmul_weights_to_int4_blocks(result, model_copy, options.block_size or DEFAULT_BLOCK_SIZE)
+    return result, encodings_of(result)
+
+
+def _matmul_weights_to_int4_blocks(qdq: onnx.ModelProto, float_model: onnx.ModelProto, block_size: int) -> None:
+    """MatMul weights [K, N] become symmetric int4 in blocks of `block_size` along K (DequantizeLinear-21).
+
+    ORT's quantizer blocks every weight or none (rank-1 ones fail), so it quantizes to 8 bits and the
+    MatMul weights, the bulk of a transformer, are redone here: scale = max|w| / 7 per block and column.
+    ORT runs this pattern as MatMulNBits.
+    """
+    floats = {t.name: t for t in float_model.graph.initializer}
+    stored = {t.name: t for t in qdq.graph.initializer}
+    matmul_weights = {n.input[1] for n in qdq.graph.node if n.op_type == "MatMul"}
+    for node in qdq.graph.node:
+        if node.op_type != "DequantizeLinear" or node.output[0] not in matmul_weights:
+            continue
+        name = node.input[0].removesuffix(_QUANTIZED_SUFFIX)
+        names = [f"{name}{_QUANTIZED_SUFFIX}", f"{name}_scale", f"{name}_zero_point"]
+        if name not in floats or len(floats[name].dims) != 2 or not all(n in stored for n in names):
+            continue
+        weight = numpy_helper.to_array(floats[name]).astype(np.float32)
+        k, n = weight.shape
+        blocks = -(-k // block_size)
+        padded = np.zeros((blocks * block_size, n), np.float32)
+        padded[:k] = weight
+        peak = np.abs(padded.reshape(blocks, block_size, n)).max(axis=1)
+        scale = np.where(peak > 0, peak / 7.0, 1.0).astype(np.float32)
+        ints = np.clip(np.rint(weight / np.repeat(scale, block_size, axis=0)[:k]), -8, 7).astype(np.int8)
+        del node.input[:]
+        node.input.extend(names)
+        del node.attribute[:]
+        node.attribute.extend(
+            [onnx.helper.make_attribute("axis", 0), onnx.helper.make_attribute("block_size", block_size)]
+        )
+        node.domain = ""  # ONNX's DequantizeLinear-21 has blocks; the com.microsoft one does not
+        stored[names[0]].CopyFrom(_int4_tensor(names[0], ints))
+        stored[names[1]].CopyFrom(numpy_helper.from_array(scale, names[1]))
+        stored[names[2]].CopyFrom(_int4_tensor(names[2], np.zeros((blocks, n), np.int8)))
+
+
+def _int4_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
+    """An INT4 initializer, packed as ONNX stores it: two per byte, the first in the low nibble."""
+    flat = values.ravel()
+    if flat.size % 2:
+        flat = np.append(flat, np.int8(0))
+    return onnx.helper.make_tensor(name, onnx.TensorProto.INT4, values.shape, pack_nibbles(flat).tobytes(), raw=True)
+
+
+def _requantize_weights(qdq: onnx.ModelProto, float_model: onnx.ModelProto, encodings: EncodingSet) -> None:
+    """Replaces ORT's weight integers and scales with those of the given param encodings, exactly."""
+    floats = {t.name: t for t in float_model.graph.initializer}
+    stored = {t.name: t for t in qdq.graph.initializer}
+    for name, encoding in encodings.params().items():
+        quantized = stored.get(name + _QUANTIZED_SUFFIX)
+        if encoding.is_float or encoding.bitwidth == 32 or quantized is None or name not in floats:
+            continue
+        scale, zero = stored[name + "_scale"], stored[name + "_zero_point"]
+        dtype = numpy_helper.to_array(quantized).dtype
+        if encoding.granularity == "per_channel":
+            axis = next(
+                (a.i for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == quantized.name
+                 for a in n.attribute if a.name == "axis"), 1)  # fmt: skip
+            encoding = Encoding(encoding.dtype, encoding.scale, encoding.zero_point, encoding.symmetric, axis=axis)
+        if len(encoding.scale) != numpy_helper.to_array(scale).size:
+            raise QuantizationError(
+                f"weight {name!r}: its encoding has {len(encoding.scale)} scales, the quantized weight needs "
+                f"{numpy_helper.to_array(scale).size}"
+            )
+        ints = encoding.quantize(numpy_helper.to_array(floats[name]).astype(np.float32)).astype(dtype)
+        quantized.CopyFrom(numpy_helper.from_array(ints, quantized.name))
+        shape = numpy_helper.to_array(scale).shape
+        scale.CopyFrom(numpy_helper.from_array(encoding.scale_array().reshape(shape), scale.name))
+        zero.CopyFrom(numpy_helper.from_array(np.asarray(encoding.zero_point, dtype).reshape(shape), zero.name))
+
+
+def _dtype_name(elem_type: int) -> str:
+    return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name
+
+
+def encodings_of(model: onnx.ModelProto) -> EncodingSet:
+    """The encodings a QDQ model uses: weights by their float names, activations by the tensors quantized."""
+    constants = {t.name: t for t in model.graph.initializer}
+    result = EncodingSet(version="1.0.0")
+
+    def encoding_at(node: onnx.NodeProto, kind: str) -> Encoding | None:
+        if len(node.input) < 3 or node.input[1] not in constants or node.input[2] not in constants:
+            return None
+        scale = numpy_helper.to_array(constants[node.input[1]]).astype(np.float64).ravel()
+        zero = numpy_helper.to_array(constants[node.input[2]]).astype(np.int64).ravel()
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        dtype = _dtype_name(constants[node.input[2]].data_type)
+        per_axis = scale.size > 1
+        return Encoding(
+            dtype,
+            tuple(float(s) for s in scale),
+            tuple(int(z) for z in zero),
+            symmetric=bool(dtype.startswith("int") and not zero.any()),
+            axis=int(attributes.get("axis", 1)) if per_axis else None,
+            block_size=int(attributes["block_size"]) if attributes.get("block_size") else None,
+            kind=kind,
+        )
+
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in constants:
+            name = node.input[0].removesuffix(_QUANTIZED_SUFFIX)
+            encoding = encoding_at(node, "param")
+        elif node.op_type == "QuantizeLinear" and node.input[0] not in constants:
+            name = node.input[0]
+            encoding = encoding_at(node, "activation")
+        else:
+            continue
+        if encoding is not None and name not in result.tensors:
+            result.tensors[name] = encoding
+    return result

@@ -1,0 +1,105 @@
+"""`quiver quantize` and `quiver eval`: files in (model, input list, overrides), QDQ model and encodings out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx.external_data_helper import load_external_data_for_model
+
+from quiver.errors import ModelLoadError, QuantizationError
+from quiver.formats.encodings import EncodingSet, parse_encodings, save_encodings
+from quiver.formats.writer import write_atomically
+from quiver.ir.tensors import TensorType, info_of_value
+from quiver.passes.load import load_model
+from quiver.passes.quantize import QuantizeOptions, parse_ort_overrides, quantize
+from quiver.tools.accuracy import AccuracyReport, accuracy_report
+from quiver.tools.netrun import parse_input_list
+
+
+def load_float_model(path: Path) -> onnx.ModelProto:
+    """The whole model, external weights included (quantization needs their values)."""
+    model, folder = load_model(path)
+    if folder is not None:
+        try:
+            load_external_data_for_model(model, str(folder))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: cannot read its external weights ({exc})") from None
+    return model
+
+
+def read_samples(
+    model: onnx.ModelProto, input_list: Path | None, shapes: Mapping[str, Sequence[int]] | None = None
+) -> list[dict[str, np.ndarray]]:
+    """The feeds of a QNN input list, checked against the model's inputs; none without a list."""
+    if input_list is None:
+        return []
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [info_of_value(v, TensorType.APP_WRITE) for v in model.graph.input if v.name not in initializers]
+    return parse_input_list(input_list, inputs, shapes)
+
+
+def read_overrides(path: Path) -> tuple[EncodingSet | None, dict[str, list[dict[str, Any]]]]:
+    """An AIMET encodings file (any version) or an ORT TensorQuantOverrides file, told apart by their keys."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise QuantizationError(f"{path}: no such overrides file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QuantizationError(f"{path}: not a readable JSON overrides file ({exc})") from None
+    if not isinstance(raw, dict):
+        raise QuantizationError(f"{path}: an overrides file is a JSON object")
+    if {"version", "activation_encodings", "param_encodings", "encodings"} & set(raw):
+        return parse_encodings(raw, str(path)), {}
+    try:
+        return None, parse_ort_overrides(raw)
+    except QuantizationError as exc:
+        raise QuantizationError(f"{path}: {exc}") from None
+
+
+@dataclass
+class QuantizeResult:
+    model: onnx.ModelProto
+    encodings: EncodingSet
+    report: AccuracyReport | None
+    float_bytes: int
+    quantized_bytes: int
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def run_quantize(
+    model_path: Path,
+    output: Path,
+    options: QuantizeOptions,
+    input_list: Path | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    encodings_out: Path | None = None,
+    encodings_version: str = "1.0.0",
+    report: bool = False,
+) -> QuantizeResult:
+    model = load_float_model(model_path)
+    samples = read_samples(model, input_list, shapes)
+    qdq, encodings = quantize(model, samples, options)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(output, qdq.SerializeToString())
+    if encodings_out is not None:
+        save_encodings(encodings, encodings_out, encodings_version)
+    accuracy = accuracy_report(model, qdq, samples) if report else None
+    return QuantizeResult(qdq, encodings, accuracy, _weight_bytes(model), _weight_bytes(qdq))
+
+
+def run_eval(
+    float_path: Path, qdq_path: Path, input_list: Path, shapes: Mapping[str, Sequence[int]] | None = None
+) -> AccuracyReport:
+    float_model, qdq_model = load_float_model(float_path), load_float_model(qdq_path)
+    return accuracy_report(float_model, qdq_model, read_samples(float_model, input_list, shapes))
