@@ -11,6 +11,7 @@ from quiver.errors import (
     ConversionError,
     CorruptFileError,
     DuplicateGraphError,
+    EncodingsError,
     FeedDTypeError,
     FeedNameError,
     FeedShapeError,
@@ -24,6 +25,7 @@ from quiver.errors import (
     ModelLoadError,
     OutOfBoundsError,
     OverlappingRegionsError,
+    QuantizationError,
     QuiverError,
     SectionMismatchError,
     TensorUpdateError,
@@ -33,9 +35,12 @@ from quiver.errors import (
     UnsupportedOperatorError,
     UnsupportedVersionError,
 )
+from quiver.formats.encodings import Encoding, EncodingSet, load_encodings, save_encodings
 from quiver.ir.tensors import TensorInfo, TensorType
+from quiver.passes.quantize import QuantizeOptions, quantize
 from quiver.runtime.context import Context, WeightStats
 from quiver.runtime.graph import Graph
+from quiver.tools.accuracy import AccuracyReport, accuracy_report
 from quiver.tools.check import CheckReport, check_model
 from quiver.tools.compare import Comparison, compare_models
 from quiver.tools.netrun import parse_input_list, run_input_list
@@ -49,6 +54,15 @@ __all__ = [
     "TensorInfo",
     "TensorType",
     "WeightStats",
+    # quantization
+    "quantize",
+    "QuantizeOptions",
+    "Encoding",
+    "EncodingSet",
+    "load_encodings",
+    "save_encodings",
+    "accuracy_report",
+    "AccuracyReport",
     # tools
     "check_model",
     "CheckReport",
@@ -78,6 +92,8 @@ __all__ = [
     "MisalignedTensorError",
     "UnsupportedVersionError",
     "ModelLoadError",
+    "EncodingsError",
+    "QuantizationError",
     "ConversionError",
     "UnsupportedOperatorError",
     "UnknownGraphError",
