@@ -45,6 +45,12 @@ class WeightEntry:
     offset: int
     length: int
     sha256: str
+    encoding: dict[str, Any] | None = None  # format 1.2: how a quantized weight is read
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...], str, str]:
+        """The content key: bytes, and for a quantized weight the encoding too."""
+        return (self.dtype, self.shape, self.sha256, self.encoding["sha256"] if self.encoding else "")
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,12 @@ def _parse_weight(index: int, raw: Any, limit: int) -> WeightEntry:
         raise MisalignedTensorError(
             f"{what} starts at {offset}, not a multiple of {align_for(length)}; the file is damaged: rebuild it"
         )
-    return WeightEntry(index, dtype, shape, offset, length, _sha(raw.get("sha256"), f"{what}.sha256"))
+    encoding = raw.get("encoding")
+    if encoding is not None:
+        if not isinstance(encoding, dict):
+            raise _fail(f"{what}.encoding must be an object")
+        _sha(encoding.get("sha256"), f"{what}.encoding.sha256")
+    return WeightEntry(index, dtype, shape, offset, length, _sha(raw.get("sha256"), f"{what}.sha256"), encoding)
 
 
 def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
@@ -221,7 +232,7 @@ class TensorFile:
             raise _fail("header.weights and header.graphs must be lists")
         limit = self.header_offset
         self.weights = [_parse_weight(i, raw, limit) for i, raw in enumerate(weights_raw)]
-        keys = {(w.dtype, w.shape, w.sha256) for w in self.weights}
+        keys = {w.key for w in self.weights}
         if len(keys) != len(self.weights):
             raise _fail("two weights have the same content key; each distinct tensor must be stored once")
         regions = self._parse_rest(header, graphs_raw, limit)

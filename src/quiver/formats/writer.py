@@ -28,7 +28,8 @@ from quiver.formats._layout import (
 from quiver.ir import dtypes
 
 _W = TypeVar("_W", bound="TensorFileWriter")
-ContentKey = tuple[str, tuple[int, ...], str]  # (dtype, shape, sha256 of bytes)
+# (dtype, shape, sha256 of bytes, sha256 of the encoding the bytes are read with; "" for plain tensors)
+ContentKey = tuple[str, tuple[int, ...], str, str]
 
 
 class _State(enum.Enum):
@@ -44,6 +45,7 @@ class WeightRecord:
     offset: int
     length: int
     sha256: str
+    encoding: Mapping[str, Any] | None = None
 
 
 class TensorFileWriter:
@@ -74,8 +76,18 @@ class TensorFileWriter:
         if self._state is not state:
             raise ContextStateError(f"context writer is {self._state.value}; expected {state.value}")
 
-    def add_weight(self, dtype: str, shape: Iterable[int], chunks: Iterable[bytes | memoryview]) -> int:
-        """Stores one tensor's bytes (streamed as chunks) unless identical content is stored; returns its index."""
+    def add_weight(
+        self,
+        dtype: str,
+        shape: Iterable[int],
+        chunks: Iterable[bytes | memoryview],
+        encoding: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Stores one tensor's bytes (streamed as chunks) unless identical content is stored; returns its index.
+
+        A quantized weight carries its `encoding` (a descriptor with a `sha256`): it is shared only with
+        a stored tensor of the same bytes *and* encoding.
+        """
         self._require(_State.WEIGHTS)
         shape = tuple(int(d) for d in shape)
         expected = dtypes.itemsize(dtype)
@@ -93,13 +105,13 @@ class TensorFileWriter:
         if written != expected:
             self._file.truncate(self._end)
             raise ContextStateError(f"tensor of {dtype}{list(shape)} needs {expected} bytes, got {written}")
-        key: ContentKey = (dtype, shape, digest.hexdigest())
+        key: ContentKey = (dtype, shape, digest.hexdigest(), str(encoding["sha256"]) if encoding else "")
         if key in self._by_key:
             # Identical content is already stored: drop the bytes just written.
             self._file.truncate(self._end)
             return self._by_key[key]
         self._end = start + written
-        self._weights.append(WeightRecord(dtype, shape, start, written, key[2]))
+        self._weights.append(WeightRecord(dtype, shape, start, written, key[2], encoding))
         self._by_key[key] = len(self._weights) - 1
         return len(self._weights) - 1
 
@@ -130,6 +142,7 @@ class TensorFileWriter:
                         "offset": w.offset,
                         "length": w.length,
                         "sha256": w.sha256,
+                        **({"encoding": dict(w.encoding)} if w.encoding else {}),
                     }
                     for w in self._weights
                 ],

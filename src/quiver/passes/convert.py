@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -15,6 +16,7 @@ from quiver.errors import ConversionError, UnsupportedOperatorError
 from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.ops import iter_nodes, unsupported_operators
+from quiver.ir.quantized import weight_encodings
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.fold import fold_constants
 from quiver.passes.load import TensorSource, load_model, tensor_source
@@ -32,6 +34,7 @@ class ConvertedGraph:
     inputs: list[TensorInfo] = field(default_factory=list)
     outputs: list[TensorInfo] = field(default_factory=list)
     folded_nodes: int = 0
+    encodings: dict[str, dict[str, Any]] = field(default_factory=dict)  # quantized weights: how they are read
 
 
 def check_operators(model: onnx.ModelProto, label: str = "model") -> None:
@@ -176,10 +179,19 @@ def convert(
     except onnx.checker.ValidationError as exc:
         raise ConversionError(f"{label} is not a valid ONNX model: {str(exc).strip().splitlines()[0]}") from None
     kept_weights = {t.name for t in model.graph.initializer}
+    constants = {t.name: t for t in model.graph.initializer}
+
+    def value_of(name: str) -> np.ndarray | None:
+        if name in weights:
+            return weights[name].to_array()
+        return numpy_helper.to_array(constants[name]) if name in constants else None
+
+    encodings = weight_encodings(model, set(weights) & kept_weights, value_of)
     return ConvertedGraph(
         skeleton=model,
         weights={name: src for name, src in weights.items() if name in kept_weights},
         inputs=[info_of_value(v, TensorType.APP_WRITE) for v in model.graph.input],
         outputs=[info_of_value(v, TensorType.APP_READ) for v in model.graph.output],
         folded_nodes=folded,
+        encodings=encodings,
     )

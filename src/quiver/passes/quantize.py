@@ -29,6 +29,7 @@ DEFAULT_BLOCK_SIZE = 64
 # encodings across such "math-invariant" ops before falling back to float).
 _INVARIANT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice", "Gather"}
 _QUANTIZED_SUFFIX = "_quantized"
+_OUTPUT_RENAME_SUFFIX = "_QuantizeLinear_Input"
 
 
 @dataclass
@@ -181,11 +182,9 @@ def _float_fallback_exclusions(model: onnx.ModelProto, encodings: set[str]) -> l
             known.update(node.output)
     float_values = _float_values(model)
     excluded = []
-    for index, node in enumerate(model.graph.node):
+    for node in model.graph.node:
         activations = [v for v in [*node.input, *node.output] if v and v not in initializers and v in float_values]
         if any(v not in known for v in activations):
-            if not node.name:
-                node.name = f"quiver_node_{index}"  # ORT excludes nodes by name
             excluded.append(node.name)
     return excluded
 
@@ -242,6 +241,9 @@ def quantize(
                                 "--quantization-overrides")  # fmt: skip
     model_copy = onnx.ModelProto()
     model_copy.CopyFrom(model)
+    for index, node in enumerate(model_copy.graph.node):
+        if not node.name:  # ORT's quantizer finds nodes by name (exclusions, mixed-precision converts)
+            node.name = f"{node.op_type}_{index}"
     overrides = dict(options.ort_overrides)
     if options.encodings is not None:
         overrides.update(_encoding_overrides(model_copy, options.encodings))
@@ -392,7 +394,7 @@ def encodings_of(model: onnx.ModelProto) -> EncodingSet:
             name = node.input[0].removesuffix(_QUANTIZED_SUFFIX)
             encoding = encoding_at(node, "param")
         elif node.op_type == "QuantizeLinear" and node.input[0] not in constants:
-            name = node.input[0]
+            name = node.input[0].removesuffix(_OUTPUT_RENAME_SUFFIX)  # ORT renames a quantized graph output
             encoding = encoding_at(node, "activation")
         else:
             continue

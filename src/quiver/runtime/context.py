@@ -155,7 +155,7 @@ class Context:
             raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
         converted = convert(model, input_shapes=input_shapes, label=name, updateable=updateable)
         mapping = {
-            tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks())
+            tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks(), converted.encodings.get(tensor))
             for tensor, src in converted.weights.items()
         }
         self._writer.add_graph(name, converted.skeleton.SerializeToString(), mapping, updateable)

@@ -191,6 +191,15 @@ def _print_summary(report: dict[str, Any]) -> None:
     summary.add_row("referenced by the graphs", f"{_mb(w['referenced_bytes'])} ({w['referenced_count']} tensors)")
     summary.add_row("stored (unique)", f"{_mb(w['unique_bytes'])} ({w['unique_count']} tensors)")
     summary.add_row("saved by sharing", _mb(w["saved_bytes"]))
+    conflicts = report.get("encoding_conflicts", [])
+    if conflicts:
+        extra = sum(c["bytes"] * (len(c["copies"]) - 1) for c in conflicts)
+        summary.add_row(
+            "not shared: encodings differ",
+            f"{len(conflicts)} tensors, {_mb(extra)} extra: "
+            + "; ".join(" / ".join(", ".join(copy["tensors"]) for copy in c["copies"]) for c in conflicts[:3])
+            + (" ..." if len(conflicts) > 3 else ""),
+        )
     summary.add_row(
         "context file",
         f"{_mb(report['size_bytes'])} ({report['size_bytes'] / max(w['unique_bytes'], 1):.4f} x unique weights)",
@@ -315,6 +324,8 @@ def compare(model_a: Path, model_b: Path, as_json: bool) -> None:
         table.add_column(column, justify="right" if column else "left")
     table.add_row("identical (shareable)", str(len(result.identical)), _mb(sum(a.nbytes for a, _ in result.identical)))
     table.add_row("different (same role)", str(len(result.different)), _mb(sum(a.nbytes for a, _ in result.different)))
+    conflicts = result.encoding_conflicts
+    table.add_row("same bytes, other encoding", str(len(conflicts)), _mb(sum(a.nbytes for a, _ in conflicts)))
     table.add_row("only in A", str(len(result.only_a)), _mb(sum(t.nbytes for t in result.only_a)))
     table.add_row("only in B", str(len(result.only_b)), _mb(sum(t.nbytes for t in result.only_b)))
     console.print(table)
@@ -323,13 +334,14 @@ def compare(model_a: Path, model_b: Path, as_json: bool) -> None:
     summary.add_row("in one context", _mb(result.context_bytes))
     summary.add_row("saved", f"{_mb(result.shared_bytes)} ({result.shared_bytes / max(result.separate_bytes, 1):.0%})")
     console.print(summary)
-    if result.different:
-        detail = Table(title="different tensors")
-        for column in ("A", "B", "dtype", "shape", "bytes"):
-            detail.add_column(column)
-        for a, b in result.different:
-            detail.add_row(a.name, b.name, a.dtype, str(list(a.shape)), f"{a.nbytes:,}")
-        console.print(detail)
+    for title, pairs in (("different tensors", result.different), ("not shareable: encodings differ", conflicts)):
+        if pairs:
+            detail = Table(title=title)
+            for column in ("A", "B", "dtype", "shape", "bytes"):
+                detail.add_column(column)
+            for a, b in pairs:
+                detail.add_row(a.name, b.name, a.dtype, str(list(a.shape)), f"{a.nbytes:,}")
+            console.print(detail)
 
 
 @cli.command()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 
+from quiver.ir.quantized import weight_encodings
 from quiver.passes.load import TensorSource, load_model, tensor_source
 
 
@@ -18,10 +19,16 @@ class Tensor:
     shape: tuple[int, ...]
     nbytes: int
     sha256: str
+    encoding: str = ""  # sha256 of the encoding a quantized weight is read with
 
     @property
-    def key(self) -> tuple[str, tuple[int, ...], str]:
+    def content(self) -> tuple[str, tuple[int, ...], str]:
         return (self.dtype, self.shape, self.sha256)
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...], str, str]:
+        """What must match for two graphs to share the tensor: bytes and encoding (QNN's rule)."""
+        return (*self.content, self.encoding)
 
 
 @dataclass
@@ -30,6 +37,8 @@ class Comparison:
 
     identical: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     different: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # same bytes, other encoding: would be shared but for the encodings
+    encoding_conflicts: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     only_a: list[Tensor] = field(default_factory=list)
     only_b: list[Tensor] = field(default_factory=list)
     bytes_a: int = 0
@@ -55,6 +64,7 @@ class Comparison:
         return {
             "identical": rows(self.identical),
             "different": rows(self.different),
+            "encoding_conflicts": rows(self.encoding_conflicts),
             "only_a": [t.name for t in self.only_a],
             "only_b": [t.name for t in self.only_b],
             "bytes_a": self.bytes_a,
@@ -77,11 +87,12 @@ def _tensors_in_use_order(model: onnx.ModelProto, base: Path | None) -> list[Ten
     by_name = {t.name: t for t in model.graph.initializer}
     order = list(dict.fromkeys(name for node in model.graph.node for name in node.input if name in by_name))
     order += [name for name in by_name if name not in order]
-    result = []
-    for name in order:
-        source = tensor_source(by_name[name], base)
-        result.append(Tensor(name, source.dtype, source.shape, source.nbytes, _digest(source)))
-    return result
+    sources = {name: tensor_source(by_name[name], base) for name in order}
+    encodings = weight_encodings(model, set(order), lambda name: sources[name].to_array() if name in sources else None)
+    return [
+        Tensor(name, s.dtype, s.shape, s.nbytes, _digest(s), encodings.get(name, {}).get("sha256", ""))
+        for name, s in sources.items()
+    ]
 
 
 def compare_models(a: str | Path | onnx.ModelProto, b: str | Path | onnx.ModelProto) -> Comparison:
@@ -91,13 +102,19 @@ def compare_models(a: str | Path | onnx.ModelProto, b: str | Path | onnx.ModelPr
     result = Comparison()
     result.bytes_a = sum(t.nbytes for t in tensors_a)
     result.bytes_b = sum(t.nbytes for t in tensors_b)
-    keys_b: dict[tuple[str, tuple[int, ...], str], Tensor] = {t.key: t for t in tensors_b}
+    keys_b: dict[tuple[str, tuple[int, ...], str, str], Tensor] = {t.key: t for t in tensors_b}
     keys_a = {t.key for t in tensors_a}
     result.shared_bytes = sum(t.nbytes for key, t in keys_b.items() if key in keys_a)
     rest_b = [t for t in tensors_b if t.key not in keys_a]
+    contents_b = {t.content: t for t in rest_b}
     for tensor in tensors_a:
         if tensor.key in keys_b:
             result.identical.append((tensor, keys_b[tensor.key]))
+            continue
+        twin = contents_b.pop(tensor.content, None)
+        if twin is not None and twin in rest_b:
+            rest_b.remove(twin)
+            result.encoding_conflicts.append((tensor, twin))
             continue
         # Same dtype and shape, first in use order: the same parameter, fine-tuned.
         match = next((t for t in rest_b if (t.dtype, t.shape) == (tensor.dtype, tensor.shape)), None)

@@ -6,7 +6,27 @@ from collections import defaultdict
 from typing import Any
 
 from quiver.formats._layout import MAJOR
+from quiver.formats.reader import ContextFile
 from quiver.runtime.context import Context
+
+
+def encoding_conflicts(file: ContextFile) -> list[dict[str, Any]]:
+    """Tensors stored more than once because the same bytes are read with different encodings."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for graph, entry in file.graphs.items():
+        for tensor, index in entry.weights.items():
+            names[index].append(f"{graph}:{tensor}")
+    groups: dict[tuple[str, tuple[int, ...], str], list[int]] = defaultdict(list)
+    for w in file.weights:
+        groups[(w.dtype, w.shape, w.sha256)].append(w.index)
+    return [
+        {
+            "bytes": file.weights[indices[0]].length,
+            "copies": [{"tensors": sorted(names[i]), "encoding": file.weights[i].encoding} for i in sorted(indices)],
+        }
+        for indices in groups.values()
+        if len(indices) > 1
+    ]
 
 
 def describe_context(context: Context, source: str | None = None) -> dict[str, Any]:
@@ -54,6 +74,7 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
             "saved_bytes": stats.referenced_bytes - stats.unique_bytes,
         },
         "graphs": graphs,
+        "encoding_conflicts": encoding_conflicts(file),
         "tensors": [
             {
                 "index": w.index,
