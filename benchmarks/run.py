@@ -28,6 +28,7 @@ from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
+from quantization import measure_quantization  # noqa: E402
 
 SEQ = 128
 SHORT_SEQ = 16  # a short prompt: load time dominates the first output
@@ -263,6 +264,9 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
+SECTIONS = ("family", "lora_sections", "quantization")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/latest.json"))
@@ -270,38 +274,51 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="fresh processes per open-to-first-output variant")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved latency rounds")
     parser.add_argument("--iterations", type=int, default=20, help="runs per latency round")
+    parser.add_argument(
+        "--only",
+        choices=SECTIONS,
+        action="append",
+        help="measure only these sections and update them in the --json file (repeatable); default: all",
+    )
     args = parser.parse_args()
     ort.set_default_logger_severity(3)
+    sections = set(args.only or SECTIONS)
+    report: dict[str, Any] = {}
+    if args.only and args.json.exists():
+        report = json.loads(args.json.read_text())  # the other sections keep their last measured values
 
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
         folder = Path(tmp)
-        print(f"building a {args.graphs}-graph family in {folder} ...", file=sys.stderr)
-        paths, qctx, build_s = build_family(folder, args.graphs)
-        ids = sample_input_ids(BENCH, batch=1, seq=SEQ)
-        ids_path = folder / "ids.npy"
-        np.save(ids_path, ids)
-        report: dict[str, Any] = {
-            "command": "python benchmarks/run.py " + " ".join(sys.argv[1:]),
-            "machine": _machine(),
-            "model": {"shape": vars(BENCH), "input": [1, SEQ]},
-            "build_seconds": build_s,
-        }
-        print("size ...", file=sys.stderr)
-        report["size"] = measure_size(paths, qctx)
-        report["build_memory"] = measure_build_memory(paths, folder)
-        print("open to first output ...", file=sys.stderr)
-        report["open_to_first_output"] = measure_open(paths["base"], qctx, ids_path, args.repeats)
-        short_ids_path = folder / "short_ids.npy"
-        np.save(short_ids_path, sample_input_ids(BENCH, batch=1, seq=SHORT_SEQ))
-        report["open_to_first_output_short_input"] = measure_open(paths["base"], qctx, short_ids_path, args.repeats)
-        report["open_to_first_output_short_input"]["input"] = [1, SHORT_SEQ]
-        print("steady-state latency ...", file=sys.stderr)
-        report["latency"] = measure_latency(paths["base"], qctx, ids, args.rounds, args.iterations)
-        print("memory ...", file=sys.stderr)
-        counts = tuple(c for c in (1, 4, 16) if c <= args.graphs)
-        report["memory"] = measure_memory(paths, qctx, ids_path, counts)
-        print("adapter switching ...", file=sys.stderr)
-        report["lora_sections"] = measure_lora(folder)
+        report["machine"] = _machine()
+        report["command"] = "python benchmarks/run.py " + " ".join(sys.argv[1:])
+        if "family" in sections:
+            print(f"building a {args.graphs}-graph family in {folder} ...", file=sys.stderr)
+            paths, qctx, build_s = build_family(folder, args.graphs)
+            ids = sample_input_ids(BENCH, batch=1, seq=SEQ)
+            ids_path = folder / "ids.npy"
+            np.save(ids_path, ids)
+            report["model"] = {"shape": vars(BENCH), "input": [1, SEQ]}
+            report["build_seconds"] = build_s
+            print("size ...", file=sys.stderr)
+            report["size"] = measure_size(paths, qctx)
+            report["build_memory"] = measure_build_memory(paths, folder)
+            print("open to first output ...", file=sys.stderr)
+            report["open_to_first_output"] = measure_open(paths["base"], qctx, ids_path, args.repeats)
+            short_ids_path = folder / "short_ids.npy"
+            np.save(short_ids_path, sample_input_ids(BENCH, batch=1, seq=SHORT_SEQ))
+            report["open_to_first_output_short_input"] = measure_open(paths["base"], qctx, short_ids_path, args.repeats)
+            report["open_to_first_output_short_input"]["input"] = [1, SHORT_SEQ]
+            print("steady-state latency ...", file=sys.stderr)
+            report["latency"] = measure_latency(paths["base"], qctx, ids, args.rounds, args.iterations)
+            print("memory ...", file=sys.stderr)
+            counts = tuple(c for c in (1, 4, 16) if c <= args.graphs)
+            report["memory"] = measure_memory(paths, qctx, ids_path, counts)
+        if "lora_sections" in sections:
+            print("adapter switching ...", file=sys.stderr)
+            report["lora_sections"] = measure_lora(folder)
+        if "quantization" in sections:
+            print("quantization ...", file=sys.stderr)
+            report["quantization"] = measure_quantization(folder)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
