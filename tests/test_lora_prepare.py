@@ -39,7 +39,11 @@ X = np.random.default_rng(11).standard_normal((4, 16)).astype(np.float32)
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("project")
+    return make_project(tmp_path_factory.mktemp("project"))
+
+
+def make_project(root: Path) -> Path:
+    """A base model, two PEFT adapters and the YAML, in `root`."""
     (root / "base").mkdir()
     onnx.save(dynamo_like_model(BASE_WEIGHTS), str(root / "base" / "model.onnx"))
     modules = {m: (i, o) for m, i, o in CHAIN}

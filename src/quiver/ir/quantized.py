@@ -14,7 +14,11 @@ from typing import Any
 import numpy as np
 import onnx
 
+from quiver.formats.encodings import Encoding, EncodingSet
+
 SMALL_ENCODING = 8  # scales listed in the descriptor up to this count; larger ones only by hash
+QUANTIZED_SUFFIX = "_quantized"  # ORT's name for a weight's integers: <float name>_quantized
+_OUTPUT_RENAME_SUFFIX = "_QuantizeLinear_Input"  # ORT renames the producer of a quantized graph output
 
 
 def _descriptor(op: str, scale: np.ndarray, zero: np.ndarray | None, axis: int | None, block: int | None) -> dict:
@@ -65,4 +69,43 @@ def weight_encodings(
         if scale.size == 1:
             axis = None  # per tensor: the axis attribute means nothing
         result[name] = _descriptor(node.op_type, scale, zero, axis, block or None)
+    return result
+
+
+def _encoding_at(node: onnx.NodeProto, kind: str, value_of: Callable[[str], np.ndarray | None]) -> Encoding | None:
+    if len(node.input) < 3:
+        return None
+    scale, zero = value_of(node.input[1]), value_of(node.input[2])
+    if scale is None or zero is None:
+        return None
+    dtype = zero.dtype.name
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    zero_points = tuple(int(z) for z in zero.astype(np.int64).ravel())
+    return Encoding(
+        dtype,
+        tuple(float(s) for s in scale.astype(np.float64).ravel()),
+        zero_points,
+        symmetric=dtype.startswith("int") and not any(zero_points),
+        axis=int(attributes.get("axis", 1)) if scale.size > 1 else None,
+        block_size=int(attributes["block_size"]) if attributes.get("block_size") else None,
+        kind=kind,
+    )
+
+
+def graph_encodings(model: onnx.ModelProto, value_of: Callable[[str], np.ndarray | None]) -> EncodingSet:
+    """The encodings of a QDQ graph: weights by their float names, activations by the tensors quantized.
+
+    `value_of` gives a constant's current value (None for a computed tensor): scales and zero points
+    may be inline, weights, or updateable tensors replaced by a binary section.
+    """
+    result = EncodingSet(version="1.0.0")
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and value_of(node.input[0]) is not None:
+            name, kind = node.input[0].removesuffix(QUANTIZED_SUFFIX), "param"
+        elif node.op_type == "QuantizeLinear" and value_of(node.input[0]) is None:
+            name, kind = node.input[0].removesuffix(_OUTPUT_RENAME_SUFFIX), "activation"
+        else:
+            continue
+        if name not in result.tensors and (encoding := _encoding_at(node, kind, value_of)) is not None:
+            result.tensors[name] = encoding
     return result

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,10 +13,12 @@ import onnx
 import yaml
 
 from quiver.errors import AdapterError
+from quiver.formats.encodings import to_document
 from quiver.lora.attach import AttachPoint, find_attach_points
 from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.passes.load import load_model
+from quiver.passes.quantize import QuantizeOptions
 from quiver.runtime.context import Context
 from quiver.tools.compare import compare_models
 
@@ -161,13 +163,27 @@ def import_use_cases(
     return result
 
 
+@dataclass(frozen=True)
+class LoraQuantization:
+    """Quantize every use case (LoRA-aware): calibration feeds of the base inputs, and the options."""
+
+    samples: Sequence[Mapping[str, np.ndarray]]
+    options: QuantizeOptions
+    lora_weight_bits: int | None = None  # e.g. 16 while the base is 8-bit
+
+
 def prepare(
     config: str | Path,
     out_dir: str | Path,
     genie_config: str | Path | None = None,
     on_step: Callable[[str], object] = lambda _: None,
+    quantization: LoraQuantization | None = None,
 ) -> dict[str, Any]:
-    """The whole LoRA v3 flow: map, create, import, then the context, sections and manifest in `out_dir`."""
+    """The whole LoRA v3 flow: map, create, import, then the context, sections and manifest in `out_dir`.
+
+    With `quantization`, the context holds one QDQ graph and each section also carries its use case's
+    adapter integers and encodings (`quiver.lora.quantize`).
+    """
     config = Path(config)
     project = load_lora_config(config)
     out = Path(out_dir)
@@ -176,8 +192,21 @@ def prepare(
     adapters = load_adapters(project)
     on_step("mapping and creating the LoRA graph")
     graph = create_graph(project, adapters)
+    imported = import_use_cases(project, adapters, graph)
+    model, updateable = graph.model, graph.updateable
+    values = {name: dict(tensors) for name, (tensors, _) in imported.items()}
+    encodings: dict[str, Any] = {}
+    if quantization is not None:
+        from quiver.lora.quantize import quantize_use_cases
+
+        on_step("calibrating and quantizing every use case")
+        quantized = quantize_use_cases(
+            graph, imported, quantization.samples, quantization.options, quantization.lora_weight_bits
+        )
+        model, updateable, values = quantized.model, quantized.updateable, quantized.values
+        encodings = {name: to_document(found) for name, found in quantized.encodings.items()}
     context = Context.create("reference", workdir=out)
-    context.add_graph(graph.name, graph.model, updateable=graph.updateable)
+    context.add_graph(graph.name, model, updateable=updateable)
     context.save(out / f"{config.stem}.qctx")
     manifest: dict[str, Any] = {
         "context": f"{config.stem}.qctx",
@@ -187,13 +216,17 @@ def prepare(
         "use_cases": {},
     }
     cases = {u.name: u for u in project.use_cases}
-    for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
+    if quantization is not None:
+        manifest["quantized"] = {"updateable_tensors": len(updateable)}
+    for name, (_, alphas) in imported.items():
         on_step(f"writing the section of use case {name}")
-        context.graph(graph.name).update_tensors(values)
+        context.graph(graph.name).update_tensors(values[name])
         context.finalize()
-        metadata = {
+        metadata: dict[str, Any] = {
             "lora": {"use_case": name, "alpha_input": ALPHA_INPUT, "adapters": graph.adapter_order, "alphas": alphas}
         }
+        if name in encodings:
+            metadata["encodings"] = encodings[name]  # its adapter weights' and the changed activations
         (out / f"{name}.qsec").write_bytes(context.get_binary_section(graph.name, metadata))
         manifest["use_cases"][name] = {
             "section": f"{name}.qsec",

@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 from quiver.errors import QuantizationError
 from quiver.formats.encodings import Encoding, EncodingSet
+from quiver.ir.quantized import QUANTIZED_SUFFIX, graph_encodings
 from quiver.passes.nbits import pack_nibbles
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
@@ -28,8 +29,6 @@ DEFAULT_BLOCK_SIZE = 64
 # Ops whose output is a rearrangement of their input: an encoding carries over unchanged (qairt propagates
 # encodings across such "math-invariant" ops before falling back to float).
 _INVARIANT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice", "Gather"}
-_QUANTIZED_SUFFIX = "_quantized"
-_OUTPUT_RENAME_SUFFIX = "_QuantizeLinear_Input"
 
 
 @dataclass
@@ -66,7 +65,8 @@ class QuantizeOptions:
             )
 
 
-def _quant_type(dtype: str) -> Any:
+def quant_type_of(dtype: str) -> Any:
+    """ORT's QuantType for an integer dtype name."""
     from onnxruntime.quantization import QuantType
 
     names = {"uint8": "QUInt8", "int8": "QInt8", "uint16": "QUInt16", "int16": "QInt16", "uint4": "QUInt4",
@@ -79,7 +79,7 @@ def _quant_type(dtype: str) -> Any:
 def _quant_types(options: QuantizeOptions) -> tuple[Any, Any]:
     activation = "uint16" if options.activation_bits == 16 else "uint8"
     weight = {4: "uint8", 8: "uint8", 16: "int16"}[options.weight_bits]  # 4: MatMul weights redone afterwards
-    return _quant_type(activation), _quant_type(weight)
+    return quant_type_of(activation), quant_type_of(weight)
 
 
 def parse_ort_overrides(raw: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -99,7 +99,7 @@ def parse_ort_overrides(raw: Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                         convert["recv_nodes"] = set(convert["recv_nodes"])
                     entry["convert"] = convert
                 if "scale" in entry or "zero_point" in entry:
-                    dtype = _numpy_of_quant_type(entry["quant_type"])
+                    dtype = _numpy_ofquant_type_of(entry["quant_type"])
                     entry["scale"] = np.asarray(entry["scale"], np.float32)
                     entry["zero_point"] = np.asarray(entry["zero_point"], dtype)
                 parsed.append(entry)
@@ -119,7 +119,7 @@ def _ort_type_by_name(name: Any) -> Any:
         raise QuantizationError(f"quant_type {name!r} is unknown; use one of {valid}") from None
 
 
-def _numpy_of_quant_type(quant_type: Any) -> np.dtype:
+def _numpy_ofquant_type_of(quant_type: Any) -> np.dtype:
     from onnxruntime.quantization.quant_utils import ONNX_TYPE_TO_NP_TYPE
 
     return np.dtype(ONNX_TYPE_TO_NP_TYPE[quant_type.tensor_type])
@@ -135,7 +135,7 @@ def _encoding_overrides(model: onnx.ModelProto, encodings: EncodingSet) -> dict[
         if encoding.block_size:
             raise QuantizationError(f"tensor {name!r}: per-block encodings as overrides are not supported; "
                                     "use --block-size instead")  # fmt: skip
-        quant_type = _quant_type(encoding.dtype)
+        quant_type = quant_type_of(encoding.dtype)
         if name in initializers:
             # The exact values are written afterwards (`_requantize_weights`): ORT computes weight scales itself.
             entry: dict[str, Any] = {"quant_type": quant_type, "symmetric": encoding.symmetric}
@@ -143,7 +143,7 @@ def _encoding_overrides(model: onnx.ModelProto, encodings: EncodingSet) -> dict[
                 entry["axis"] = encoding.axis if encoding.axis is not None else _channel_axis(model, name)
             overrides[name] = [entry]
         elif encoding.granularity == "per_tensor":
-            dtype = _numpy_of_quant_type(quant_type)
+            dtype = _numpy_ofquant_type_of(quant_type)
             overrides[name] = [
                 {
                     "quant_type": quant_type,
@@ -250,7 +250,7 @@ def quantize(
     for table in _embedding_tables(model_copy):
         # QNN's config gives a Gather table the activations' type (its output shares the encoding): with
         # 16-bit activations that doubles the biggest weight of a transformer. Tables are weights.
-        overrides.setdefault(table, [{"quant_type": _quant_type("uint8")}])
+        overrides.setdefault(table, [{"quant_type": quant_type_of("uint8")}])
     excluded: list[str] = []
     if options.float_fallback:
         excluded = _float_fallback_exclusions(model_copy, set(overrides))
@@ -303,8 +303,8 @@ def _matmul_weights_to_int4_blocks(qdq: onnx.ModelProto, float_model: onnx.Model
     for node in qdq.graph.node:
         if node.op_type != "DequantizeLinear" or node.output[0] not in matmul_weights:
             continue
-        name = node.input[0].removesuffix(_QUANTIZED_SUFFIX)
-        names = [f"{name}{_QUANTIZED_SUFFIX}", f"{name}_scale", f"{name}_zero_point"]
+        name = node.input[0].removesuffix(QUANTIZED_SUFFIX)
+        names = [f"{name}{QUANTIZED_SUFFIX}", f"{name}_scale", f"{name}_zero_point"]
         if name not in floats or len(floats[name].dims) != 2 or not all(n in stored for n in names):
             continue
         weight = numpy_helper.to_array(floats[name]).astype(np.float32)
@@ -340,7 +340,7 @@ def _requantize_weights(qdq: onnx.ModelProto, float_model: onnx.ModelProto, enco
     floats = {t.name: t for t in float_model.graph.initializer}
     stored = {t.name: t for t in qdq.graph.initializer}
     for name, encoding in encodings.params().items():
-        quantized = stored.get(name + _QUANTIZED_SUFFIX)
+        quantized = stored.get(name + QUANTIZED_SUFFIX)
         if encoding.is_float or encoding.bitwidth == 32 or quantized is None or name not in floats:
             continue
         scale, zero = stored[name + "_scale"], stored[name + "_zero_point"]
@@ -362,42 +362,7 @@ def _requantize_weights(qdq: onnx.ModelProto, float_model: onnx.ModelProto, enco
         zero.CopyFrom(numpy_helper.from_array(np.asarray(encoding.zero_point, dtype).reshape(shape), zero.name))
 
 
-def _dtype_name(elem_type: int) -> str:
-    return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name
-
-
 def encodings_of(model: onnx.ModelProto) -> EncodingSet:
     """The encodings a QDQ model uses: weights by their float names, activations by the tensors quantized."""
     constants = {t.name: t for t in model.graph.initializer}
-    result = EncodingSet(version="1.0.0")
-
-    def encoding_at(node: onnx.NodeProto, kind: str) -> Encoding | None:
-        if len(node.input) < 3 or node.input[1] not in constants or node.input[2] not in constants:
-            return None
-        scale = numpy_helper.to_array(constants[node.input[1]]).astype(np.float64).ravel()
-        zero = numpy_helper.to_array(constants[node.input[2]]).astype(np.int64).ravel()
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        dtype = _dtype_name(constants[node.input[2]].data_type)
-        per_axis = scale.size > 1
-        return Encoding(
-            dtype,
-            tuple(float(s) for s in scale),
-            tuple(int(z) for z in zero),
-            symmetric=bool(dtype.startswith("int") and not zero.any()),
-            axis=int(attributes.get("axis", 1)) if per_axis else None,
-            block_size=int(attributes["block_size"]) if attributes.get("block_size") else None,
-            kind=kind,
-        )
-
-    for node in model.graph.node:
-        if node.op_type == "DequantizeLinear" and node.input[0] in constants:
-            name = node.input[0].removesuffix(_QUANTIZED_SUFFIX)
-            encoding = encoding_at(node, "param")
-        elif node.op_type == "QuantizeLinear" and node.input[0] not in constants:
-            name = node.input[0].removesuffix(_OUTPUT_RENAME_SUFFIX)  # ORT renames a quantized graph output
-            encoding = encoding_at(node, "activation")
-        else:
-            continue
-        if encoding is not None and name not in result.tensors:
-            result.tensors[name] = encoding
-    return result
+    return graph_encodings(model, lambda name: numpy_helper.to_array(constants[name]) if name in constants else None)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from quiver.backends import Backend, Executable, FinalizedGraph, get_backend
 from quiver.errors import (
@@ -21,11 +22,13 @@ from quiver.errors import (
     UnknownGraphError,
 )
 from quiver.formats._layout import WEIGHT_LOCATION
+from quiver.formats.encodings import EncodingSet
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import ContextWriter, copy_atomically, publish, write_atomically
 from quiver.ir import dtypes
 from quiver.ir.edit import initializers_as_inputs
+from quiver.ir.quantized import graph_encodings
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.convert import InputShapes, convert
 from quiver.runtime import sections
@@ -274,6 +277,22 @@ class Context:
 
     def graphs(self) -> Iterable[Graph]:
         return (self.graph(name) for name in self._enabled)
+
+    def _encodings(self, name: str) -> EncodingSet:
+        """The encodings of a graph's quantized tensors, from the values in use now (sections included)."""
+        self.graph(name)
+        assert self._file is not None
+        skeleton, entry, current = self._skeletons[name], self._file.graphs[name], self._current[name]
+        inline = {t.name: t for t in skeleton.graph.initializer if t.name not in entry.weights}
+
+        def value_of(tensor: str) -> np.ndarray | None:
+            if tensor in current:
+                return current[tensor]
+            if tensor in entry.weights:
+                return self._weight_view(entry.weights[tensor])
+            return numpy_helper.to_array(inline[tensor]) if tensor in inline else None
+
+        return graph_encodings(skeleton, value_of)
 
     def _weight_view(self, index: int) -> np.ndarray:
         if index not in self._weight_views:

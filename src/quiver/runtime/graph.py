@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError, TensorUpdateError
+from quiver.formats.encodings import EncodingSet
 from quiver.ir.tensors import TensorInfo
 
 if TYPE_CHECKING:
@@ -84,6 +85,14 @@ class Graph:
             raise TensorUpdateError(f"graph {self.name!r} has no adapter {adapter!r}; its adapters are {lora.adapters}")
         lora.alphas = lora.alphas.copy()  # a run in flight keeps the vector it was given
         lora.alphas[lora.adapters.index(adapter)] = value
+
+    def encodings(self) -> EncodingSet:
+        """Encodings of the graph's quantized tensors as they are now: applying a section updates them.
+
+        (QNN updates a graph's I/O encodings after applyBinarySection; here every Q/DQ encoding is read
+        from the tensors in use, so a quantized LoRA section's scales show up as soon as it is applied.)
+        """
+        return self._context._encodings(self.name)
 
     @property
     def lora_strengths(self) -> dict[str, float]:

@@ -647,13 +647,44 @@ def lora_import(lora_config: Path, output_dir: Path) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also write a Genie-style config with the 'lora' block for this folder.",
 )
+@click.option(
+    "--input-list",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Quantize (LoRA-aware): calibration inputs of the base model, a QNN input list.",
+)
+@_input_shape
+@click.option("--act-bitwidth", type=click.Choice(["8", "16"]), default="16", show_default=True)
+@click.option("--weight-bitwidth", type=click.Choice(["8", "16"]), default="8", show_default=True)
+@click.option("--lora-weight-bitwidth", type=click.Choice(["8", "16"]), help="Keep adapter weights at this width.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def lora_prepare(lora_config: Path, output_dir: Path, genie_config: Path | None, as_json: bool) -> None:
-    """Map, create, import: one context, one section per use case, and manifest.json."""
-    from quiver.lora.prepare import prepare
+def lora_prepare(
+    lora_config: Path,
+    output_dir: Path,
+    genie_config: Path | None,
+    input_list: Path | None,
+    input_shapes: tuple[str, ...],
+    act_bitwidth: str,
+    weight_bitwidth: str,
+    lora_weight_bitwidth: str | None,
+    as_json: bool,
+) -> None:
+    """Map, create, import: one context, one section per use case, and manifest.json (quantized with --input-list)."""
+    from quiver.lora.prepare import LoraQuantization, load_lora_config, prepare
+    from quiver.passes.quantize import QuantizeOptions
+    from quiver.tools.quantize import load_float_model, read_samples
 
+    quantization = None
+    if input_list is not None:
+        base = load_float_model(load_lora_config(lora_config).base_model)
+        quantization = LoraQuantization(
+            read_samples(base, input_list, _parse_file_shapes(input_shapes)),
+            QuantizeOptions(activation_bits=int(act_bitwidth), weight_bits=int(weight_bitwidth)),
+            int(lora_weight_bitwidth) if lora_weight_bitwidth else None,
+        )
     with err_console.status("preparing") as status:
-        manifest = prepare(lora_config, output_dir, genie_config, on_step=lambda step: status.update(step))
+        manifest = prepare(
+            lora_config, output_dir, genie_config, on_step=lambda step: status.update(step), quantization=quantization
+        )
     if as_json:
         _emit_json(manifest)
         return
