@@ -367,3 +367,28 @@ def test_bad_overrides_and_missing_calibration_are_clear(encoder: dict[str, Path
     assert_one_line_error(result, "bad.encodings", "offsets must be ≤ 0")
     result = run_quiver("quantize", encoder["model"], "-o", tmp_path / "x.onnx")
     assert result.returncode == 2 and "--input-list" in result.stderr
+
+
+def test_per_channel_weights_percentile_calibration_and_aimet_200_out(encoder: dict[str, Path], tmp_path: Path) -> None:
+    out, encodings = tmp_path / "per_channel.onnx", tmp_path / "per_channel.encodings"
+    result = run_quiver("quantize", encoder["model"], "-o", out, "--per-channel", "--calibration", "percentile",
+                        "--input-list", encoder["list"], "--input-shape", f"input_ids=1,{SEQ}", "--encodings-out",
+                        encodings, "--encodings-version", "2.0.0")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document = json.loads(encodings.read_text())
+    assert document["version"] == "2.0.0"
+    model = onnx.load(out)
+    stored = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    matmul_weights = [n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1].endswith("_Output")]
+    per_channel = {
+        n.input[0]: stored[n.input[1]].size
+        for n in model.graph.node
+        if n.op_type == "DequantizeLinear" and n.output[0] in matmul_weights and n.input[0] in stored
+    }
+    # one scale per output column of each linear weight [in, out]
+    assert per_channel and all(size == stored[name].shape[1] for name, size in per_channel.items())
+    by_name = {e["name"]: e for e in document["encodings"]}
+    name = next(iter(per_channel)).removesuffix("_quantized")
+    assert isinstance(by_name[name]["y_scale"], list) and by_name[name]["axis"] == 1
+    ids = sample_input_ids(SHAPE, 1, SEQ, seed=9)
+    assert _cos(_ort(encoder["model"], ids), _ort(out, ids)) > 0.99

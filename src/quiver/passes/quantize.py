@@ -156,6 +156,15 @@ def _encoding_overrides(model: onnx.ModelProto, encodings: EncodingSet) -> dict[
     return overrides
 
 
+def _matmul_weights(model: onnx.ModelProto) -> list[str]:
+    initializers = {t.name: t for t in model.graph.initializer}
+    return [
+        node.input[1]
+        for node in model.graph.node
+        if node.op_type == "MatMul" and node.input[1] in initializers and len(initializers[node.input[1]].dims) == 2
+    ]
+
+
 def _embedding_tables(model: onnx.ModelProto) -> list[str]:
     initializers = {t.name: t for t in model.graph.initializer}
     return [
@@ -233,7 +242,7 @@ def quantize(
     """A QDQ model runnable by plain ONNX Runtime, and the encodings it uses (AIMET model)."""
     from onnxruntime.quantization import CalibrationMethod
     from onnxruntime.quantization import quantize as ort_quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
 
     options.check()
     if not samples and not options.float_fallback:
@@ -244,6 +253,7 @@ def quantize(
     for index, node in enumerate(model_copy.graph.node):
         if not node.name:  # ORT's quantizer finds nodes by name (exclusions, mixed-precision converts)
             node.name = f"{node.op_type}_{index}"
+    activation_type, weight_type = _quant_types(options)
     overrides = dict(options.ort_overrides)
     if options.encodings is not None:
         overrides.update(_encoding_overrides(model_copy, options.encodings))
@@ -251,15 +261,25 @@ def quantize(
         # QNN's config gives a Gather table the activations' type (its output shares the encoding): with
         # 16-bit activations that doubles the biggest weight of a transformer. Tables are weights.
         overrides.setdefault(table, [{"quant_type": quant_type_of("uint8")}])
+    if options.per_channel:
+        # ORT's QNN config keeps MatMul weights per tensor (QNN's HTP has no per-channel MatMul); Quiver's
+        # backends have, and a transformer's weights are nearly all MatMul: one scale per output column.
+        channel_type = quant_type_of("int8") if options.weight_bits == 8 else weight_type
+        for weight in _matmul_weights(model_copy):
+            overrides.setdefault(weight, [{"quant_type": channel_type, "symmetric": True, "axis": 1}])
     excluded: list[str] = []
     if options.float_fallback:
         excluded = _float_fallback_exclusions(model_copy, set(overrides))
-    activation_type, weight_type = _quant_types(options)
     method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
               "entropy": CalibrationMethod.Entropy}[options.calibration]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="quiver-quantize-") as tmp:
         source, target = Path(tmp) / "float.onnx", Path(tmp) / "qdq.onnx"
         onnx.save(model_copy, source, save_as_external_data=model_copy.ByteSize() > 1 << 30)
+        preprocessed = Path(tmp) / "preprocessed.onnx"
+        # ORT's QNN pre-processing fuses exported Erf / ReduceMean sequences into Gelu / LayerNormalization:
+        # one quantized op each instead of a chain of quantized pieces.
+        if qnn_preprocess_model(source, preprocessed, fuse_layernorm=True):
+            source = preprocessed
         reader = SampleReader(samples or [_placeholder_sample(model_copy)])
         quiet = logging.getLogger()
         level = quiet.level
