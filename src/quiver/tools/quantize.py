@@ -72,9 +72,15 @@ class QuantizeResult:
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:
-    from onnx import numpy_helper
-
-    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    """Bytes of the initializers as stored: 4-bit types two per byte."""
+    total = 0
+    for tensor in model.graph.initializer:
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+            total += (count + 1) // 2
+        else:
+            total += count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return total
 
 
 def run_quantize(
