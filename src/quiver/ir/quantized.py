@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import numpy as np
@@ -92,17 +92,19 @@ def _encoding_at(node: onnx.NodeProto, kind: str, value_of: Callable[[str], np.n
     )
 
 
-def graph_encodings(model: onnx.ModelProto, value_of: Callable[[str], np.ndarray | None]) -> EncodingSet:
+def graph_encodings(
+    model: onnx.ModelProto, constants: Container[str], value_of: Callable[[str], np.ndarray | None]
+) -> EncodingSet:
     """The encodings of a QDQ graph: weights by their float names, activations by the tensors quantized.
 
-    `value_of` gives a constant's current value (None for a computed tensor): scales and zero points
-    may be inline, weights, or updateable tensors replaced by a binary section.
+    `constants` names the graph's constant tensors; `value_of` gives one's current value: scales and zero
+    points may be inline, weights, or updateable tensors replaced by a binary section.
     """
     result = EncodingSet(version="1.0.0")
     for node in model.graph.node:
-        if node.op_type == "DequantizeLinear" and value_of(node.input[0]) is not None:
+        if node.op_type == "DequantizeLinear" and node.input[0] in constants:
             name, kind = node.input[0].removesuffix(QUANTIZED_SUFFIX), "param"
-        elif node.op_type == "QuantizeLinear" and value_of(node.input[0]) is None:
+        elif node.op_type == "QuantizeLinear" and node.input[0] not in constants:
             name, kind = node.input[0].removesuffix(_OUTPUT_RENAME_SUFFIX), "activation"
         else:
             continue

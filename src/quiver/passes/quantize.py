@@ -385,4 +385,6 @@ def _requantize_weights(qdq: onnx.ModelProto, float_model: onnx.ModelProto, enco
 def encodings_of(model: onnx.ModelProto) -> EncodingSet:
     """The encodings a QDQ model uses: weights by their float names, activations by the tensors quantized."""
     constants = {t.name: t for t in model.graph.initializer}
-    return graph_encodings(model, lambda name: numpy_helper.to_array(constants[name]) if name in constants else None)
+    return graph_encodings(
+        model, constants, lambda name: numpy_helper.to_array(constants[name]) if name in constants else None
+    )

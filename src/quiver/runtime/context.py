@@ -292,7 +292,8 @@ class Context:
                 return self._weight_view(entry.weights[tensor])
             return numpy_helper.to_array(inline[tensor]) if tensor in inline else None
 
-        return graph_encodings(skeleton, value_of)
+        constants = {*current, *entry.weights, *inline}
+        return graph_encodings(skeleton, constants, value_of)
 
     def _weight_view(self, index: int) -> np.ndarray:
         if index not in self._weight_views:
