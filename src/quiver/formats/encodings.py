@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from quiver.errors import EncodingsError
+from quiver.errors import EncodingsError, QuiverError
 from quiver.formats.writer import write_atomically
 
 VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
@@ -252,15 +252,19 @@ def parse_encodings(raw: Mapping[str, Any], source: str = "<encodings>") -> Enco
     return result
 
 
+def read_json_file(path: Path, what: str, error: type[QuiverError] = EncodingsError) -> Any:
+    """A JSON document, or `error` saying the file is missing or unreadable as a `what` file."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what} file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path}: not a readable JSON {what} file ({exc})") from None
+
+
 def load_encodings(path: str | Path) -> EncodingSet:
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise EncodingsError(f"{path}: no such encodings file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EncodingsError(f"{path}: not a readable JSON encodings file ({exc})") from None
-    return parse_encodings(raw, str(path))
+    return parse_encodings(read_json_file(path, "encodings"), str(path))
 
 
 # --- writing ---------------------------------------------------------------------------------------

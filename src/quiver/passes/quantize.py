@@ -99,7 +99,7 @@ def parse_ort_overrides(raw: Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                         convert["recv_nodes"] = set(convert["recv_nodes"])
                     entry["convert"] = convert
                 if "scale" in entry or "zero_point" in entry:
-                    dtype = _numpy_ofquant_type_of(entry["quant_type"])
+                    dtype = _numpy_dtype_of(entry["quant_type"])
                     entry["scale"] = np.asarray(entry["scale"], np.float32)
                     entry["zero_point"] = np.asarray(entry["zero_point"], dtype)
                 parsed.append(entry)
@@ -119,7 +119,7 @@ def _ort_type_by_name(name: Any) -> Any:
         raise QuantizationError(f"quant_type {name!r} is unknown; use one of {valid}") from None
 
 
-def _numpy_ofquant_type_of(quant_type: Any) -> np.dtype:
+def _numpy_dtype_of(quant_type: Any) -> np.dtype:
     from onnxruntime.quantization.quant_utils import ONNX_TYPE_TO_NP_TYPE
 
     return np.dtype(ONNX_TYPE_TO_NP_TYPE[quant_type.tensor_type])
@@ -143,7 +143,7 @@ def _encoding_overrides(model: onnx.ModelProto, encodings: EncodingSet) -> dict[
                 entry["axis"] = encoding.axis if encoding.axis is not None else _channel_axis(model, name)
             overrides[name] = [entry]
         elif encoding.granularity == "per_tensor":
-            dtype = _numpy_ofquant_type_of(quant_type)
+            dtype = _numpy_dtype_of(quant_type)
             overrides[name] = [
                 {
                     "quant_type": quant_type,
@@ -156,21 +156,16 @@ def _encoding_overrides(model: onnx.ModelProto, encodings: EncodingSet) -> dict[
     return overrides
 
 
-def _matmul_weights(model: onnx.ModelProto) -> list[str]:
+def _weights_read_by(model: onnx.ModelProto, op_type: str, position: int) -> list[str]:
+    """2-D initializers at input `position` of `op_type` nodes: MatMul weights (1), Gather tables (0)."""
     initializers = {t.name: t for t in model.graph.initializer}
     return [
-        node.input[1]
+        node.input[position]
         for node in model.graph.node
-        if node.op_type == "MatMul" and node.input[1] in initializers and len(initializers[node.input[1]].dims) == 2
-    ]
-
-
-def _embedding_tables(model: onnx.ModelProto) -> list[str]:
-    initializers = {t.name: t for t in model.graph.initializer}
-    return [
-        node.input[0]
-        for node in model.graph.node
-        if node.op_type == "Gather" and node.input[0] in initializers and len(initializers[node.input[0]].dims) == 2
+        if node.op_type == op_type
+        and len(node.input) > position
+        and node.input[position] in initializers
+        and len(initializers[node.input[position]].dims) == 2
     ]
 
 
@@ -257,7 +252,7 @@ def quantize(
     overrides = dict(options.ort_overrides)
     if options.encodings is not None:
         overrides.update(_encoding_overrides(model_copy, options.encodings))
-    for table in _embedding_tables(model_copy):
+    for table in _weights_read_by(model_copy, "Gather", 0):
         # QNN's config gives a Gather table the activations' type (its output shares the encoding): with
         # 16-bit activations that doubles the biggest weight of a transformer. Tables are weights.
         overrides.setdefault(table, [{"quant_type": quant_type_of("uint8")}])
@@ -265,7 +260,7 @@ def quantize(
         # ORT's QNN config keeps MatMul weights per tensor (QNN's HTP has no per-channel MatMul); Quiver's
         # backends have, and a transformer's weights are nearly all MatMul: one scale per output column.
         channel_type = quant_type_of("int8") if options.weight_bits == 8 else weight_type
-        for weight in _matmul_weights(model_copy):
+        for weight in _weights_read_by(model_copy, "MatMul", 1):
             overrides.setdefault(weight, [{"quant_type": channel_type, "symmetric": True, "axis": 1}])
     excluded: list[str] = []
     if options.float_fallback:

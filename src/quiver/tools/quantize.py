@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ import onnx
 from onnx.external_data_helper import load_external_data_for_model
 
 from quiver.errors import ModelLoadError, QuantizationError
-from quiver.formats.encodings import EncodingSet, parse_encodings, save_encodings
+from quiver.formats.encodings import EncodingSet, parse_encodings, read_json_file, save_encodings
 from quiver.formats.writer import write_atomically
 from quiver.ir.tensors import TensorType, info_of_value
 from quiver.passes.load import load_model
@@ -46,12 +45,7 @@ def read_samples(
 
 def read_overrides(path: Path) -> tuple[EncodingSet | None, dict[str, list[dict[str, Any]]]]:
     """An AIMET encodings file (any version) or an ORT TensorQuantOverrides file, told apart by their keys."""
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise QuantizationError(f"{path}: no such overrides file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise QuantizationError(f"{path}: not a readable JSON overrides file ({exc})") from None
+    raw = read_json_file(path, "overrides", QuantizationError)
     if not isinstance(raw, dict):
         raise QuantizationError(f"{path}: an overrides file is a JSON object")
     if {"version", "activation_encodings", "param_encodings", "encodings"} & set(raw):
