@@ -104,12 +104,16 @@ class _PythonApiSession:
         options.intra_op_num_threads = backend.intra_op_num_threads
         options.graph_optimization_level = ort.GraphOptimizationLevel(optimization_level)
         options.log_severity_level = 3
-        for key, value in backend.config(prepack).items():
-            options.add_session_config_entry(key, value)
+        entries = backend.config(prepack)
         if backend.prepack and not prepack:
             # A stand-in until the packed session is ready: its threads should not spin after a run and
             # keep the packing thread off the cores.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            entries["session.intra_op.allow_spinning"] = "0"
+        for key, value in entries.items():
+            options.add_session_config_entry(key, value)
+        if backend.profile_prefix is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = backend.profile_prefix
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in graph.weights.items()}
         for name, value in self._values.items():
             options.add_initializer(name, value)
@@ -121,6 +125,9 @@ class _PythonApiSession:
     ) -> list[np.ndarray]:
         return list(self._session.run(output_names, {**bound, **feeds}))
 
+    def end_profiling(self) -> str:
+        return str(self._session.end_profiling())
+
 
 _Session = _ort_capi.Session | _PythonApiSession
 _FIRST_OUTPUT_LEVEL = int(ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)  # cheap to prepare; replaced soon
@@ -130,7 +137,7 @@ def _create_session(graph: FinalizedGraph, backend: CpuBackend, packed: bool) ->
     """A packed session shares the context's container (C API); an unpacked one comes from the Python API."""
     level = int(backend.graph_optimization_level)
     try:
-        if packed:
+        if packed and backend.profile_prefix is None:
             try:
                 return _ort_capi.Session(
                     graph.model.SerializeToString(),
@@ -209,6 +216,8 @@ class CpuExecutable:
 
     def release(self) -> None:
         self.wait_until_ready()
+        if self._backend.profile_prefix is not None and isinstance(self._session, _PythonApiSession):
+            self._backend.profiles.append(self._session.end_profiling())
         self._released = True
         self._session = None
 
@@ -230,8 +239,17 @@ class CpuBackend:
         prepack: bool = True,
         lazy_prepack: bool = True,
         graph_optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        allow_spinning: bool = True,
+        profile_prefix: str | None = None,
     ) -> None:
         self.intra_op_num_threads = intra_op_num_threads
+        self.allow_spinning = allow_spinning  # False: idle threads yield the cores at once (power saving)
+        # Per-node profiles (ORT's JSON) of every session, written when a graph is released; profiling
+        # sessions come from the Python API, packed eagerly (one session per graph).
+        self.profile_prefix = profile_prefix
+        self.profiles: list[str] = []
+        if profile_prefix is not None:
+            lazy_prepack = False
         self.prepack = prepack
         self.lazy_prepack = lazy_prepack
         self.graph_optimization_level = graph_optimization_level
@@ -247,6 +265,8 @@ class CpuBackend:
 
     def config(self, prepack: bool) -> dict[str, str]:
         entries = {"session.model_external_initializers_file_folder_path": _PLACEHOLDER_FOLDER}
+        if not self.allow_spinning:
+            entries["session.intra_op.allow_spinning"] = "0"
         if not prepack:
             entries["session.disable_prepacking"] = "1"
         return entries

@@ -697,6 +697,19 @@ def lora_prepare(
     console.print(table)
 
 
+@cli.command("ort-wrap")
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+def ort_wrap(context_path: Path, output_dir: Path) -> None:
+    """One <graph>_ctx.onnx (EPContext model) per graph, all naming one .qctx: for quiver.ort sessions."""
+    from quiver.formats.reader import ContextFile
+    from quiver.ort.epcontext import wrap_context
+
+    ContextFile.open(context_path).close()  # a missing or damaged file fails here, with its own error
+    for path in wrap_context(context_path, output_dir):
+        console.print(str(path))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: one-line errors on stderr, exit 1 for Quiver errors, 2 for usage errors."""
     try:

@@ -1,0 +1,397 @@
+"""`quiver.ort.InferenceSession`: ONNX Runtime's session API over a Quiver context.
+
+A plain `.onnx` is built into a context (in a temporary folder, or next to the model as
+`<model>_ctx.onnx` + `.qctx` with `ep.context_enable=1`); an EPContext model opens its context
+directly. With `ep.share_ep_contexts=1`, sessions of one process over the same `.qctx` share one loaded
+context: its weights are mapped, and packed, once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime
+
+from quiver import errors
+from quiver.backends import CpuBackend, get_backend
+from quiver.backends.base import Backend
+from quiver.formats.section import SectionFile
+from quiver.ir.ops import unsupported_operators
+from quiver.ir.tensors import TensorInfo
+from quiver.ort.epcontext import (
+    EpContext,
+    ep_context_model,
+    is_ep_context_model,
+    read_ep_context,
+    save_ep_context_model,
+)
+from quiver.ort.errors import EngineError, InvalidArgument, InvalidProtobuf, NoSuchFile, ort_error
+from quiver.ort.errors import NotImplemented as UnsupportedByBackend
+from quiver.ort.options import RunOptions, SessionOptions, config_entries
+from quiver.ort.provider import ProviderConfig, select_provider
+from quiver.runtime.context import Context
+from quiver.runtime.sections import load_section
+
+LORA_CONFIG_KEYS = ("qnn.lora_config", "quiver.lora_config")
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """`onnxruntime.NodeArg`: name, shape (ints, symbolic names or None) and type (`tensor(float)`)."""
+
+    name: str
+    shape: list[int | str | None]
+    type: str
+
+
+def _node_arg(info: TensorInfo) -> NodeArg:
+    elem = onnx.helper.np_dtype_to_tensor_dtype(info.numpy_dtype)
+    type_name = onnx.TensorProto.DataType.Name(elem).lower()
+    return NodeArg(info.name, list(info.shape) if info.shape is not None else [], f"tensor({type_name})")
+
+
+def _backend(config: ProviderConfig, options: SessionOptions | Any, profile_folder: Path | None) -> Backend:
+    if config.backend != "cpu":
+        return get_backend(config.backend)
+    threads = getattr(options, "intra_op_num_threads", 0) or config.threads
+    level = getattr(options, "graph_optimization_level", onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    return CpuBackend(
+        intra_op_num_threads=threads,
+        graph_optimization_level=level,
+        allow_spinning=config.spinning,
+        profile_prefix=str(profile_folder / "ort_profile") if profile_folder else None,
+    )
+
+
+class _SharedContexts:
+    """One loaded context per (.qctx, backend) for sessions that ask to share (`ep.share_ep_contexts=1`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._contexts: dict[tuple[str, str], tuple[Context, int]] = {}
+
+    def acquire(self, path: Path, config: ProviderConfig, backend: Backend) -> Context:
+        key = (str(path.resolve()), config.backend)
+        with self._lock:
+            context, users = self._contexts.get(key, (None, 0))
+            if context is None:
+                context = Context.from_binary(path, backend=backend)
+            self._contexts[key] = (context, users + 1)
+            return context
+
+    def release(self, context: Context) -> None:
+        with self._lock:
+            for key, (shared, users) in list(self._contexts.items()):
+                if shared is context:
+                    if users > 1:
+                        self._contexts[key] = (shared, users - 1)
+                    else:
+                        del self._contexts[key]
+                        shared.close()
+                    return
+
+    def holds(self, context: Context) -> bool:
+        return any(shared is context for shared, _ in self._contexts.values())
+
+
+SHARED_CONTEXTS = _SharedContexts()
+
+
+def _load_model(path_or_bytes: str | Path | bytes) -> tuple[onnx.ModelProto, Path | None]:
+    if isinstance(path_or_bytes, (bytes, bytearray)):
+        data, folder = bytes(path_or_bytes), None
+    else:
+        path = Path(path_or_bytes)
+        if not path.is_file():
+            raise NoSuchFile(f"Load model from {path} failed: file does not exist")
+        data, folder = path.read_bytes(), path.parent
+    try:
+        model = onnx.ModelProto.FromString(data)
+    except Exception as exc:  # protobuf raises several types on malformed input
+        raise InvalidProtobuf(f"the model is not a valid ONNX protobuf ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node and not model.graph.output:
+        raise InvalidProtobuf("the model parsed as an empty ONNX model; is it really an .onnx file?")
+    return model, folder
+
+
+class InferenceSession:
+    """`onnxruntime.InferenceSession` on Quiver: same constructor, `run`, I/O metadata and errors."""
+
+    def __init__(
+        self,
+        path_or_bytes: str | Path | bytes,
+        sess_options: SessionOptions | Any | None = None,
+        providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None = None,
+        provider_options: Sequence[Mapping[str, Any]] | None = None,
+        **_: Any,
+    ) -> None:
+        self._options = sess_options if sess_options is not None else SessionOptions()
+        self._config, self._providers = select_provider(providers, provider_options)
+        self._entries = config_entries(self._options)
+        self._shared = False
+        self._broken: str | None = None
+        self._initial: SectionFile | None = None
+        self._applied: object = None  # what the updateable tensors hold now: a section, or None (initial)
+        self._sections: dict[Path, SectionFile] = {}
+        self._profile: list[tuple[str, int, float]] = []
+        self._fallback: onnxruntime.InferenceSession | None = None
+        self._context: Context | None = None
+        model, folder = _load_model(path_or_bytes)
+        try:
+            if is_ep_context_model(model):
+                self._open_ep_context(read_ep_context(model, folder))
+            else:
+                self._build(model, path_or_bytes)
+        except errors.QuiverError as exc:
+            raise ort_error(exc) from None
+        self._model_meta = model
+
+    # --- opening ------------------------------------------------------------------------------------
+
+    def _make_backend(self) -> Backend:
+        folder = None
+        if self._config.profiling_level == "detailed":
+            self._profile_folder = tempfile.TemporaryDirectory(prefix="quiver-profile-")
+            folder = Path(self._profile_folder.name)
+        self._backend = _backend(self._config, self._options, folder)
+        return self._backend
+
+    def _open_ep_context(self, ep: EpContext) -> None:
+        backend = self._make_backend()
+        if isinstance(ep.cache, Path) and self._entries.get("ep.share_ep_contexts") == "1":
+            self._context = SHARED_CONTEXTS.acquire(ep.cache, self._config, backend)
+            self._shared = True
+        else:
+            self._context = Context.from_binary(ep.cache, backend=backend)
+        if ep.graph not in self._context.graph_names:
+            raise InvalidArgument(f"the context has no graph {ep.graph!r}; its graphs are {self._context.graph_names}")
+        self._graph_name = ep.graph
+
+    def _build(self, model: onnx.ModelProto, source: str | Path | bytes) -> None:
+        unsupported = unsupported_operators(model)
+        if unsupported:
+            missing = ", ".join(sorted(unsupported))
+            if self._entries.get("session.disable_cpu_ep_fallback") == "1":
+                raise UnsupportedByBackend(
+                    f"{self._providers[0]} cannot run operators {missing} and session.disable_cpu_ep_fallback=1"
+                )
+            # ORT's CPU EP fallback: the whole model on plain ONNX Runtime.
+            self._fallback = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            self._providers = ["CPUExecutionProvider"]
+            return
+        source_path = Path(source) if isinstance(source, (str, Path)) else None
+        self._graph_name = model.graph.name or (source_path.stem if source_path else "main")
+        backend = self._make_backend()
+        if self._entries.get("ep.context_enable") == "1":
+            self._context = self._build_ep_context(model, source_path, backend)
+            return
+        self._spool = tempfile.TemporaryDirectory(prefix="quiver-ort-")
+        builder = Context.create(backend, workdir=self._spool.name)
+        builder.add_graph(self._graph_name, source_path or model)
+        self._context = builder.finalize()
+
+    def _build_ep_context(self, model: onnx.ModelProto, source: Path | None, backend: Backend) -> Context:
+        """ep.context_enable=1: `<model>_ctx.onnx` (or ep.context_file_path) and the `.qctx` beside it."""
+        default = source.with_name(source.stem + "_ctx.onnx") if source else None
+        target = Path(self._entries.get("ep.context_file_path", "") or default or "")
+        if not target.name:
+            raise InvalidArgument("a model given as bytes needs ep.context_file_path to write its EPContext model")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        builder = Context.create(backend, workdir=target.parent)
+        builder.add_graph(self._graph_name, source or model)
+        qctx = builder.save(target.with_suffix(".qctx"))
+        graph = builder.graph(self._graph_name)
+        embed = self._entries.get("ep.context_embed_mode", "0")
+        if embed not in ("0", "1"):
+            raise InvalidArgument(f"ep.context_embed_mode must be 0 or 1, not {embed!r}")
+        cache: str | bytes = qctx.read_bytes() if embed == "1" else qctx.name
+        save_ep_context_model(ep_context_model(self._graph_name, graph.inputs, graph.outputs, cache), target)
+        builder.close()
+        if isinstance(cache, bytes):  # embedded: the .qctx file is not needed beside the model
+            qctx.unlink()
+            return Context.from_binary(cache, backend=backend)
+        return Context.from_binary(qctx, backend=backend)
+
+    # --- metadata -----------------------------------------------------------------------------------
+
+    def _graph(self) -> Any:
+        assert self._context is not None
+        return self._context.graph(self._graph_name)
+
+    def get_inputs(self) -> list[NodeArg]:
+        if self._fallback is not None:
+            return [NodeArg(a.name, a.shape, a.type) for a in self._fallback.get_inputs()]
+        return [_node_arg(i) for i in self._graph().inputs]
+
+    def get_outputs(self) -> list[NodeArg]:
+        if self._fallback is not None:
+            return [NodeArg(a.name, a.shape, a.type) for a in self._fallback.get_outputs()]
+        return [_node_arg(o) for o in self._graph().outputs]
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        return []
+
+    def get_providers(self) -> list[str]:
+        return list(self._providers)
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        return {self._providers[0]: dict(self._config.options)}
+
+    def get_session_options(self) -> SessionOptions | Any:
+        return self._options
+
+    def get_modelmeta(self) -> _ModelMeta:
+        return _ModelMeta(self._model_meta)
+
+    # --- running ------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: RunOptions | Any | None = None,
+    ) -> list[np.ndarray]:
+        if self._fallback is not None:
+            return list(self._fallback.run(output_names, dict(input_feed)))
+        if self._broken is not None:
+            raise EngineError(f"this session's backend failed earlier ({self._broken}); create a new session")
+        assert self._context is not None
+        try:
+            self._apply_adapters(run_options)
+            start = time.perf_counter()
+            results = self._graph().execute(dict(input_feed))
+            self._record(time.perf_counter() - start)
+        except errors.BackendError as exc:
+            self._broken = str(exc)
+            raise EngineError(f"{exc}; the session cannot run any more: create a new session") from None
+        except errors.QuiverError as exc:
+            raise ort_error(exc) from None
+        names = list(output_names) if output_names else list(results)
+        unknown = [n for n in names if n not in results]
+        if unknown:
+            raise InvalidArgument(f"invalid output name(s) {unknown}; the outputs are {list(results)}")
+        return [results[n] for n in names]
+
+    def _lora_sections(self, run_options: RunOptions | Any) -> list[SectionFile]:
+        entries = config_entries(run_options)
+        sections = [a.section for a in getattr(run_options, "active_adapters", [])]
+        for key in LORA_CONFIG_KEYS:
+            if key in entries:
+                sections += self._sections_from_config(Path(entries[key]))
+        return sections
+
+    def _sections_from_config(self, path: Path) -> list[SectionFile]:
+        """`<graph name>;<section path>` lines (paths relative to the file's folder); this graph's only."""
+        if not path.is_file():
+            raise InvalidArgument(f"qnn.lora_config {path} does not exist")
+        found = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            graph, sep, section = line.partition(";")
+            if not sep or not section.strip():
+                raise InvalidArgument(f"{path}:{number}: write '<graph name>;<section path>'")
+            if graph.strip() != self._graph_name:
+                continue
+            section_path = (path.parent / section.strip()).resolve()
+            if section_path not in self._sections:
+                if not section_path.is_file():
+                    raise InvalidArgument(f"{path}:{number}: no section at {section_path}")
+                self._sections[section_path] = load_section(section_path)
+            found.append(self._sections[section_path])
+        return found
+
+    def _apply_adapters(self, run_options: RunOptions | Any | None) -> None:
+        """Applies this run's sections, or puts the initial values back when a run names none."""
+        assert self._context is not None
+        wanted = self._lora_sections(run_options) if run_options is not None else []
+        key = tuple(id(s) for s in wanted) or None
+        if key == self._applied:
+            return
+        if self._initial is None:
+            if not wanted:
+                return  # nothing was ever applied: the context's own values are in use
+            self._initial = load_section(self._context.get_binary_section(self._graph_name))
+        for section in wanted or [self._initial]:
+            self._context.apply_binary_section(self._graph_name, section)
+        self._applied = key
+
+    def _record(self, seconds: float) -> None:
+        if self._config.profiling_level != "off":
+            self._profile.append((self._graph_name, len(self._profile), seconds * 1e6))
+
+    def _node_rows(self) -> list[tuple[str, str, str, str, str]]:
+        """Per-node kernel times from ORT's profiles of this session's graphs (detailed level)."""
+        rows = []
+        for profile in getattr(self._backend, "profiles", []):
+            events = json.loads(Path(profile).read_text())
+            # ORT lists a run's node events before the run's own event: match them by start time.
+            starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+            for event in events:
+                if event.get("cat") == "Node" and str(event.get("name", "")).endswith("_kernel_time"):
+                    run = bisect.bisect_right(starts, event["ts"])
+                    node = event["name"].removesuffix("_kernel_time")
+                    op = event.get("args", {}).get("op_name", "")
+                    rows.append((self._graph_name, str(run), node, op, f"{float(event.get('dur', 0)):.1f}"))
+        return rows
+
+    def end_profiling(self) -> str:
+        """Writes the profiling CSV (profiling_file_path) and returns its path; '' when profiling is off.
+
+        basic: one row per run (graph, run, duration). detailed: also one row per node of each run, with
+        ORT's kernel time; written once the session's graph is released (close() or end_profiling()).
+        """
+        if self._config.profiling_level == "off" or not self._config.profiling_file_path:
+            return ""
+        if self._config.profiling_level == "detailed" and self._context is not None and not self._shared:
+            self._context.close()  # releases the graph: ORT writes its profile
+            self._context = None
+        path = Path(self._config.profiling_file_path)
+        with path.open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["graph", "run", "node", "op_type", "duration_us"])
+            writer.writerows((g, str(r + 1), "", "", f"{d:.1f}") for g, r, d in self._profile)
+            if self._config.profiling_level == "detailed":
+                writer.writerows(self._node_rows())
+        return str(path)
+
+    def close(self) -> None:
+        if self._config.profiling_level != "off" and not getattr(self, "_profiled", False):
+            self._profiled = True
+            self.end_profiling()
+        if self._context is not None:
+            if self._shared:
+                SHARED_CONTEXTS.release(self._context)
+            else:
+                self._context.close()
+            self._context = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the modules may be gone
+            pass
+
+
+class _ModelMeta:
+    """`onnxruntime.ModelMetadata`'s fields."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.producer_name = model.producer_name
+        self.graph_name = model.graph.name
+        self.domain = model.domain
+        self.description = model.doc_string
+        self.graph_description = model.graph.doc_string
+        self.version = model.model_version
+        self.custom_metadata_map = {p.key: p.value for p in model.metadata_props}
