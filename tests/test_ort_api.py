@@ -16,6 +16,7 @@ from onnx import helper
 import quiver
 import quiver.ort
 from quiver.backends import CpuBackend, register_backend
+from quiver.backends import base as backends_base
 from quiver.errors import BackendError
 from quiver.ort.session import SHARED_CONTEXTS
 from quiver.tools.family import SMALL, sample_input_ids
@@ -231,7 +232,8 @@ class _FlakyBackend(CpuBackend):
         return executable
 
 
-def test_an_engine_error_is_recovered_by_a_new_session(small_model: Path) -> None:
+def test_an_engine_error_is_recovered_by_a_new_session(small_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backends_base, "_REGISTRY", dict(backends_base._REGISTRY))  # registered for this test only
     register_backend("flaky", _FlakyBackend)
     ids = {"input_ids": sample_input_ids(SMALL, 1, 6, seed=1)}
     providers = [("QuiverExecutionProvider", {"backend_type": "flaky"})]
