@@ -28,6 +28,7 @@ from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
+from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 
 SEQ = 128
@@ -264,7 +265,7 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
-SECTIONS = ("family", "lora_sections", "quantization")
+SECTIONS = ("family", "lora_sections", "quantization", "ort_api")
 
 
 def main() -> None:
@@ -319,6 +320,11 @@ def main() -> None:
         if "quantization" in sections:
             print("quantization ...", file=sys.stderr)
             report["quantization"] = measure_quantization(folder)
+        if "ort_api" in sections:
+            print("quiver.ort sessions ...", file=sys.stderr)
+            ort_ids = folder / "ort_ids.npy"
+            np.save(ort_ids, sample_input_ids(BENCH, batch=1, seq=SEQ))
+            report["ort_api"] = measure_ort_api(folder, ort_ids, args.repeats)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
