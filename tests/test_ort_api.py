@@ -314,3 +314,21 @@ def test_ort_wrap_refuses_a_damaged_context_in_one_line(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert quiver.ort.get_available_providers()[0] == "QuiverExecutionProvider"
+
+
+def test_io_quantization_can_be_left_to_the_caller(small_model: Path, tmp_path: Path) -> None:
+    from quiver.passes.quantize import QuantizeOptions, quantize
+
+    samples = [{"input_ids": sample_input_ids(SMALL, 1, 8, seed=i)} for i in range(3)]
+    qdq, encodings = quantize(onnx.load(str(small_model)), samples, QuantizeOptions(activation_bits=16))
+    path = tmp_path / "qdq.onnx"
+    onnx.save(qdq, str(path))
+    floats = quiver.ort.InferenceSession(str(path))
+    raw = quiver.ort.InferenceSession(str(path), providers=[("QuiverExecutionProvider",
+                                                             {"offload_graph_io_quantization": "0"})])  # fmt: skip
+    assert floats.get_outputs()[0].type == "tensor(float)" and raw.get_outputs()[0].type == "tensor(uint16)"
+    ids = {"input_ids": samples[0]["input_ids"]}
+    quantized = raw.run(None, ids)[0]
+    encoding = encodings.tensors["last_hidden_state"]
+    dequantized = (quantized.astype(np.float64) - encoding.zero_point[0]) * encoding.scale[0]  # ONNX's DQ formula
+    np.testing.assert_allclose(dequantized, floats.run(None, ids)[0], atol=1e-6)

@@ -21,3 +21,49 @@ def initializers_as_inputs(
     graph.initializer.extend(kept)
     graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in moved)
     return copy
+
+
+def quantized_io(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its I/O quantization left to the caller (QNN EP's offload_graph_io_quantization=0).
+
+    A float input whose only consumer is a QuantizeLinear becomes an input of the quantized type, and a
+    float output made by a DequantizeLinear becomes that node's quantized input; the Q/DQ nodes go.
+    """
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    constants = {t.name: t for t in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    producers = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    dropped: list[onnx.NodeProto] = []
+    renames: dict[str, str] = {}
+    for value in graph.input:
+        users = consumers.get(value.name, [])
+        if len(users) == 1 and users[0].op_type == "QuantizeLinear" and len(users[0].input) > 2:
+            quantize = users[0]
+            if quantize.input[2] in constants:
+                value.type.tensor_type.elem_type = constants[quantize.input[2]].data_type
+                renames[quantize.output[0]] = value.name
+                dropped.append(quantize)
+    for value in graph.output:
+        node = producers.get(value.name)
+        if (
+            node is not None
+            and node.op_type == "DequantizeLinear"
+            and len(node.input) > 2
+            and node.input[2] in constants
+        ):
+            if len(consumers.get(value.name, [])) == 0:
+                value.type.tensor_type.elem_type = constants[node.input[2]].data_type
+                renames[node.input[0]] = value.name
+                dropped.append(node)
+    for node in graph.node:
+        node.input[:] = [renames.get(name, name) for name in node.input]
+        node.output[:] = [renames.get(name, name) for name in node.output]
+    kept = [n for n in graph.node if not any(n is d for d in dropped)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return result

@@ -27,6 +27,7 @@ from quiver import errors
 from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
 from quiver.formats.section import SectionFile
+from quiver.ir.edit import quantized_io
 from quiver.ir.ops import unsupported_operators
 from quiver.ir.tensors import TensorInfo
 from quiver.ort.epcontext import (
@@ -192,6 +193,8 @@ class InferenceSession:
             return
         source_path = Path(source) if isinstance(source, (str, Path)) else None
         self._graph_name = model.graph.name or (source_path.stem if source_path else "main")
+        if not self._config.offload_io_quantization:
+            model, source_path = quantized_io(model), None  # the caller passes and gets quantized I/O
         backend = self._make_backend()
         if self._entries.get("ep.context_enable") == "1":
             self._context = self._build_ep_context(model, source_path, backend)
