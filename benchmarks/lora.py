@@ -19,6 +19,7 @@ from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_c
 from quiver.lora.peft import LoraConfig, LoraModule, PeftAdapter
 from quiver.runtime.sections import load_section
 from quiver.tools.family import BENCH, build_model, family_weights, sample_input_ids
+from timing import median_ms
 
 _LINEARS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "up": "w1", "down": "w2"}
 
@@ -55,17 +56,6 @@ def _merged_weights(weights: dict[str, Any], adapter: PeftAdapter) -> dict[str, 
 
 def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
-
-
-def _latency(graph: quiver.Graph, feeds: dict[str, np.ndarray]) -> float:
-    for _ in range(2):  # warm-up: the other graph's session may still hold the cores just after its runs
-        graph.execute(feeds)
-    times = []
-    for _ in range(8):
-        start = time.perf_counter()
-        graph.execute(feeds)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_lora(folder: Path, rank: int = 16, sequence: int = 128, switches: int = 200) -> dict[str, Any]:
@@ -126,8 +116,8 @@ def measure_lora(folder: Path, rank: int = 16, sequence: int = 128, switches: in
         ort_switch.append(time.perf_counter() - start)
     lora_s, base_s = [], []
     for _ in range(15):  # interleaved rounds: this machine's speed drifts more than the difference measured
-        lora_s.append(_latency(graph, feeds))
-        base_s.append(_latency(base_graph, feeds))
+        lora_s.append(median_ms(lambda: graph.execute(feeds), 8, warm_up=2))
+        base_s.append(median_ms(lambda: base_graph.execute(feeds), 8, warm_up=2))
     overheads = [lora / base for lora, base in zip(lora_s, base_s)]
     runtime.close()
 
@@ -152,8 +142,8 @@ def measure_lora(folder: Path, rank: int = 16, sequence: int = 128, switches: in
         "switch_to_first_output_ms": _median_ms(switch_times),
         "ort_new_session_with_merged_weights_ms": _median_ms(ort_switch),
         "switch_ratio_to_ort": _median_ms(switch_times) / _median_ms(ort_switch),
-        "lora_graph_latency_ms": _median_ms(lora_s),
-        "base_graph_latency_ms": _median_ms(base_s),
+        "lora_graph_latency_ms": statistics.median(lora_s),
+        "base_graph_latency_ms": statistics.median(base_s),
         "lora_overhead": statistics.median(overheads),
         "lora_overhead_quartiles": [float(q) for q in np.percentile(overheads, [25, 75])],
         "section_bytes": section_bytes,

@@ -16,19 +16,9 @@ import quiver
 from quiver.passes.quantize import QuantizeOptions, quantize
 from quiver.tools.accuracy import cosine, sqnr_db
 from quiver.tools.family import BENCH, build_model, family_weights, sample_input_ids
+from timing import median_ms
 
 VARIANTS = {"a16w8": QuantizeOptions(activation_bits=16, weight_bits=8), "a16w4": QuantizeOptions(16, 4, block_size=64)}
-
-
-def _median_ms(run: Any, iterations: int) -> float:
-    run()
-    run()  # warm-up: the other session's threads may still hold the cores
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def measure_quantization(folder: Path, sequence: int = 128, rounds: int = 5, iterations: int = 10) -> dict[str, Any]:
@@ -81,8 +71,8 @@ def measure_quantization(folder: Path, sequence: int = 128, rounds: int = 5, ite
     ort_ms: dict[str, list[float]] = {n: [] for n in paths}
     for _ in range(rounds):  # interleaved: this machine's speed drifts
         for name in paths:
-            quiver_ms[name].append(_median_ms(lambda g=graphs[name]: g.execute(feeds), iterations))
-            ort_ms[name].append(_median_ms(lambda s=sessions[name]: s.run(None, feeds), iterations))
+            quiver_ms[name].append(median_ms(lambda g=graphs[name]: g.execute(feeds), iterations, warm_up=2))
+            ort_ms[name].append(median_ms(lambda s=sessions[name]: s.run(None, feeds), iterations, warm_up=2))
     float_bytes = report["variants"]["float"]["context_bytes"]
     for name, entry in report["variants"].items():
         entry["context_over_float"] = entry["context_bytes"] / float_bytes

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 SEQ = 128
 SHORT_SEQ = 16  # a short prompt: load time dominates the first output
@@ -192,15 +193,6 @@ def measure_open(base: Path, qctx: Path, ids_path: Path, repeats: int) -> dict[s
     return result
 
 
-def _median_ms(fn: Any, iterations: int) -> float:
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def measure_latency(base: Path, qctx: Path, ids: np.ndarray, rounds: int, iterations: int) -> dict[str, Any]:
     session = ort.InferenceSession(str(base), providers=["CPUExecutionProvider"])
     contexts = {b: quiver.Context.from_binary(qctx, backend=b) for b in BACKENDS}
@@ -212,9 +204,9 @@ def measure_latency(base: Path, qctx: Path, ids: np.ndarray, rounds: int, iterat
         contexts[backend].wait_until_ready()  # steady state: weights packed
     samples: dict[str, list[float]] = {"ort": [], **{b: [] for b in BACKENDS}}
     for _ in range(rounds):
-        samples["ort"].append(_median_ms(lambda: session.run(None, feeds), iterations))
+        samples["ort"].append(median_ms(lambda: session.run(None, feeds), iterations))
         for backend, graph in graphs.items():
-            samples[backend].append(_median_ms(lambda g=graph: g.execute(feeds), iterations))
+            samples[backend].append(median_ms(lambda g=graph: g.execute(feeds), iterations))
     ort_ms = statistics.median(samples["ort"])
     result: dict[str, Any] = {"batch": int(ids.shape[0]), "sequence": int(ids.shape[1]), "ort_ms": ort_ms}
     for backend in BACKENDS:
