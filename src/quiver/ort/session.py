@@ -156,7 +156,7 @@ class InferenceSession:
                 self._build(model, path_or_bytes)
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
-        self._model_meta = model
+        self._model_meta = _ModelMeta(model)  # not the model: its weights live in the context
 
     # --- opening ------------------------------------------------------------------------------------
 
@@ -255,7 +255,7 @@ class InferenceSession:
         return self._options
 
     def get_modelmeta(self) -> _ModelMeta:
-        return _ModelMeta(self._model_meta)
+        return self._model_meta
 
     # --- running ------------------------------------------------------------------------------------
 
