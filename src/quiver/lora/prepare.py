@@ -197,7 +197,7 @@ def prepare(
     values = {name: dict(tensors) for name, (tensors, _) in imported.items()}
     encodings: dict[str, Any] = {}
     if quantization is not None:
-        from quiver.lora.quantize import quantize_use_cases
+        from quiver.lora.quantize import quantize_use_cases  # it imports this module (LoraGraph)
 
         on_step("calibrating and quantizing every use case")
         quantized = quantize_use_cases(

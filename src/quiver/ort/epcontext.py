@@ -17,10 +17,11 @@ import onnx
 from onnx import helper
 
 from quiver._version import __version__
-from quiver.formats.writer import write_atomically
+from quiver.formats.writer import copy_atomically, write_atomically
 from quiver.ir import dtypes
 from quiver.ir.tensors import TensorInfo
 from quiver.ort.errors import InvalidGraph, NoSuchFile
+from quiver.runtime.context import Context
 
 MS_DOMAIN = "com.microsoft"
 SOURCE = "Quiver"
@@ -112,9 +113,6 @@ def wrap_context(qctx: Path, out_dir: Path) -> list[Path]:
     Like ORT's `gen_qnn_ctx_onnx_model.py`. The `.qctx` is copied into `out_dir` unless it is there already
     (an EPContext path may not leave the model's folder).
     """
-    from quiver.formats.writer import copy_atomically
-    from quiver.runtime.context import Context
-
     out_dir.mkdir(parents=True, exist_ok=True)
     local = out_dir / qctx.name
     if not local.exists() or local.resolve() != qctx.resolve():

@@ -63,6 +63,15 @@ def _parse_shape_args(values: Sequence[str]) -> dict[str, list[int | str]]:
     return shapes
 
 
+_input_shape = click.option(
+    "--input-shape",
+    "input_shapes",
+    multiple=True,
+    metavar="NAME=D0,D1",
+    help="Shape of raw input files for an input with dynamic dimensions; repeat for more inputs.",
+)
+
+
 def _parse_file_shapes(values: Sequence[str]) -> dict[str, list[int]]:
     """Shapes of raw input files: every dimension a number."""
     try:
@@ -243,13 +252,7 @@ def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--backend", type=click.Choice(available_backends()), default="cpu", show_default=True)
 @click.option("--npy", is_flag=True, help="Also write each output as .npy.")
-@click.option(
-    "--input-shape",
-    "input_shapes",
-    multiple=True,
-    metavar="NAME=D0,D1",
-    help="Shape of raw files for an input whose shape is dynamic; repeat for more inputs.",
-)
+@_input_shape
 @click.option(
     "--section",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -423,15 +426,6 @@ def _print_accuracy(report: Any) -> None:
     for name, op, value in report.layers[:10]:
         layers.add_row(name, op, f"{value:.2f}")
     console.print(layers)
-
-
-_input_shape = click.option(
-    "--input-shape",
-    "input_shapes",
-    multiple=True,
-    metavar="NAME=D0,D1",
-    help="Shape of raw input files for an input with dynamic dimensions; repeat for more inputs.",
-)
 
 
 @cli.command()
