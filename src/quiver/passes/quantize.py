@@ -8,6 +8,8 @@ precision included (its `convert` overrides). Quiver adds what ORT lacks: AIMET 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -290,7 +292,8 @@ def quantize(
                 init_overrides=overrides or None,
                 nodes_to_exclude=excluded or None,
             )
-            ort_quantize(str(source), str(target), config)
+            with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrators print progress to stdout
+                ort_quantize(str(source), str(target), config)
         except QuantizationError:
             raise
         except Exception as exc:
