@@ -174,6 +174,13 @@ def test_reference_backend_and_performance_modes(small_model: Path) -> None:
     )
     assert saver._backend.intra_op_num_threads == 1 and not saver._backend.allow_spinning
     np.testing.assert_allclose(saver.run(None, ids)[0], expected, atol=1e-4)
+    burst = quiver.ort.InferenceSession(str(small_model), providers=[("QuiverExecutionProvider",
+                                                                      {"htp_performance_mode": "burst"})])  # fmt: skip
+    assert burst._backend.intra_op_num_threads == 0 and burst._backend.allow_spinning
+    low = quiver.ort.InferenceSession(str(small_model), providers=[("QuiverExecutionProvider", {
+        "htp_performance_mode": "burst", "qnn_context_priority": "low"})])  # fmt: skip
+    assert not low._backend.allow_spinning  # a low-priority context yields its cores
+    np.testing.assert_allclose(low.run(None, ids)[0], expected, atol=1e-4)
 
 
 @pytest.mark.parametrize("level", ["basic", "detailed"])

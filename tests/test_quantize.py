@@ -339,6 +339,9 @@ def test_a_weight_is_shared_only_when_bytes_and_encoding_match(tmp_path: Path) -
     assert [(a.name, b.name) for a, b in comparison.encoding_conflicts] == [("w", "w")]
     result = run_quiver("compare", tmp_path / "a.onnx", tmp_path / "rescaled.onnx")
     assert result.returncode == 0 and "encodings differ" in result.stdout
+    paths = [tmp_path / f"{name}.onnx" for name in models]
+    result = run_quiver("build", "-o", tmp_path / "built.qctx", *paths)
+    assert result.returncode == 0 and "encodings differ" in result.stdout and "rescaled:w" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -373,8 +376,9 @@ def test_per_channel_weights_percentile_calibration_and_aimet_200_out(encoder: d
     out, encodings = tmp_path / "per_channel.onnx", tmp_path / "per_channel.encodings"
     result = run_quiver("quantize", encoder["model"], "-o", out, "--per-channel", "--calibration", "percentile",
                         "--input-list", encoder["list"], "--input-shape", f"input_ids=1,{SEQ}", "--encodings-out",
-                        encodings, "--encodings-version", "2.0.0")  # fmt: skip
+                        encodings, "--encodings-version", "2.0.0", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["encodings_out"] == str(encodings)  # stdout is only the JSON
     document = json.loads(encodings.read_text())
     assert document["version"] == "2.0.0"
     model = onnx.load(out)
@@ -392,3 +396,21 @@ def test_per_channel_weights_percentile_calibration_and_aimet_200_out(encoder: d
     assert isinstance(by_name[name]["y_scale"], list) and by_name[name]["axis"] == 1
     ids = sample_input_ids(SHAPE, 1, SEQ, seed=9)
     assert _cos(_ort(encoder["model"], ids), _ort(out, ids)) > 0.99
+
+
+@pytest.mark.parametrize("method", ["percentile", "entropy"])
+def test_other_calibration_methods(encoder: dict[str, Path], method: str) -> None:
+    samples = [{"input_ids": sample_input_ids(SHAPE, 1, SEQ, seed=i)} for i in range(2)]
+    model = onnx.load(encoder["model"])
+    qdq, encodings = quantize(model, samples, QuantizeOptions(activation_bits=8, calibration=method))
+    assert encodings.activations()
+    ids = sample_input_ids(SHAPE, 1, SEQ, seed=11)
+    assert _cos(_ort(model, ids), _ort(qdq, ids)) > 0.99
+    if method == "percentile":  # clips the tails: other scales than minmax's
+        minmax, _ = quantize(model, samples, QuantizeOptions(activation_bits=8))
+        assert _scales(qdq) != _scales(minmax)
+
+
+def _scales(model: onnx.ModelProto) -> dict[str, float]:
+    return {t.name: float(numpy_helper.to_array(t).ravel()[0]) for t in model.graph.initializer
+            if t.name.endswith("_scale")}  # fmt: skip
