@@ -10,6 +10,7 @@ packed session in the background after its first output ("lazy prepacking").
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import sys
 import threading
@@ -22,6 +23,7 @@ import onnxruntime as ort
 
 from quiver.backends import _ort_capi
 from quiver.backends.base import FinalizedGraph
+from quiver.backends.lora_strengths import fold_lora_strengths
 from quiver.errors import BackendError
 from quiver.formats._layout import WEIGHT_LOCATION
 
@@ -163,6 +165,8 @@ def _create_session(graph: FinalizedGraph, backend: CpuBackend, packed: bool) ->
 
 class CpuExecutable:
     def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
+        model, self._strengths = fold_lora_strengths(graph.model)
+        graph = dataclasses.replace(graph, model=model)
         self._graph = graph
         self._backend = backend
         self._output_names = [o.name for o in graph.outputs]
@@ -192,8 +196,11 @@ class CpuExecutable:
         session = self._session
         if session is None:
             raise BackendError("this executable was released; prepare the graph again")
+        bound = bound or {}
+        if self._strengths is not None:
+            feeds, bound = self._strengths.apply(feeds, bound)
         try:
-            outputs = session.run(self._output_names, feeds, bound or {})
+            outputs = session.run(self._output_names, feeds, bound)
         except BackendError:
             raise
         except Exception as exc:
