@@ -248,6 +248,10 @@ class Session:
         self._container = container  # must outlive the session
         self._weights = {name: _Tensor(array) for name, array in weights.items()}  # must outlive the session
         self._bound: dict[str, _Tensor] = {}
+        # (the bound dict last run, its encoded names, its wrappers): a caller that passes the same dict
+        # again (strength folding does, until something changes) skips re-listing dozens of inputs. The
+        # wrappers, not bare handles: a run in flight keeps them alive while another run replaces them.
+        self._bound_list: tuple[Mapping[str, np.ndarray], list[bytes], list[_Tensor]] | None = None
         options = capi._out(capi.CreateSessionOptions)
         try:
             capi.check(capi.SetIntraOpNumThreads(options, intra_op_num_threads))
@@ -275,14 +279,17 @@ class Session:
         self, output_names: Sequence[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
     ) -> list[np.ndarray]:
         capi = self._api
-        inputs = [self._bound_tensor(n, v) for n, v in bound.items()] + [_Tensor(np.asarray(v)) for v in feeds.values()]
-        input_names = (ctypes.c_char_p * len(inputs))(*(n.encode() for n in [*bound, *feeds]))
-        input_values = (_P * len(inputs))(*(t.handle for t in inputs))
+        listed = self._bound_list
+        if listed is None or listed[0] is not bound:
+            tensors = [self._bound_tensor(n, v) for n, v in bound.items()]
+            listed = self._bound_list = (bound, [n.encode() for n in bound], tensors)
+        fed = [_Tensor(np.asarray(v)) for v in feeds.values()]
+        count = len(listed[1]) + len(fed)
+        input_names = (ctypes.c_char_p * count)(*listed[1], *(n.encode() for n in feeds))
+        input_values = (_P * count)(*(t.handle for t in listed[2]), *(t.handle for t in fed))
         names = (ctypes.c_char_p * len(output_names))(*(n.encode() for n in output_names))
         outputs = (_P * len(output_names))()
-        capi.check(
-            capi.Run(self.handle, None, input_names, input_values, len(inputs), names, len(output_names), outputs)
-        )
+        capi.check(capi.Run(self.handle, None, input_names, input_values, count, names, len(output_names), outputs))
         try:
             return [_to_numpy(int(v or 0)) for v in outputs]
         finally:

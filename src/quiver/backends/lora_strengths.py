@@ -41,33 +41,35 @@ class StrengthFolding:
         self._constants = constants  # index vectors that are initializers, not updateable
         self._dropped = dropped  # inputs no node of the rewritten graph reads
         self._watched = list(dict.fromkeys(n for f in folds for n in (f.weight, f.index, f.strengths)))
-        # (key, the keyed arrays (kept alive, so their ids stay theirs), the scaled weights): replaced
-        # as a whole, so concurrent runs with other strengths each use a consistent set.
+        # (key, what the key's identities refer to (kept alive, so the ids stay theirs), the bound values
+        # for the rewritten graph): replaced as a whole, so concurrent runs each use a consistent set.
         self._cache: tuple[tuple[object, ...], list[np.ndarray], dict[str, np.ndarray]] | None = None
 
     def apply(
         self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """The feeds and bound values for the rewritten graph: folded weights join the bound ones."""
-        values = {**bound, **feeds}
-        arrays = [values[name] for name in self._watched if name in values]
-        # Small vectors (strengths, indices) are often fed anew each run: compare their bytes. Weights
-        # stay the same objects until a section is applied: compare identities.
-        key = tuple(a.tobytes() if a.size <= 256 else id(a) for a in arrays)
+        """The feeds and bound values for the rewritten graph: folded weights join the bound ones.
+
+        The bound values come back as the same dict while nothing changes, so the session can reuse
+        what it built for them. Bound arrays stay the same objects until a section is applied or a
+        strength set: they are compared by identity. Fed strengths are often new arrays with the same
+        values: they are compared by value.
+        """
+        held = [*bound.values()]
+        fed = tuple(feeds[n].tobytes() for n in self._watched if n in feeds)
+        key = (*bound, *map(id, held), *fed)
         cache = self._cache
-        if cache is not None and cache[0] == key:
-            scaled = cache[2]
-        else:
+        if cache is None or cache[0] != key:
+            values = {**bound, **feeds}
             try:
                 scaled = {fold.folded: self._scaled(fold, values) for fold in self._folds}
             except IndexError:
                 raise BackendError(
                     "a LoRA adapter index points past the strengths vector; the section does not fit this graph"
                 ) from None
-            self._cache = (key, arrays, scaled)
-        kept_feeds = {n: v for n, v in feeds.items() if n not in self._dropped}
-        kept_bound = {n: v for n, v in bound.items() if n not in self._dropped}
-        return kept_feeds, {**kept_bound, **scaled}
+            kept = {n: v for n, v in bound.items() if n not in self._dropped}
+            cache = self._cache = (key, held, kept | scaled)
+        return {n: v for n, v in feeds.items() if n not in self._dropped}, cache[2]
 
     def _scaled(self, fold: _Fold, values: Mapping[str, np.ndarray]) -> np.ndarray:
         weight = values[fold.weight]
