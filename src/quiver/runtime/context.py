@@ -121,7 +121,9 @@ class Context:
         self._skeletons: dict[str, onnx.ModelProto] = {}
         self._graphs: dict[str, Graph] = {}
         self._live: OrderedDict[str, Executable] = OrderedDict()
-        self._current: dict[str, sections.Values] = {}  # graph -> values of its updateable tensors in use
+        # graph -> values of its updateable tensors in use; an update replaces the dict, never mutates it
+        # (runs in flight and backends keep using the one they were given)
+        self._current: dict[str, sections.Values] = {}
         self._staged: dict[str, sections.Values] = {}  # graph -> updates waiting for finalize()
         self._lora: dict[str, LoraStrengths] = {}  # graph -> adapter strengths from the applied section
         self._weight_views: dict[int, np.ndarray] = {}

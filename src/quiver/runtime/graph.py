@@ -70,9 +70,11 @@ class Graph:
         if lora is not None and default_alphas:
             feeds = {**feeds, lora.alpha_input: lora.alphas}
         arrays = validate_feeds(self.name, self.inputs, feeds)
-        bound = dict(self._context._current[self.name])  # the same arrays run after run, until an update
+        # The same arrays run after run, in the same dict until an update replaces it (never mutated),
+        # so a backend can reuse what it built for them.
+        bound: Mapping[str, np.ndarray] = self._context._current[self.name]
         if lora is not None and default_alphas:
-            bound[lora.alpha_input] = arrays.pop(lora.alpha_input)
+            bound = {**bound, lora.alpha_input: arrays.pop(lora.alpha_input)}
         results = self._context._executable(self.name).run(arrays, bound)
         return {info.name: result for info, result in zip(self.outputs, results)}
 
