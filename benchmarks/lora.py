@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 import quiver
 from quiver.lora.attach import find_attach_points
-from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import LoraConfig, LoraModule, PeftAdapter
 from quiver.runtime.sections import load_section
 from quiver.tools.family import BENCH, TransformerShape, build_model, family_weights, sample_input_ids
@@ -106,10 +106,10 @@ def _model_info(shape: TransformerShape, weights: dict[str, Any]) -> dict[str, A
 
 def measure_overhead(folder: Path, shape: TransformerShape, rank: int = 16, sequence: int = 128) -> dict[str, Any]:
     """Only the per-inference overhead, for another model shape: adapter "one" applied, strength 1."""
-    weights = family_weights(shape, seed=0)
+    weights: dict[str, Any] = family_weights(shape, seed=0)
     base_model, lora_model, adapters, slots = _lora_model(shape, weights, rank)
     context = quiver.Context.create("cpu", workdir=folder)
-    context.add_graph("lora", lora_model, updateable=[t for s in slots for t in s.tensors])
+    context.add_graph("lora", lora_model, updateable=updateable_tensors(slots))
     context.add_graph("base", base_model)
     context.finalize()
     context.graph("lora").update_tensors(use_case_values(slots, adapters, ["one"], list(adapters)))
@@ -131,10 +131,10 @@ def measure_overhead(folder: Path, shape: TransformerShape, rank: int = 16, sequ
 def measure_lora(
     folder: Path, shape: TransformerShape = BERT_BASE_WIDTH, rank: int = 16, sequence: int = 128, switches: int = 200
 ) -> dict[str, Any]:
-    weights = family_weights(shape, seed=0)
+    weights: dict[str, Any] = family_weights(shape, seed=0)
     base_model, lora_model, adapters, slots = _lora_model(shape, weights, rank)
     order = list(adapters)
-    updateable = [t for s in slots for t in s.tensors]
+    updateable = updateable_tensors(slots)
     context = quiver.Context.create("cpu", workdir=folder)
     context.add_graph("lora", lora_model, updateable=updateable)
     context.add_graph("base", base_model)

@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 import quiver
 from quiver.lora.attach import NAME_SCOPES, find_attach_points
-from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import load_peft_adapter
 
 W1 = (0.3 * np.random.default_rng(0).standard_normal((8, 3, 3, 3))).astype(np.float32)
@@ -69,7 +69,7 @@ def test_conv_lora_use_cases_match_the_merged_conv_weights(tmp_path: Path, backe
     lora_model, slots = create_lora_graph(base, points, slot_ranks(adapters, {"ab": ["a", "b"]}), 2)
     x = np.random.default_rng(3).standard_normal((2, 3, 9, 9)).astype(np.float32)
     with quiver.Context.create(backend) as context:
-        context.add_graph("cnn", lora_model, updateable=[t for s in slots for t in s.tensors])
+        context.add_graph("cnn", lora_model, updateable=updateable_tensors(slots))
         graph = context.finalize().graph("cnn")
         graph.update_tensors(use_case_values(slots, adapters, ["a", "b"], ["a", "b"]))
         graph.finalize()

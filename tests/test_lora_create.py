@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import quiver
 from quiver.lora.attach import NAME_SCOPES, find_attach_points
-from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from tests.test_lora_inputs import write_adapter
 
@@ -100,7 +100,7 @@ def lora_context(adapters: dict[str, PeftAdapter], tmp_path_factory: pytest.Temp
     lora_model, slots = create_lora_graph(base, points, ranks, len(ORDER))
     path = tmp_path_factory.mktemp("lora") / "lora.qctx"
     with quiver.Context.create("cpu") as context:
-        context.add_graph("llama", lora_model, updateable=[t for s in slots for t in s.tensors])
+        context.add_graph("llama", lora_model, updateable=updateable_tensors(slots))
         context.save(path)
     return path, slots
 
@@ -168,7 +168,7 @@ def test_rank_and_alpha_patterns_and_fan_in_fan_out_match_the_merged_weights(tmp
     lora_model, slots = create_lora_graph(base, points, slot_ranks(adapters, {"p": ["patterned"]}), 1)
     assert {s.attach.module: s.rank for s in slots}["model.layers.0.self_attn.v_proj"] == 2
     with quiver.Context.create("reference") as context:
-        context.add_graph("g", lora_model, updateable=[t for s in slots for t in s.tensors])
+        context.add_graph("g", lora_model, updateable=updateable_tensors(slots))
         graph = context.finalize().graph("g")
         graph.update_tensors(use_case_values(slots, adapters, ["patterned"], ["patterned"]))
         graph.finalize()
@@ -176,3 +176,52 @@ def test_rank_and_alpha_patterns_and_fan_in_fan_out_match_the_merged_weights(tmp
         ours = graph.execute({"x": x, ALPHA_INPUT: np.array([1.0], np.float32)})["y"]
     theirs = ort.InferenceSession(merged(adapters, {"patterned": 1.0}).SerializeToString()).run(None, {"x": x})[0]
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def _fork_model(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """q, k and v projections of one input, summed: the shape of attention's input projections."""
+    nodes = []
+    for i, module in enumerate(weights):
+        node = helper.make_node("MatMul", ["x", f"val_{i}"], [f"p{i}"], name=f"node_linear_{i}")
+        scopes = ["", *[".".join(module.split(".")[:k]) for k in range(1, module.count(".") + 2)], "linear"]
+        node.metadata_props.add(key=NAME_SCOPES, value=repr(scopes))
+        nodes.append(node)
+    nodes += [helper.make_node("Sum", [f"p{i}" for i in range(len(weights))], ["y"])]
+    initializers = [numpy_helper.from_array(w, f"val_{i}") for i, w in enumerate(weights.values())]
+    graph = helper.make_graph(
+        nodes,
+        "fork",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16])],
+        initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_projections_of_one_input_share_one_down_projection(tmp_path: Path, backend: str) -> None:
+    fork = [f"model.layers.0.self_attn.{p}_proj" for p in ("q", "k", "v")]
+    weights = {m: np.random.default_rng(i).standard_normal((16, 16)).astype(np.float32) for i, m in enumerate(fork)}
+    modules = {m: (16, 16) for m in fork}
+    wide = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj"]}
+    narrow = {"r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}
+    adapters = {
+        "wide": load_peft_adapter(write_adapter(tmp_path / "w", wide, seed=7, modules=modules)),
+        "narrow": load_peft_adapter(write_adapter(tmp_path / "n", narrow, seed=8, modules={fork[0]: (16, 16)})),
+    }
+    base = _fork_model(weights)
+    points, _ = find_attach_points(base, fork)
+    lora_model, slots = create_lora_graph(base, points, slot_ranks(adapters, {"both": ["wide", "narrow"]}), 2)
+    assert len({s.a_name for s in slots}) == 1  # q (rank 4 + 2), k and v (4 each) side by side in one A
+    assert [n.op_type for n in lora_model.graph.node].count("Split") == 1
+    with quiver.Context.create(backend) as context:
+        context.add_graph("g", lora_model, updateable=updateable_tensors(slots))
+        graph = context.finalize().graph("g")
+        graph.update_tensors(use_case_values(slots, adapters, ["wide", "narrow"], ["wide", "narrow"]))
+        graph.finalize()
+        x = np.random.default_rng(9).standard_normal((3, 16)).astype(np.float32)
+        ours = graph.execute({"x": x, ALPHA_INPUT: np.array([0.5, 1.5], np.float32)})["y"]
+    exact = x @ sum(weights.values())
+    for name, alpha in (("wide", 0.5), ("narrow", 1.5)):
+        exact += sum(alpha * (x @ lora.delta().T) for lora in adapters[name].modules.values())
+    np.testing.assert_allclose(ours, exact, atol=1e-4, rtol=1e-4)

@@ -13,7 +13,7 @@ from quiver.backends.lora_strengths import fold_lora_strengths
 from quiver.errors import QuiverError
 from quiver.ir.edit import initializers_as_inputs
 from quiver.lora.attach import find_attach_points
-from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from tests.test_lora_conv import W1, W2, cnn, conv_adapter
 from tests.test_lora_create import BASE_WEIGHTS, CHAIN, ORDER, dynamo_like_model
@@ -71,7 +71,7 @@ def test_a_graph_without_lora_branches_is_left_alone() -> None:
 def _context(tmp_path: Path, model: onnx.ModelProto, slots: list) -> Path:
     path = tmp_path / "lora.qctx"
     with quiver.Context.create("cpu") as context:
-        context.add_graph("g", model, updateable=[t for s in slots for t in s.tensors])
+        context.add_graph("g", model, updateable=updateable_tensors(slots))
         context.save(path)
     return path
 

@@ -5,6 +5,10 @@ At each attach point y = x·W the graph adds ((x·Aᵀ) ⊙ lora_alpha[idx])·(s
 R, the largest total rank any use case needs there; idx [R] says which entry of the `lora_alpha`
 input scales each rank column. ΔW = Σᵢ αᵢ·sᵢ·Bᵢ·Aᵢ, as PEFT computes with several adapters active.
 A Conv attach point gets Conv(x, A) (the base conv's geometry) -> ⊙ alpha per channel -> 1x1 Conv(·, s·B).
+
+Linear attach points that read the same input (q/k/v, gate/up) share one down-projection: one MatMul
+by their A's side by side, then a Split. A small MatMul costs ORT about as much to launch as to
+compute, so three become one (about 1 % of a run of the benchmark transformer).
 """
 
 from __future__ import annotations
@@ -32,10 +36,19 @@ class LoraSlot:
     a_name: str
     b_name: str
     index_name: str
+    # A down-projection shared with other attach points on the same input: this slot's columns of
+    # A are [a_offset, a_offset + rank) of a_width.
+    a_offset: int
+    a_width: int
 
     @property
     def tensors(self) -> tuple[str, str, str]:
         return self.a_name, self.b_name, self.index_name
+
+
+def updateable_tensors(slots: Sequence[LoraSlot]) -> list[str]:
+    """The graph's updateable tensors: every slot's A, B and adapter index, a shared A once."""
+    return list(dict.fromkeys(name for slot in slots for name in slot.tensors))
 
 
 def slot_ranks(adapters: Mapping[str, PeftAdapter], use_cases: Mapping[str, Sequence[str]]) -> dict[str, int]:
@@ -48,11 +61,26 @@ def slot_ranks(adapters: Mapping[str, PeftAdapter], use_cases: Mapping[str, Sequ
     return ranks
 
 
-def _branch_shapes(point: AttachPoint, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the branch's A and B: [in, R] and [R, out], or for a conv [R, in, kh, kw] and [out, R, 1, 1]."""
+def _branch_shapes(slot: LoraSlot) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the branch's A and B: [in, width] and [R, out], or for a conv [R, in, kh, kw] and [out, R, 1, 1]."""
+    point, rank = slot.attach, slot.rank
     if point.op_type == "Conv":
         return (rank, point.in_features, *point.kernel), (point.out_features, rank, 1, 1)
-    return (point.in_features, rank), (rank, point.out_features)
+    return (point.in_features, slot.a_width), (rank, point.out_features)
+
+
+def _shared_inputs(
+    points: Sequence[tuple[str, AttachPoint]], by_name: Mapping[str, onnx.NodeProto], model: onnx.ModelProto
+) -> dict[str, list[str]]:
+    """Input -> the linear attach points (modules) that read it, where two or more do and Split takes sizes."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13:  # before opset 13, Split's sizes are an attribute; keep one down-projection each
+        return {}
+    readers: dict[str, list[str]] = {}
+    for module, point in points:
+        if point.op_type != "Conv":
+            readers.setdefault(by_name[point.node].input[0], []).append(module)
+    return {x: modules for x, modules in readers.items() if len(modules) > 1}
 
 
 def _splice_point(
@@ -87,21 +115,34 @@ def create_lora_graph(
             users.setdefault(value, []).append((name, candidate))
     constants = {t.name for t in graph.initializer}
     outputs = {o.name for o in graph.output}
+    points = sorted(attach_points.items())
+    shared = _shared_inputs(points, by_name, result)
+    group_of = {module: (group, x) for group, (x, modules) in enumerate(shared.items()) for module in modules}
+    widths = {x: sum(ranks[m] for m in modules) for x, modules in shared.items()}
+    offsets: dict[str, int] = {}
     slots = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}
-    for index, (module, point) in enumerate(sorted(attach_points.items())):
+    before: dict[str, list[onnx.NodeProto]] = {}  # a shared down-projection goes before its first reader
+    for index, (module, point) in enumerate(points):
         node, rank = by_name[point.node], ranks[module]
         tag = f"lora.{index}.{module}"
-        slot = LoraSlot(point, rank, f"{tag}.A", f"{tag}.B", f"{tag}.adapter_index")
-        a_shape, b_shape = _branch_shapes(point, rank)
+        x, alpha = node.input[0], f"{tag}.alpha"
+        if module in group_of:
+            group, _ = group_of[module]
+            a_name, offset, width = f"lora.shared{group}.A", offsets.get(x, 0), widths[x]
+            offsets[x] = offset + rank
+        else:
+            a_name, offset, width = f"{tag}.A", 0, rank
+        slot = LoraSlot(point, rank, a_name, f"{tag}.B", f"{tag}.adapter_index", offset, width)
+        a_shape, b_shape = _branch_shapes(slot)
+        if offset == 0:
+            graph.initializer.append(numpy_helper.from_array(np.zeros(a_shape, np.float32), slot.a_name))
         graph.initializer.extend(
             [
-                numpy_helper.from_array(np.zeros(a_shape, np.float32), slot.a_name),
                 numpy_helper.from_array(np.zeros(b_shape, np.float32), slot.b_name),
                 numpy_helper.from_array(np.zeros(rank, np.int64), slot.index_name),
             ]
         )
-        x, alpha = node.input[0], f"{tag}.alpha"
         # Add the delta after a following bias Add, if there is one: MatMul + bias stays fusable for ORT.
         splice_name, splice = _splice_point(point.node, node, users, constants, outputs)
         base_out, final_out = f"{tag}.base", splice.output[0]
@@ -117,16 +158,30 @@ def create_lora_graph(
                 helper.make_node("Conv", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
             ]
         else:
+            if module not in group_of:
+                branch.append(helper.make_node("MatMul", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down"))
             branch += [
-                helper.make_node("MatMul", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down"),
                 helper.make_node("Mul", [f"{tag}.xa", alpha], [f"{tag}.scaled"], name=f"{tag}.scale"),
                 helper.make_node("MatMul", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
             ]
         branch.append(helper.make_node("Add", [base_out, f"{tag}.delta"], [final_out], name=f"{tag}.add"))
         new_nodes[splice_name] = branch
         slots.append(slot)
+    positions = {name: i for i, name in enumerate(by_name)}
+    for group, (x, modules) in enumerate(shared.items()):
+        members = [slot for slot in slots if slot.attach.module in modules]
+        a_name, down = members[0].a_name, f"lora.shared{group}"
+        sizes = f"{down}.split"
+        graph.initializer.append(numpy_helper.from_array(np.array([m.rank for m in members], np.int64), sizes))
+        first = min((m.attach.node for m in members), key=positions.__getitem__)
+        parts = [m.b_name.removesuffix(".B") + ".xa" for m in members]  # each branch's x·Aᵀ
+        before[first] = [
+            helper.make_node("MatMul", [x, a_name], [f"{down}.xa"], name=f"{down}.down"),
+            helper.make_node("Split", [f"{down}.xa", sizes], parts, axis=-1, name=sizes),
+        ]
     ordered = []
     for i, node in enumerate(graph.node):  # each branch right after its attach node: stays topological
+        ordered.extend(before.get(node.name or f"node_{i}", []))
         ordered.append(node)
         ordered.extend(new_nodes.get(node.name or f"node_{i}", []))
     del graph.node[:]
@@ -142,8 +197,9 @@ def use_case_values(
     values: dict[str, np.ndarray] = {}
     for slot in slots:
         point = slot.attach
-        a_shape, b_shape = _branch_shapes(point, slot.rank)
-        a_t, b_t = np.zeros(a_shape, np.float32), np.zeros(b_shape, np.float32)
+        a_shape, b_shape = _branch_shapes(slot)
+        a_t = values.setdefault(slot.a_name, np.zeros(a_shape, np.float32))  # a shared A: filled slot by slot
+        b_t = np.zeros(b_shape, np.float32)
         index = np.zeros(slot.rank, np.int64)
         column = 0
         for name in active:
@@ -168,9 +224,9 @@ def use_case_values(
                 a_t[column:end] = a
                 b_t[:, column:end] = module.scaling * b
             else:
-                a_t[:, column:end] = a.T
+                a_t[:, slot.a_offset + column : slot.a_offset + end] = a.T
                 b_t[column:end, :] = module.scaling * b.T
             index[column:end] = adapter_order.index(name)
             column = end
-        values.update({slot.a_name: a_t, slot.b_name: b_t, slot.index_name: index})
+        values.update({slot.b_name: b_t, slot.index_name: index})
     return values

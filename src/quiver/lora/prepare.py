@@ -15,7 +15,7 @@ import yaml
 from quiver.errors import AdapterError
 from quiver.formats.encodings import to_document
 from quiver.lora.attach import AttachPoint, find_attach_points
-from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, use_case_values
+from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.passes.load import load_model
 from quiver.passes.quantize import QuantizeOptions
@@ -130,7 +130,7 @@ class LoraGraph:
 
     @property
     def updateable(self) -> list[str]:
-        return [t for s in self.slots for t in s.tensors]
+        return updateable_tensors(self.slots)
 
 
 def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter]) -> LoraGraph:
