@@ -27,28 +27,38 @@ BASE_WEIGHTS = {
 }
 
 
+def dynamo_linear(x: str, weight: str, output: str, module: str) -> onnx.NodeProto:
+    """A linear as torch.onnx (dynamo) exports it: MatMul by a renamed [in, out] weight, module path in metadata."""
+    node = helper.make_node("MatMul", [x, weight], [output], name=f"node_{output}")
+    scopes = ["", *[".".join(module.split(".")[:k]) for k in range(1, module.count(".") + 2)], output]
+    node.metadata_props.add(key=NAME_SCOPES, value=repr(scopes))
+    return node
+
+
+def _model(name: str, nodes: list, initializers: list, out_features: int) -> onnx.ModelProto:
+    """x [n, 16] -> y [n, out_features]."""
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", out_features])],
+        initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def dynamo_like_model(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """As torch.onnx (dynamo) exports linears: MatMul by a renamed [in, out] weight, module path in metadata."""
+    """The CHAIN of linears joined by Tanh."""
     nodes, initializers, x = [], [], "x"
     for i, (module, _, _) in enumerate(CHAIN):
-        node = helper.make_node("MatMul", [x, f"val_{10 + i}"], [f"linear_{i}"], name=f"node_linear_{i}")
-        scopes = ["", *[".".join(module.split(".")[:k]) for k in range(1, module.count(".") + 2)], f"linear_{i}"]
-        node.metadata_props.add(key=NAME_SCOPES, value=repr(scopes))
-        nodes.append(node)
+        nodes.append(dynamo_linear(x, f"val_{10 + i}", f"linear_{i}", module))
         initializers.append(numpy_helper.from_array(weights[module], f"val_{10 + i}"))
         x = f"linear_{i}"
         if i < len(CHAIN) - 1:
             nodes.append(helper.make_node("Tanh", [x], [f"tanh_{i}"], name=f"tanh_{i}"))
             x = f"tanh_{i}"
     nodes.append(helper.make_node("Identity", [x], ["y"]))
-    graph = helper.make_graph(
-        nodes,
-        "llama_like",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
-        initializers,
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _model("llama_like", nodes, initializers, 8)
 
 
 def merged(adapters: dict[str, PeftAdapter], active: dict[str, float]) -> onnx.ModelProto:
@@ -180,22 +190,10 @@ def test_rank_and_alpha_patterns_and_fan_in_fan_out_match_the_merged_weights(tmp
 
 def _fork_model(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     """q, k and v projections of one input, summed: the shape of attention's input projections."""
-    nodes = []
-    for i, module in enumerate(weights):
-        node = helper.make_node("MatMul", ["x", f"val_{i}"], [f"p{i}"], name=f"node_linear_{i}")
-        scopes = ["", *[".".join(module.split(".")[:k]) for k in range(1, module.count(".") + 2)], "linear"]
-        node.metadata_props.add(key=NAME_SCOPES, value=repr(scopes))
-        nodes.append(node)
-    nodes += [helper.make_node("Sum", [f"p{i}" for i in range(len(weights))], ["y"])]
+    nodes = [dynamo_linear("x", f"val_{i}", f"linear_{i}", module) for i, module in enumerate(weights)]
+    nodes.append(helper.make_node("Sum", [f"linear_{i}" for i in range(len(weights))], ["y"]))
     initializers = [numpy_helper.from_array(w, f"val_{i}") for i, w in enumerate(weights.values())]
-    graph = helper.make_graph(
-        nodes,
-        "fork",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16])],
-        initializers,
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _model("fork", nodes, initializers, 16)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
