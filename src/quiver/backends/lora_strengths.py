@@ -4,7 +4,7 @@ A LoRA graph scales each rank column by its adapter's strength: ``Mul(x·Aᵀ, G
 then multiplies by B. Scaling the columns of x·Aᵀ equals scaling the rows of B, and B, the index and
 the strengths change only when a section is applied or a strength is set, not from run to run. So the
 cpu backend hands ORT B with its rows already scaled and drops the Gather and the Mul: two small nodes
-per branch, about 1.5 % of a run of the benchmark transformer. The reference backend runs the graph
+per branch, about 1 % of a run of the benchmark transformer. The reference backend runs the graph
 as written.
 """
 

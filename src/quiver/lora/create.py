@@ -117,9 +117,10 @@ def create_lora_graph(
     outputs = {o.name for o in graph.output}
     points = sorted(attach_points.items())
     shared = _shared_inputs(points, by_name, result)
-    group_of = {module: (group, x) for group, (x, modules) in enumerate(shared.items()) for module in modules}
+    group_of = {module: group for group, modules in enumerate(shared.values()) for module in modules}
     widths = {x: sum(ranks[m] for m in modules) for x, modules in shared.items()}
     offsets: dict[str, int] = {}
+    projected: dict[str, str] = {}  # module -> its branch's x·Aᵀ, which a shared down-projection's Split makes
     slots = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}
     before: dict[str, list[onnx.NodeProto]] = {}  # a shared down-projection goes before its first reader
@@ -127,9 +128,9 @@ def create_lora_graph(
         node, rank = by_name[point.node], ranks[module]
         tag = f"lora.{index}.{module}"
         x, alpha = node.input[0], f"{tag}.alpha"
-        if module in group_of:
-            group, _ = group_of[module]
-            a_name, offset, width = f"lora.shared{group}.A", offsets.get(x, 0), widths[x]
+        projected[module] = f"{tag}.xa"
+        if module in group_of:  # columns handed out in `points` order, as the Split below lists them
+            a_name, offset, width = f"lora.shared{group_of[module]}.A", offsets.get(x, 0), widths[x]
             offsets[x] = offset + rank
         else:
             a_name, offset, width = f"{tag}.A", 0, rank
@@ -174,7 +175,7 @@ def create_lora_graph(
         sizes = f"{down}.split"
         graph.initializer.append(numpy_helper.from_array(np.array([m.rank for m in members], np.int64), sizes))
         first = min((m.attach.node for m in members), key=positions.__getitem__)
-        parts = [m.b_name.removesuffix(".B") + ".xa" for m in members]  # each branch's x·Aᵀ
+        parts = [projected[m.attach.module] for m in members]
         before[first] = [
             helper.make_node("MatMul", [x, a_name], [f"{down}.xa"], name=f"{down}.down"),
             helper.make_node("Split", [f"{down}.xa", sizes], parts, axis=-1, name=sizes),
