@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 import quiver
 from quiver.lora.attach import find_attach_points
-from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
+from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import LoraConfig, LoraModule, PeftAdapter
 from quiver.runtime.sections import load_section
 from quiver.tools.family import BENCH, TransformerShape, build_model, family_weights, sample_input_ids
@@ -88,7 +89,9 @@ def _overhead(
     }
 
 
-def _lora_model(shape: TransformerShape, weights: dict[str, Any], rank: int) -> tuple[Any, Any, dict, list]:
+def _lora_model(
+    shape: TransformerShape, weights: dict[str, Any], rank: int
+) -> tuple[onnx.ModelProto, onnx.ModelProto, dict[str, PeftAdapter], list[LoraSlot]]:
     """The base model, the LoRA graph the flow makes for two rank-r adapters on every linear, its slots."""
     base_model = build_model(shape, weights, "base")
     adapters = {"one": _adapter("one", weights, rank, 1), "two": _adapter("two", weights, rank, 2)}
@@ -206,10 +209,7 @@ def measure_lora(
         "switch_to_first_output_ms": _median_ms(switch_times),
         "ort_new_session_with_merged_weights_ms": _median_ms(ort_switch),
         "switch_ratio_to_ort": _median_ms(switch_times) / _median_ms(ort_switch),
-        "lora_graph_latency_ms": overhead["lora_graph_latency_ms"],
-        "base_graph_latency_ms": overhead["base_graph_latency_ms"],
-        "lora_overhead": overhead["lora_overhead"],
-        "lora_overhead_quartiles": overhead["lora_overhead_quartiles"],
+        **overhead,
         "lora_overhead_family_model": measure_overhead(folder, BENCH, rank, sequence),
         "section_bytes": section_bytes,
         "merged_adapted_weight_bytes": adapted_weight_bytes,

@@ -49,7 +49,7 @@ def _strength_nodes(model: onnx.ModelProto) -> list[str]:
 
 def test_every_branch_of_a_linear_graph_is_folded(adapters: dict[str, PeftAdapter]) -> None:
     lora_model, slots = _lora_graph(adapters, dynamo_like_model(BASE_WEIGHTS))
-    backend_model = initializers_as_inputs(lora_model, {t for s in slots for t in s.tensors})
+    backend_model = initializers_as_inputs(lora_model, set(updateable_tensors(slots)))
     assert len(_strength_nodes(backend_model)) == 2 * len(slots)
 
     folded, folding = fold_lora_strengths(backend_model)
@@ -61,6 +61,25 @@ def test_every_branch_of_a_linear_graph_is_folded(adapters: dict[str, PeftAdapte
     assert ALPHA_INPUT not in inputs and not any(s.b_name in inputs or s.index_name in inputs for s in slots)
     assert all(f"{s.b_name}.scaled_by_strength" in inputs and s.a_name in inputs for s in slots)
     onnx.checker.check_model(folded)
+
+
+def test_at_strength_one_the_sections_b_is_bound_itself_and_other_strengths_scale_a_copy(
+    adapters: dict[str, PeftAdapter],
+) -> None:
+    lora_model, slots = _lora_graph(adapters, dynamo_like_model(BASE_WEIGHTS))
+    _, folding = fold_lora_strengths(initializers_as_inputs(lora_model, set(updateable_tensors(slots))))
+    assert folding is not None
+    values = use_case_values(slots, adapters, ORDER, ORDER)
+    slot = slots[0]
+    b = values[slot.b_name]
+
+    _, bound = folding.apply({ALPHA_INPUT: np.ones(2, np.float32)}, values)
+    assert bound[f"{slot.b_name}.scaled_by_strength"] is b  # no copy
+    assert bound is folding.apply({ALPHA_INPUT: np.ones(2, np.float32)}, values)[1]  # same strengths: reused
+
+    _, bound = folding.apply({ALPHA_INPUT: np.array([0.5, 2.0], np.float32)}, values)
+    columns = np.array([0.5, 2.0], np.float32)[values[slot.index_name]]
+    np.testing.assert_array_equal(bound[f"{slot.b_name}.scaled_by_strength"], b * columns[:, None])
 
 
 def test_a_graph_without_lora_branches_is_left_alone() -> None:

@@ -91,6 +91,8 @@ def fold_lora_strengths(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Streng
     """
     graph = model.graph
     inputs = {value.name: value for value in graph.input}
+    if not any(node.op_type == "Gather" and node.input[0] in inputs for node in graph.node):
+        return model, None  # no strengths read from an input: not a LoRA graph (skip the maps on start-up)
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     producers = {output: node for node in graph.node for output in node.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
