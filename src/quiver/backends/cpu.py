@@ -27,11 +27,14 @@ from quiver.backends.lora_strengths import fold_lora_strengths
 from quiver.errors import BackendError
 from quiver.formats._layout import WEIGHT_LOCATION
 
-# ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the data,
-# so placeholders name this empty file. ORT executes on the supplied arrays and never reads it, unless one
-# of its graph optimizers wants a weight's bytes; then the graph gets a session with in-memory files.
+# Placeholders name in-memory "files" that hold the weights' mapped bytes (see `_InMemoryWeights`); ORT
+# still wants a folder for a model loaded from bytes, so sessions get this one (its only file is unused).
 _PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
-_EXTERNAL_READ_FAILURE = "can not be read in full"
+
+# ORT >= 1.32 turns DequantizeLinear + MatMul into MatMulNBits computing at accuracy level 4 (activations
+# rounded to int8) when the session may prepack, and in float32 when it may not: the lazy and the packed
+# session would disagree, and neither would compute the model as written. Level 0 computes in float32.
+EXACT_QDQ_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
 
 _PREPACKED_OPS = {"MatMul", "Gemm"}
 _PAGE = mmap.PAGESIZE
@@ -65,46 +68,50 @@ def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
             _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
-def _with_in_memory_weights(graph: FinalizedGraph, options: ort.SessionOptions) -> onnx.ModelProto:
-    """Points each placeholder at an in-memory "file" holding the weight's mapped bytes.
+@dataclasses.dataclass(frozen=True)
+class InMemoryWeights:
+    """The graph with each placeholder pointing at an in-memory "file" that is a weight's mapped bytes.
 
-    ORT's graph optimizers (constant folding, fusions) read initializers through the TensorProto, not
-    through `add_initializer`; this lets them see the real bytes. It costs ORT a read of every weight.
+    Sessions get every weight twice over, without a copy: as a shared initializer (`AddInitializer`:
+    what kernels compute with and what the prepacked container keys) and as external data in memory
+    (what ORT's graph optimizers read: constant folding, QDQ fusions, fixed-shape slices). Without the
+    second, an optimizer that wants a weight's bytes fails the session.
     """
-    model = onnx.ModelProto()
-    model.CopyFrom(graph.model)
-    locations: dict[int, str] = {}
-    buffers: list[np.ndarray] = []
-    for tensor in model.graph.initializer:
-        array = graph.weights.get(tensor.name)
-        if array is None:
-            continue
-        if id(array) not in locations:
-            locations[id(array)] = f"{WEIGHT_LOCATION}-{len(locations)}"
-            buffers.append(array)
-        del tensor.external_data[:]
-        for key, value in (("location", locations[id(array)]), ("offset", "0"), ("length", str(array.nbytes))):
-            tensor.external_data.add(key=key, value=value)
-    if buffers:
-        options.add_external_initializers_from_files_in_memory(
-            list(locations.values()), buffers, [b.nbytes for b in buffers]
-        )
-    return model
+
+    model_bytes: bytes
+    names: list[str]
+    buffers: list[np.ndarray]
+
+    @classmethod
+    def of(cls, graph: FinalizedGraph) -> InMemoryWeights:
+        model = onnx.ModelProto()
+        model.CopyFrom(graph.model)
+        locations: dict[int, str] = {}
+        buffers: list[np.ndarray] = []
+        for tensor in model.graph.initializer:
+            array = graph.weights.get(tensor.name)
+            if array is None:
+                continue
+            if id(array) not in locations:
+                locations[id(array)] = f"{WEIGHT_LOCATION}-{len(locations)}"
+                buffers.append(np.ascontiguousarray(array))
+            del tensor.external_data[:]
+            for key, value in (("location", locations[id(array)]), ("offset", "0"), ("length", str(array.nbytes))):
+                tensor.external_data.add(key=key, value=value)
+        return cls(model.SerializeToString(), list(locations.values()), buffers)
 
 
 class _PythonApiSession:
     """A session through ORT's Python API: weights by `add_initializer`, no packing shared across graphs.
 
-    Used for the first output (ORT's Python module is loaded already; its C library is not), for
-    `prepack=False`, and where ORT's optimizers need weight bytes (`in_memory`).
+    Used for the first output (ORT's Python module is loaded already; its C library is not) and for
+    `prepack=False`.
     """
 
-    def __init__(
-        self, graph: FinalizedGraph, backend: CpuBackend, prepack: bool, in_memory: bool, optimization_level: int
-    ) -> None:
+    def __init__(self, graph: FinalizedGraph, files: InMemoryWeights, backend: CpuBackend, prepack: bool) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = backend.intra_op_num_threads
-        options.graph_optimization_level = ort.GraphOptimizationLevel(optimization_level)
+        options.graph_optimization_level = backend.graph_optimization_level
         options.log_severity_level = 3
         entries = backend.config(prepack)
         if backend.prepack and not prepack:
@@ -119,8 +126,11 @@ class _PythonApiSession:
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in graph.weights.items()}
         for name, value in self._values.items():
             options.add_initializer(name, value)
-        model = _with_in_memory_weights(graph, options) if in_memory else graph.model
-        self._session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        if files.names:
+            options.add_external_initializers_from_files_in_memory(
+                files.names, files.buffers, [b.nbytes for b in files.buffers]
+            )
+        self._session = ort.InferenceSession(files.model_bytes, options, providers=["CPUExecutionProvider"])
 
     def run(
         self, output_names: list[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
@@ -132,33 +142,29 @@ class _PythonApiSession:
 
 
 _Session = _ort_capi.Session | _PythonApiSession
-_FIRST_OUTPUT_LEVEL = int(ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)  # cheap to prepare; replaced soon
 
 
-def _create_session(graph: FinalizedGraph, backend: CpuBackend, packed: bool) -> _Session:
-    """A packed session shares the context's container (C API); an unpacked one comes from the Python API."""
-    level = int(backend.graph_optimization_level)
+def _create_session(graph: FinalizedGraph, files: InMemoryWeights, backend: CpuBackend, packed: bool) -> _Session:
+    """A packed session shares the context's container (C API); an unpacked one comes from the Python API.
+
+    Both are made at the same optimization level: ORT's fusions change results (QDQ fusions compute in
+    integers), and the first output must equal every later one.
+    """
     try:
         if packed and backend.profile_prefix is None:
             try:
                 return _ort_capi.Session(
-                    graph.model.SerializeToString(),
+                    files.model_bytes,
                     graph.weights,
+                    (files.names, files.buffers),
                     backend.container(),
                     backend.config(prepack=True),
                     backend.intra_op_num_threads,
-                    level,
+                    int(backend.graph_optimization_level),
                 )
             except _ort_capi.CApiUnavailableError:
                 pass  # no shared packing on this install: each graph packs its own copy
-        elif backend.prepack and backend.lazy_prepack:
-            level = min(level, _FIRST_OUTPUT_LEVEL)
-        return _PythonApiSession(graph, backend, packed, in_memory=False, optimization_level=level)
-    except Exception as exc:
-        if _EXTERNAL_READ_FAILURE not in str(exc):
-            raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
-    try:
-        return _PythonApiSession(graph, backend, packed, in_memory=True, optimization_level=level)
+        return _PythonApiSession(graph, files, backend, packed)
     except Exception as exc:
         raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
@@ -177,14 +183,15 @@ class CpuExecutable:
         self._upgrade: threading.Thread | None = None
         self._released = False
         self.is_packed = backend.prepack and not backend.lazy_prepack
-        self._session: _Session | None = _create_session(graph, backend, packed=self.is_packed)
+        self._files = InMemoryWeights.of(graph)
+        self._session: _Session | None = _create_session(graph, self._files, backend, packed=self.is_packed)
         self._upgrade_pending = backend.prepack and not self.is_packed
         if self.is_packed:
             _drop_resident_pages(self._droppable)
 
     def _build_packed_session(self) -> None:
         try:
-            packed = _create_session(self._graph, self._backend, packed=True)
+            packed = _create_session(self._graph, self._files, self._backend, packed=True)
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         if not self._released:
@@ -271,7 +278,7 @@ class CpuBackend:
             return self._container
 
     def config(self, prepack: bool) -> dict[str, str]:
-        entries = {"session.model_external_initializers_file_folder_path": _PLACEHOLDER_FOLDER}
+        entries = {"session.model_external_initializers_file_folder_path": _PLACEHOLDER_FOLDER, **EXACT_QDQ_CONFIG}
         if not self.allow_spinning:
             entries["session.intra_op.allow_spinning"] = "0"
         if not prepack:

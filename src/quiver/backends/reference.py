@@ -39,12 +39,34 @@ def _ms_matmul_nbits(
     return ((a.astype(np.float32) @ weight.T).astype(a.dtype),)
 
 
+def _ms_fused_matmul(self: OpRun, a: np.ndarray, b: np.ndarray, **attributes: Any) -> tuple[np.ndarray]:
+    """ORT's FusedMatMul: alpha · op(A) · op(B), op transposing the last two axes where asked."""
+    if attributes.get("transA"):
+        a = np.swapaxes(a, -1, -2)
+    if attributes.get("transB"):
+        b = np.swapaxes(b, -1, -2)
+    alpha = attributes.get("alpha")
+    product = np.matmul(a, b)
+    return ((product if alpha in (None, 1.0) else product * alpha).astype(a.dtype),)
+
+
+def _ms_quantize(self: OpRun, *args: Any, axis: int = 1, saturate: bool = True, **_: Any) -> Any:
+    # A schema-less class gets the attributes of onnx's newest QuantizeLinear (precision, output_dtype, ...);
+    # the com.microsoft op has only axis (and saturate for float 8).
+    return QuantizeLinear_21._run(self, *args, axis=axis, saturate=saturate)
+
+
+def _ms_dequantize(self: OpRun, *args: Any, axis: int = 1, **_: Any) -> Any:
+    return DequantizeLinear_21._run(self, *args, axis=axis)
+
+
 # onnx.reference finds an operator by its class name, so each class is named after its op type.
 _MS_OPS: list[Any] = [
     type("Gelu", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gelu}),
-    type("QuantizeLinear", (QuantizeLinear_21,), {"op_domain": MS_DOMAIN}),
-    type("DequantizeLinear", (DequantizeLinear_21,), {"op_domain": MS_DOMAIN}),
+    type("QuantizeLinear", (QuantizeLinear_21,), {"op_domain": MS_DOMAIN, "_run": _ms_quantize}),
+    type("DequantizeLinear", (DequantizeLinear_21,), {"op_domain": MS_DOMAIN, "_run": _ms_dequantize}),
     type("MatMulNBits", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_matmul_nbits}),
+    type("FusedMatMul", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_fused_matmul}),
 ]
 
 

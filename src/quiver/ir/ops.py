@@ -28,8 +28,8 @@ ReduceL2 ReduceSumSquare ReduceLogSumExp Mean Sum NonZero
 )
 
 MS_DOMAIN = "com.microsoft"
-# MatMulNBits: Quiver writes it itself for 4-bit block-quantized MatMul weights (passes/nbits.py).
-MICROSOFT_OPS = frozenset({"DequantizeLinear", "Gelu", "MatMulNBits", "QuantizeLinear"})
+# MatMulNBits and FusedMatMul: Quiver writes them itself (passes/nbits.py, passes/transposed_weights.py).
+MICROSOFT_OPS = frozenset({"DequantizeLinear", "FusedMatMul", "Gelu", "MatMulNBits", "QuantizeLinear"})
 
 SUPPORTED: dict[str, frozenset[str]] = {
     "": QNN_EP_OPS | EXPORT_OPS,

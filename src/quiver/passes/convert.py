@@ -21,6 +21,7 @@ from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.fold import fold_constants
 from quiver.passes.load import TensorSource, load_model, tensor_source
 from quiver.passes.nbits import to_matmul_nbits
+from quiver.passes.transposed_weights import fuse_transposed_weights
 
 InputShapes = Mapping[str, Sequence[int | str]]
 
@@ -103,11 +104,24 @@ def _fix_input_shapes(graph: onnx.GraphProto, input_shapes: InputShapes) -> None
             shape.dim.add(**({"dim_value": d} if isinstance(d, int) else {"dim_param": str(d)}))
 
 
+def _is_placeholder(tensor: onnx.TensorProto) -> bool:
+    return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
 def _infer_shapes(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
+    """Shape inference with data propagation; placeholders (data not at hand) are seen as typed inputs.
+
+    onnx >= 1.18 tries to read an external initializer that data propagation reaches and fails on it.
+    """
+    probe = initializers_as_inputs(model, _is_placeholder)
     try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=True, data_prop=True)
     except Exception as exc:
         raise ConversionError(f"{label}: shape inference failed: {str(exc).strip().splitlines()[-1]}") from None
+    del inferred.graph.input[len(model.graph.input) :]
+    del inferred.graph.initializer[:]
+    inferred.graph.initializer.extend(model.graph.initializer)
+    return inferred
 
 
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
@@ -141,6 +155,7 @@ def convert(
     check_operators(model, label)
     graph = model.graph
     _lift_constants(graph)
+    fuse_transposed_weights(model)
 
     weights: dict[str, TensorSource] = {}
     known: dict[str, np.ndarray] = {}
@@ -174,7 +189,7 @@ def convert(
         model = _infer_shapes(model, label)
     try:
         onnx.checker.check_model(  # placeholders' data is not on disk: let the checker see them as inputs
-            initializers_as_inputs(model, lambda t: t.data_location == onnx.TensorProto.EXTERNAL)
+            initializers_as_inputs(model, _is_placeholder)
         )
     except onnx.checker.ValidationError as exc:
         raise ConversionError(f"{label} is not a valid ONNX model: {str(exc).strip().splitlines()[0]}") from None

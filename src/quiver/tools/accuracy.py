@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from quiver.backends.cpu import EXACT_QDQ_CONFIG
 from quiver.errors import QuantizationError
 
 
@@ -60,8 +61,11 @@ class AccuracyReport:
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    """ORT computing the model as written (what the cpu backend runs), not its int8 approximations."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    for key, value in EXACT_QDQ_CONFIG.items():
+        options.add_session_config_entry(key, value)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
