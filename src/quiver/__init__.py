@@ -1,7 +1,14 @@
-"""Quiver: one base model, many fine-tunes, in one weight-shared context binary."""
+"""Quiver: one base model, many fine-tunes, in one weight-shared context binary.
+
+Importing the package is cheap: errors are loaded at once, everything else (ONNX, ONNX Runtime, the
+backends) on first use of the name that needs it, as `import onnxruntime` users expect of a library.
+"""
+
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from quiver._version import __version__
-from quiver.backends import Backend, CpuBackend, ReferenceBackend, available_backends, register_backend
 from quiver.errors import (
     AdapterError,
     BackendError,
@@ -35,16 +42,62 @@ from quiver.errors import (
     UnsupportedOperatorError,
     UnsupportedVersionError,
 )
-from quiver.formats.encodings import Encoding, EncodingSet, load_encodings, save_encodings
-from quiver.ir.tensors import TensorInfo, TensorType
-from quiver.passes.quantize import QuantizeOptions, quantize
-from quiver.runtime.context import Context, WeightStats
-from quiver.runtime.graph import Graph
-from quiver.tools.accuracy import AccuracyReport, accuracy_report
-from quiver.tools.check import CheckReport, check_model
-from quiver.tools.compare import Comparison, compare_models
-from quiver.tools.netrun import parse_input_list, run_input_list
-from quiver.tools.report import describe_context
+
+# name -> module that defines it, imported on first access (PEP 562)
+_LAZY = {
+    "Backend": "quiver.backends",
+    "CpuBackend": "quiver.backends",
+    "ReferenceBackend": "quiver.backends",
+    "available_backends": "quiver.backends",
+    "register_backend": "quiver.backends",
+    "Encoding": "quiver.formats.encodings",
+    "EncodingSet": "quiver.formats.encodings",
+    "load_encodings": "quiver.formats.encodings",
+    "save_encodings": "quiver.formats.encodings",
+    "TensorInfo": "quiver.ir.tensors",
+    "TensorType": "quiver.ir.tensors",
+    "QuantizeOptions": "quiver.passes.quantize",
+    "quantize": "quiver.passes.quantize",
+    "Context": "quiver.runtime.context",
+    "WeightStats": "quiver.runtime.context",
+    "Graph": "quiver.runtime.graph",
+    "AccuracyReport": "quiver.tools.accuracy",
+    "accuracy_report": "quiver.tools.accuracy",
+    "CheckReport": "quiver.tools.check",
+    "check_model": "quiver.tools.check",
+    "Comparison": "quiver.tools.compare",
+    "compare_models": "quiver.tools.compare",
+    "parse_input_list": "quiver.tools.netrun",
+    "run_input_list": "quiver.tools.netrun",
+    "describe_context": "quiver.tools.report",
+}
+
+if _TYPE_CHECKING:
+    from quiver.backends import Backend, CpuBackend, ReferenceBackend, available_backends, register_backend
+    from quiver.formats.encodings import Encoding, EncodingSet, load_encodings, save_encodings
+    from quiver.ir.tensors import TensorInfo, TensorType
+    from quiver.passes.quantize import QuantizeOptions, quantize
+    from quiver.runtime.context import Context, WeightStats
+    from quiver.runtime.graph import Graph
+    from quiver.tools.accuracy import AccuracyReport, accuracy_report
+    from quiver.tools.check import CheckReport, check_model
+    from quiver.tools.compare import Comparison, compare_models
+    from quiver.tools.netrun import parse_input_list, run_input_list
+    from quiver.tools.report import describe_context
+
+
+def __getattr__(name: str) -> _Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quiver' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__",

@@ -33,7 +33,6 @@ _RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, _RELEASE_SESSION_OPTIONS = 99, 100
 _ADD_SESSION_CONFIG_ENTRY, _ADD_INITIALIZER = 130, 150
 _CREATE_PREPACKED_CONTAINER, _RELEASE_PREPACKED_CONTAINER = 166, 167
 _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER = 169
-_ADD_EXTERNAL_INITIALIZERS_FROM_FILES_IN_MEMORY = 279  # ORT >= 1.18
 
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
@@ -83,7 +82,7 @@ class _Api:
         table = get_api(_API_VERSION)
         if not table:
             raise CApiUnavailableError(f"ONNX Runtime's C library does not offer API version {_API_VERSION}")
-        self._table = ctypes.cast(table, ctypes.POINTER(_P * 300)).contents
+        self._table = ctypes.cast(table, ctypes.POINTER(_P * 200)).contents
         self._lib = lib
 
         def fn(index: int, restype: Any, *argtypes: Any) -> Any:
@@ -99,15 +98,6 @@ class _Api:
         self.SetIntraOpNumThreads = fn(_SET_INTRA_OP_NUM_THREADS, _STATUS, _P, ctypes.c_int)
         self.AddSessionConfigEntry = fn(_ADD_SESSION_CONFIG_ENTRY, _STATUS, _P, ctypes.c_char_p, ctypes.c_char_p)
         self.AddInitializer = fn(_ADD_INITIALIZER, _STATUS, _P, ctypes.c_char_p, _P)
-        self.AddExternalInitializersFromFilesInMemory = fn(
-            _ADD_EXTERNAL_INITIALIZERS_FROM_FILES_IN_MEMORY,
-            _STATUS,
-            _P,
-            ctypes.POINTER(ctypes.c_char_p),
-            _PP,
-            ctypes.POINTER(ctypes.c_size_t),
-            ctypes.c_size_t,
-        )
         self.CreatePrepackedWeightsContainer = fn(_CREATE_PREPACKED_CONTAINER, _STATUS, _PP)
         self.ReleasePrepackedWeightsContainer = fn(_RELEASE_PREPACKED_CONTAINER, None, _P)
         self.CreateSessionFromArrayWithContainer = fn(
@@ -249,7 +239,6 @@ class Session:
         self,
         model: bytes,
         weights: Mapping[str, np.ndarray],
-        files: tuple[Sequence[str], Sequence[np.ndarray]],
         container: PrepackedWeights,
         config: Mapping[str, str],
         intra_op_num_threads: int,
@@ -271,18 +260,6 @@ class Session:
                 capi.check(capi.AddSessionConfigEntry(options, key.encode(), value.encode()))
             for name, tensor in self._weights.items():
                 capi.check(capi.AddInitializer(options, name.encode(), tensor.handle))
-            names, buffers = files
-            if names:  # ORT keeps pointers to these buffers: they live as long as the weights do
-                capi.check(
-                    capi.AddExternalInitializersFromFilesInMemory(
-                        options,
-                        (ctypes.c_char_p * len(names))(*(n.encode() for n in names)),
-                        (_P * len(buffers))(*(b.ctypes.data for b in buffers)),
-                        (ctypes.c_size_t * len(buffers))(*(b.nbytes for b in buffers)),
-                        len(names),
-                    )
-                )
-            self._files = buffers
             self.handle = capi._out(
                 capi.CreateSessionFromArrayWithContainer, capi.env, model, len(model), options, container.handle
             )

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
-
-import numpy as np
-import onnx
+from typing import TYPE_CHECKING, Protocol
 
 from quiver.errors import UnknownBackendError
-from quiver.ir.tensors import TensorInfo
+
+if TYPE_CHECKING:  # the interface module stays light: importing it must not load ONNX
+    import numpy as np
+    import onnx
+
+    from quiver.ir.tensors import TensorInfo
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 from quiver.backends import _ort_capi
 from quiver.backends.base import FinalizedGraph
 from quiver.backends.lora_strengths import fold_lora_strengths
 from quiver.errors import BackendError
-from quiver.formats._layout import WEIGHT_LOCATION
 
-# Placeholders name in-memory "files" that hold the weights' mapped bytes (see `_InMemoryWeights`); ORT
-# still wants a folder for a model loaded from bytes, so sessions get this one (its only file is unused).
+# ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
+# data, so placeholders name this empty file; nothing reads it (see `session_model`).
 _PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
 
 # ORT >= 1.32 turns DequantizeLinear + MatMul into MatMulNBits computing at accuracy level 4 (activations
@@ -68,37 +68,46 @@ def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
             _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
-@dataclasses.dataclass(frozen=True)
-class InMemoryWeights:
-    """The graph with each placeholder pointing at an in-memory "file" that is a weight's mapped bytes.
+def weights_optimizers_read(model: onnx.ModelProto) -> set[str]:
+    """The initializers whose bytes ORT's graph optimizers may read when they prepare this graph.
 
-    Sessions get every weight twice over, without a copy: as a shared initializer (`AddInitializer`:
-    what kernels compute with and what the prepacked container keys) and as external data in memory
-    (what ORT's graph optimizers read: constant folding, QDQ fusions, fixed-shape slices). Without the
-    second, an optimizer that wants a weight's bytes fails the session.
+    Constant folding evaluates every node whose inputs are all constant (a Slice of a position table
+    under fixed shapes, a Transpose of a tied embedding), and QDQ fusions read what DequantizeLinear
+    dequantizes. Nothing else reads a weight before the kernels do. Over-including costs only time.
     """
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    constant = set(initializers)
+    read: set[str] = set()
+    for node in graph.node:
+        inputs = [name for name in node.input if name]
+        if node.op_type == "DequantizeLinear":
+            read.update(name for name in inputs if name in initializers)
+        if inputs and all(name in constant for name in inputs):
+            constant.update(node.output)
+            read.update(name for name in inputs if name in initializers)
+    return read
 
-    model_bytes: bytes
-    names: list[str]
-    buffers: list[np.ndarray]
 
-    @classmethod
-    def of(cls, graph: FinalizedGraph) -> InMemoryWeights:
-        model = onnx.ModelProto()
-        model.CopyFrom(graph.model)
-        locations: dict[int, str] = {}
-        buffers: list[np.ndarray] = []
-        for tensor in model.graph.initializer:
-            array = graph.weights.get(tensor.name)
-            if array is None:
-                continue
-            if id(array) not in locations:
-                locations[id(array)] = f"{WEIGHT_LOCATION}-{len(locations)}"
-                buffers.append(np.ascontiguousarray(array))
-            del tensor.external_data[:]
-            for key, value in (("location", locations[id(array)]), ("offset", "0"), ("length", str(array.nbytes))):
-                tensor.external_data.add(key=key, value=value)
-        return cls(model.SerializeToString(), list(locations.values()), buffers)
+def session_model(graph: FinalizedGraph) -> bytes:
+    """The graph as ORT gets it: placeholders, except that weights its optimizers read are inline.
+
+    Every weight reaches a session as a shared initializer (`AddInitializer`: what kernels compute with
+    and what the prepacked container keys, no copy). ORT's graph optimizers read initializers through
+    the model instead; a placeholder there would fail the session. ORT copies whatever it is given to
+    read (in-memory external files included, ~1 ms and 1 MB of RSS per MB), so only the weights they
+    read are given, inline: usually none (transposed weights are fused at build time), a position
+    table under fixed shapes, the quantized weights of QDQ graphs.
+    """
+    read = weights_optimizers_read(graph.model) & set(graph.weights)
+    if not read:
+        return graph.model.SerializeToString()
+    model = onnx.ModelProto()
+    model.CopyFrom(graph.model)
+    for tensor in model.graph.initializer:
+        if tensor.name in read:
+            tensor.CopyFrom(numpy_helper.from_array(np.asarray(graph.weights[tensor.name]), tensor.name))
+    return model.SerializeToString()
 
 
 class _PythonApiSession:
@@ -108,7 +117,7 @@ class _PythonApiSession:
     `prepack=False`.
     """
 
-    def __init__(self, graph: FinalizedGraph, files: InMemoryWeights, backend: CpuBackend, prepack: bool) -> None:
+    def __init__(self, graph: FinalizedGraph, model: bytes, backend: CpuBackend, prepack: bool) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = backend.intra_op_num_threads
         options.graph_optimization_level = backend.graph_optimization_level
@@ -126,11 +135,7 @@ class _PythonApiSession:
         self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in graph.weights.items()}
         for name, value in self._values.items():
             options.add_initializer(name, value)
-        if files.names:
-            options.add_external_initializers_from_files_in_memory(
-                files.names, files.buffers, [b.nbytes for b in files.buffers]
-            )
-        self._session = ort.InferenceSession(files.model_bytes, options, providers=["CPUExecutionProvider"])
+        self._session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
     def run(
         self, output_names: list[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
@@ -144,7 +149,7 @@ class _PythonApiSession:
 _Session = _ort_capi.Session | _PythonApiSession
 
 
-def _create_session(graph: FinalizedGraph, files: InMemoryWeights, backend: CpuBackend, packed: bool) -> _Session:
+def _create_session(graph: FinalizedGraph, model: bytes, backend: CpuBackend, packed: bool) -> _Session:
     """A packed session shares the context's container (C API); an unpacked one comes from the Python API.
 
     Both are made at the same optimization level: ORT's fusions change results (QDQ fusions compute in
@@ -154,9 +159,8 @@ def _create_session(graph: FinalizedGraph, files: InMemoryWeights, backend: CpuB
         if packed and backend.profile_prefix is None:
             try:
                 return _ort_capi.Session(
-                    files.model_bytes,
+                    model,
                     graph.weights,
-                    (files.names, files.buffers),
                     backend.container(),
                     backend.config(prepack=True),
                     backend.intra_op_num_threads,
@@ -164,7 +168,7 @@ def _create_session(graph: FinalizedGraph, files: InMemoryWeights, backend: CpuB
                 )
             except _ort_capi.CApiUnavailableError:
                 pass  # no shared packing on this install: each graph packs its own copy
-        return _PythonApiSession(graph, files, backend, packed)
+        return _PythonApiSession(graph, model, backend, packed)
     except Exception as exc:
         raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
@@ -183,15 +187,15 @@ class CpuExecutable:
         self._upgrade: threading.Thread | None = None
         self._released = False
         self.is_packed = backend.prepack and not backend.lazy_prepack
-        self._files = InMemoryWeights.of(graph)
-        self._session: _Session | None = _create_session(graph, self._files, backend, packed=self.is_packed)
+        self._model = session_model(graph)
+        self._session: _Session | None = _create_session(graph, self._model, backend, packed=self.is_packed)
         self._upgrade_pending = backend.prepack and not self.is_packed
         if self.is_packed:
             _drop_resident_pages(self._droppable)
 
     def _build_packed_session(self) -> None:
         try:
-            packed = _create_session(self._graph, self._files, self._backend, packed=True)
+            packed = _create_session(self._graph, self._model, self._backend, packed=True)
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         if not self._released:

@@ -124,6 +124,14 @@ def _infer_shapes(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
     return inferred
 
 
+def _strip_node_metadata(graph: onnx.GraphProto) -> None:
+    """Exporters' per-node notes (dynamo: stack traces, module paths, FX nodes; ~0.5 MB for a small BERT)
+    are for debugging the export; nothing runs on them, and every graph would store and parse its own."""
+    for node in iter_nodes(graph):
+        del node.metadata_props[:]
+        node.doc_string = ""
+
+
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     used = {name for node in iter_nodes(graph) for name in node.input} | {o.name for o in graph.output}
     kept = [t for t in graph.initializer if t.name in used]
@@ -154,6 +162,7 @@ def convert(
     to_matmul_nbits(model, base)  # before the dtype checks: 4-bit weights leave as packed uint8
     check_operators(model, label)
     graph = model.graph
+    _strip_node_metadata(graph)
     _lift_constants(graph)
     fuse_transposed_weights(model)
 
