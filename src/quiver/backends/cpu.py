@@ -68,6 +68,11 @@ def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
             _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
+def _is_static(value: onnx.ValueInfoProto) -> bool:
+    shape = value.type.tensor_type.shape
+    return value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in shape.dim)
+
+
 def weights_optimizers_read(model: onnx.ModelProto) -> set[str]:
     """The initializers whose bytes ORT's graph optimizers may read when they prepare this graph.
 
@@ -79,7 +84,11 @@ def weights_optimizers_read(model: onnx.ModelProto) -> set[str]:
     initializers = {t.name for t in graph.initializer}
     constant = set(initializers)
     read: set[str] = set()
+    static = {v.name for v in [*graph.value_info, *graph.input] if _is_static(v)}
     for node in graph.node:
+        if node.op_type in ("Shape", "Size") and node.input and node.input[0] in static:
+            constant.update(node.output)  # ORT folds these from the shape alone
+            continue
         inputs = [name for name in node.input if name]
         if node.op_type == "DequantizeLinear":
             read.update(name for name in inputs if name in initializers)

@@ -139,6 +139,28 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(kept)
 
 
+FOLD_INPUT_LIMIT = 4 * 1024 * 1024  # weights constant folding may read (a position table, position ids)
+
+
+class _FoldableValues(dict):  # type: ignore[type-arg]
+    """Small constants, plus weights up to FOLD_INPUT_LIMIT read on demand: a Slice of a position table
+    under fixed shapes folds at build time instead of making ONNX Runtime read the weight at load."""
+
+    def __init__(self, small: dict[str, np.ndarray], weights: dict[str, TensorSource]) -> None:
+        super().__init__(small)
+        self._weights = weights
+
+    def __contains__(self, name: object) -> bool:
+        source = self._weights.get(name) if isinstance(name, str) else None
+        return super().__contains__(name) or (source is not None and source.nbytes <= FOLD_INPUT_LIMIT)
+
+    def __missing__(self, name: str) -> np.ndarray:
+        if name not in self:
+            raise KeyError(name)
+        value = self[name] = self._weights[name].to_array()
+        return value
+
+
 def convert(
     source: str | Path | onnx.ModelProto,
     input_shapes: InputShapes | None = None,
@@ -191,7 +213,7 @@ def convert(
         _fix_input_shapes(graph, input_shapes)
 
     model = _infer_shapes(model, label)
-    folded = fold_constants(model, known)
+    folded = fold_constants(model, _FoldableValues(known, {n: w for n, w in weights.items() if n not in updateable}))
     if folded:
         _drop_unused_initializers(model.graph)
         del model.graph.value_info[:]

@@ -73,9 +73,10 @@ def _try_fold(
         return None
     if node.op_type == "Shape" and len(node.input) == 1:
         shape = _static_shape(value_info.get(node.input[0]))
-        if shape is None or node.attribute:
+        if shape is None:
             return None
-        return [np.asarray(shape, dtype=np.int64)]
+        bounds = {a.name: int(a.i) for a in node.attribute}  # opset 15: start/end, Python-slice style
+        return [np.asarray(shape[bounds.get("start", 0) : bounds.get("end", len(shape))], dtype=np.int64)]
     inputs = [name for name in node.input if name]
     if not inputs or any(name not in known for name in inputs):
         return None
