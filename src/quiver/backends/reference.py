@@ -50,21 +50,28 @@ def _ms_fused_matmul(self: OpRun, a: np.ndarray, b: np.ndarray, **attributes: An
     return ((product if alpha in (None, 1.0) else product * alpha).astype(a.dtype),)
 
 
-def _ms_quantize(self: OpRun, *args: Any, axis: int = 1, saturate: bool = True, **_: Any) -> Any:
-    # A schema-less class gets the attributes of onnx's newest QuantizeLinear (precision, output_dtype, ...);
-    # the com.microsoft op has only axis (and saturate for float 8).
-    return QuantizeLinear_21._run(self, *args, axis=axis, saturate=saturate)
+# onnx.reference finds an operator by its class name: these two are named after the op they implement.
+# A schema-less class gets the attributes of onnx's newest (De)QuantizeLinear (precision, output_dtype,
+# block_size...); the com.microsoft ops have only axis (and saturate for float 8).
+class QuantizeLinear(QuantizeLinear_21):
+    op_domain = MS_DOMAIN
+
+    def _run(self, *args: Any, axis: int = 1, saturate: bool = True, **_: Any) -> Any:
+        return super()._run(*args, axis=axis, saturate=saturate)
 
 
-def _ms_dequantize(self: OpRun, *args: Any, axis: int = 1, **_: Any) -> Any:
-    return DequantizeLinear_21._run(self, *args, axis=axis)
+class DequantizeLinear(DequantizeLinear_21):
+    op_domain = MS_DOMAIN
+
+    def _run(self, *args: Any, axis: int = 1, **_: Any) -> Any:
+        return super()._run(*args, axis=axis)
 
 
-# onnx.reference finds an operator by its class name, so each class is named after its op type.
+# The others are made with type() under their op type's name.
 _MS_OPS: list[Any] = [
     type("Gelu", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gelu}),
-    type("QuantizeLinear", (QuantizeLinear_21,), {"op_domain": MS_DOMAIN, "_run": _ms_quantize}),
-    type("DequantizeLinear", (DequantizeLinear_21,), {"op_domain": MS_DOMAIN, "_run": _ms_dequantize}),
+    QuantizeLinear,
+    DequantizeLinear,
     type("MatMulNBits", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_matmul_nbits}),
     type("FusedMatMul", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_fused_matmul}),
 ]

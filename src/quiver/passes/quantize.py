@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.version_converter
 from onnx import numpy_helper
 
 from quiver.errors import QuantizationError
@@ -304,8 +305,26 @@ def quantize(
     if options.encodings is not None:
         _requantize_weights(result, model_copy, options.encodings)
     if options.weight_bits == 4:
+        result = _with_opset(result, BLOCK_QUANTIZATION_OPSET)
         _matmul_weights_to_int4_blocks(result, model_copy, options.block_size or DEFAULT_BLOCK_SIZE)
     return result, encodings_of(result)
+
+
+BLOCK_QUANTIZATION_OPSET = 21  # DequantizeLinear's block_size
+
+
+def _with_opset(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
+    """The model at an ONNX opset of at least `version` (ORT's quantizer keeps the source's on older ORT)."""
+    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), version)
+    if current >= version:
+        return model
+    try:
+        return onnx.version_converter.convert_version(model, version)
+    except Exception as exc:
+        raise QuantizationError(
+            f"4-bit block weights need ONNX opset {version}; converting the model from opset {current} failed "
+            f"({exc}); export the model at opset {version} or later"
+        ) from None
 
 
 def _matmul_weights_to_int4_blocks(qdq: onnx.ModelProto, float_model: onnx.ModelProto, block_size: int) -> None:
