@@ -41,3 +41,26 @@ def family_context(family: dict[str, onnx.ModelProto], tmp_path_factory: pytest.
 @pytest.fixture
 def input_ids() -> np.ndarray:
     return sample_input_ids(SMALL, batch=2, seq=12, seed=3)
+
+
+@pytest.fixture(scope="session")
+def real_models() -> Path:
+    """The real-model corpus (tests/real/make_models.py): exported once per machine and cached.
+
+    QUIVER_REAL_MODELS names the folder (CI sets it); otherwise ci/make-real-models exports it into the
+    cache on first use, which installs torch into a venv of its own and takes a few minutes.
+    """
+    import os
+    import subprocess
+
+    folder = os.environ.get("QUIVER_REAL_MODELS")
+    if not folder:
+        script = Path(__file__).resolve().parents[1] / "ci" / "make-real-models"
+        result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail(f"exporting the real-model corpus failed:\n{result.stderr[-3000:]}")
+        folder = result.stdout.strip().splitlines()[-1]
+    path = Path(folder)
+    if not (path / "versions.json").is_file():
+        pytest.fail(f"no real-model corpus in {path}: run `bash ci/make-real-models`")
+    return path

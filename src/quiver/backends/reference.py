@@ -67,6 +67,22 @@ class DequantizeLinear(DequantizeLinear_21):
         return super()._run(*args, axis=axis)
 
 
+class GatherElements(OpRun):
+    """ONNX GatherElements where onnx.reference is wrong: an index smaller than the data in the other axes
+    (transformers' position ids: [1, seq] out of [1, max_positions]) fails its reshape."""
+
+    op_domain = ""
+
+    def _run(self, data: np.ndarray, indices: np.ndarray, axis: int = 0) -> tuple[np.ndarray]:
+        axis = axis % data.ndim
+        window = tuple(slice(None) if i == axis else slice(0, n) for i, n in enumerate(indices.shape))
+        indices = np.where(indices < 0, indices + data.shape[axis], indices)
+        return (np.take_along_axis(data[window], indices.astype(np.int64), axis=axis),)
+
+
+# Fixes of onnx.reference's own operators, applied on every onnx version Quiver supports.
+_FIXED_OPS: list[Any] = [GatherElements]
+
 # The others are made with type() under their op type's name.
 _MS_OPS: list[Any] = [
     type("Gelu", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gelu}),
@@ -91,7 +107,7 @@ class ReferenceExecutable:
         self._output_dtypes = [o.numpy_dtype for o in graph.outputs]
         try:
             self._evaluator = ReferenceEvaluator(
-                initializers_as_inputs(graph.model, graph.weights.keys()), new_ops=_MS_OPS
+                initializers_as_inputs(graph.model, graph.weights.keys()), new_ops=_MS_OPS + _FIXED_OPS
             )
         except Exception as exc:
             raise BackendError(f"reference backend cannot prepare graph {graph.name!r}: {exc}") from None

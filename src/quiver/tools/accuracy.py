@@ -17,19 +17,37 @@ import onnxruntime as ort
 
 from quiver.backends.cpu import EXACT_QDQ_CONFIG
 from quiver.errors import QuantizationError
+from quiver.passes.mask_fills import apply_mask_fills
+from quiver.passes.quantize import mask_fills_of
 
 
 def sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:
-    """Signal to quantization noise, in dB: 20·log10(‖ref‖ / ‖ref − approx‖); inf when they are equal."""
+    """Signal to quantization noise, in dB: 20·log10(‖ref‖ / ‖ref − approx‖).
+
+    inf when they are equal, -inf when the noise is infinite, nan when either holds a NaN: tensors that
+    carry extreme values (a mask filled with finfo.min) make such statistics, and they are reported so.
+    """
     reference = np.asarray(reference, np.float64).ravel()
-    noise = np.linalg.norm(reference - np.asarray(approximation, np.float64).ravel())
-    return math.inf if noise == 0 else 20 * math.log10(max(float(np.linalg.norm(reference)), 1e-30) / noise)
+    with np.errstate(all="ignore"):
+        noise = float(np.linalg.norm(reference - np.asarray(approximation, np.float64).ravel()))
+        signal = float(np.linalg.norm(reference))
+    if math.isnan(noise) or math.isnan(signal):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    if math.isinf(noise):
+        return -math.inf if math.isfinite(signal) else math.nan
+    return 20 * math.log10(max(signal, 1e-30) / noise)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
-    return 1.0 if norms == 0 else float(a @ b) / norms
+    with np.errstate(all="ignore"):
+        norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+        dot = float(a @ b)
+    if not math.isfinite(norms) or not math.isfinite(dot):
+        return math.nan
+    return 1.0 if norms == 0 else dot / norms
 
 
 @dataclass(frozen=True)
@@ -48,7 +66,7 @@ class AccuracyReport:
 
     def to_json(self) -> dict[str, Any]:
         def number(x: float) -> float | str:
-            return x if math.isfinite(x) else "inf"
+            return x if math.isfinite(x) else str(x)  # "inf", "-inf", "nan": JSON has no such numbers
 
         return {
             "samples": self.samples,
@@ -131,8 +149,16 @@ def layer_sqnr(
 def accuracy_report(
     float_model: onnx.ModelProto, qdq_model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]]
 ) -> AccuracyReport:
+    """Outputs against the float model as given; layers against it with the QDQ model's mask fills applied
+    (a clamped fill is a change made on purpose, not quantization noise, and would hide the real losses)."""
     if not samples:
         raise QuantizationError("an accuracy report needs sample inputs: give --input-list")
+    treated = float_model
+    fills = mask_fills_of(qdq_model)
+    if fills:
+        treated = onnx.ModelProto()
+        treated.CopyFrom(float_model)
+        apply_mask_fills(treated, fills)
     return AccuracyReport(
-        compare_outputs(float_model, qdq_model, samples), layer_sqnr(float_model, qdq_model, samples), len(samples)
+        compare_outputs(float_model, qdq_model, samples), layer_sqnr(treated, qdq_model, samples), len(samples)
     )

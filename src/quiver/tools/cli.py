@@ -476,7 +476,7 @@ def quantize(
     quiet: bool,
 ) -> None:
     """Quantize MODEL.onnx to a QDQ model (runnable by ONNX Runtime), as qairt-quantizer does."""
-    from quiver.passes.quantize import QuantizeOptions
+    from quiver.passes.quantize import QuantizeOptions, mask_fills_of
     from quiver.tools.quantize import read_overrides, run_quantize
 
     if input_list is None and not float_fallback:
@@ -500,6 +500,7 @@ def quantize(
         "activation_encodings": len(result.encodings.activations()),
         "encodings_out": str(encodings_out) if encodings_out else None,
         "accuracy": result.report.to_json() if result.report else None,
+        "mask_fills": [vars(m) for m in mask_fills_of(result.model)],
     }
     if as_json:
         _emit_json(summary)
@@ -510,6 +511,13 @@ def quantize(
     if encodings_out:
         table.add_row("encodings file", f"{encodings_out} (AIMET {encodings_version})")
     console.print(table)
+    if summary["mask_fills"]:
+        fills = Table(title="mask fills clamped before calibration (Softmax unchanged in float32)")
+        for column in ("tensor", "was", "now", "reaches Softmax of"):
+            fills.add_column(column)
+        for m in mask_fills_of(result.model):
+            fills.add_row(m.tensor, f"{m.original:.4g}", f"{m.fill:.4g}", ", ".join(m.softmax_inputs[:3]))
+        console.print(fills)
     if result.report:
         _print_accuracy(result.report)
 
