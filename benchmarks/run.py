@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
+from real_models import measure_real_models  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 SEQ = 128
@@ -257,7 +258,7 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
-SECTIONS = ("family", "lora_sections", "quantization", "ort_api")
+SECTIONS = ("family", "real_models", "lora_sections", "quantization", "ort_api")
 
 
 def main() -> None:
@@ -306,6 +307,10 @@ def main() -> None:
             print("memory ...", file=sys.stderr)
             counts = tuple(c for c in (1, 4, 16) if c <= args.graphs)
             report["memory"] = measure_memory(paths, qctx, ids_path, counts)
+        if "real_models" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
+            print("real models ...", file=sys.stderr)
+            report["real_models"] = measure_real_models(folder, Path(corpus.stdout.strip()), args.repeats)
         if "lora_sections" in sections:
             print("adapter switching ...", file=sys.stderr)
             report["lora_sections"] = measure_lora(folder)

@@ -59,7 +59,7 @@ class TensorFileWriter:
     FORMAT = "qctx"
 
     def __init__(self, directory: str | Path | None = None) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.FORMAT}-", suffix=".partial", dir=directory)
+        fd, tmp = temporary_file(f".{self.FORMAT}-", directory)
         self._path = Path(tmp)
         self._file: BinaryIO = os.fdopen(fd, "w+b")
         self._file.write(b"\0" * DATA_START)
@@ -230,6 +230,29 @@ class ContextWriter(TensorFileWriter):
         return entries, offset
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the OS tells (Linux); else set and restored."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def temporary_file(prefix: str, directory: str | Path | None) -> tuple[int, str]:
+    """A `.partial` file for an atomic write, with the mode a plain `open()` would give (mkstemp: 0600)."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".partial", dir=directory)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    except OSError:
+        pass  # a file system without modes: keep mkstemp's
+    return fd, tmp
+
+
 def publish(source: Path, destination: Path) -> None:
     """Moves `source` onto `destination` atomically: a reader sees the old file or the new one."""
     try:
@@ -242,7 +265,7 @@ def publish(source: Path, destination: Path) -> None:
 def _replace_atomically(destination: Path, fill: Callable[[BinaryIO], object]) -> None:
     """Writes a temporary file in the destination folder with `fill`, syncs it, then renames it into place."""
     destination = Path(destination).resolve()
-    fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}-", suffix=".partial", dir=destination.parent)
+    fd, tmp = temporary_file(f".{destination.name}-", destination.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             fill(out)

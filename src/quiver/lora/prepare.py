@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,28 @@ def _list(raw: dict[str, Any], key: str, source: Path) -> list[Any]:
     return value
 
 
+# Every key the YAML may hold (QNN's LoRA v3 flow); anything else is a typo that would be ignored silently.
+_TOP_KEYS = {"adapter", "use-case", "attach_point_onnx_mapping"}
+_ADAPTER_KEYS = {"name", "lora_config"}
+_USE_CASE_KEYS = {"name", "adapter_names", "adapter_alphas", "model_name", "quant_overrides"}
+
+
+def _check_keys(entry: dict[str, Any], allowed: set[str], where: str, source: Path) -> None:
+    unknown = sorted(str(k) for k in set(entry) - allowed)
+    if unknown:
+        raise AdapterError(f"{source}: {where} has unknown keys {unknown}; the keys are {sorted(allowed)}")
+
+
+def _alpha(value: Any, use_case: str, source: Path) -> float:
+    try:
+        alpha = float(value)
+    except (TypeError, ValueError):
+        alpha = math.nan
+    if not math.isfinite(alpha):
+        raise AdapterError(f"{source}: use case {use_case!r} has alpha {value!r}; alphas are finite numbers")
+    return alpha
+
+
 def load_lora_config(path: str | Path) -> LoraProject:
     """Reads the YAML of DESIGN.md; relative paths are relative to the YAML's folder."""
     path = Path(path)
@@ -56,20 +80,29 @@ def load_lora_config(path: str | Path) -> LoraProject:
     if not isinstance(raw, dict):
         raise AdapterError(f"{path}: must be a YAML mapping with 'adapter' and 'use-case' lists")
     folder = path.parent
+    _check_keys(raw, _TOP_KEYS, "the top level", path)
     adapters = {}
     for entry in _list(raw, "adapter", path):
         if not isinstance(entry, dict) or "name" not in entry or "lora_config" not in entry:
             raise AdapterError(f"{path}: each adapter needs 'name' and 'lora_config'")
+        _check_keys(entry, _ADAPTER_KEYS, f"adapter {entry['name']!r}", path)
         adapters[str(entry["name"])] = folder / str(entry["lora_config"])
     use_cases = []
     for entry in _list(raw, "use-case", path):
         if not isinstance(entry, dict) or "name" not in entry:
             raise AdapterError(f"{path}: each use case needs a 'name'")
+        _check_keys(entry, _USE_CASE_KEYS, f"use case {entry['name']!r}", path)
+        if "quant_overrides" in entry:
+            warnings.warn(
+                f"{path}: use case {entry['name']!r}: quant_overrides is not used by `lora prepare`; "
+                "quantize with --quantization-overrides instead",
+                stacklevel=2,
+            )
         names = [str(n) for n in entry.get("adapter_names") or []]
         unknown = sorted(set(names) - set(adapters))
         if unknown:
             raise AdapterError(f"{path}: use case {entry['name']!r} names unknown adapters {unknown}")
-        alphas = [float(a) for a in entry.get("adapter_alphas") or [1.0] * len(names)]
+        alphas = [_alpha(a, str(entry["name"]), path) for a in entry.get("adapter_alphas") or [1.0] * len(names)]
         if len(alphas) != len(names):
             raise AdapterError(f"{path}: use case {entry['name']!r} has {len(names)} adapters but {len(alphas)} alphas")
         model = folder / str(entry["model_name"]) if entry.get("model_name") else None
@@ -84,8 +117,10 @@ def load_lora_config(path: str | Path) -> LoraProject:
             mapping = {str(k): str(v) for k, v in json.loads(map_path.read_text()).items()}
         except (OSError, ValueError, AttributeError) as exc:
             raise AdapterError(f"cannot read the attach-point map {map_path}: {exc}") from None
-    assert bases[0].model is not None
-    return LoraProject(bases[0].model, adapters, use_cases, mapping)
+    base = bases[0].model
+    if base is None or not base.is_file():
+        raise AdapterError(f"{path}: the base model {base} does not exist; fix 'model_name' of the base use case")
+    return LoraProject(base, adapters, use_cases, mapping)
 
 
 def _check_use_case_models(project: LoraProject) -> None:

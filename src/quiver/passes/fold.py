@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import numpy_helper
-from onnx.reference import ReferenceEvaluator
 
 from quiver.ir.ops import MS_DOMAIN
 
@@ -95,6 +94,8 @@ def _try_fold(
         opset_imports=opsets,
     )
     try:
+        from onnx.reference import ReferenceEvaluator  # 20 ms to import: only when something folds
+
         results = ReferenceEvaluator(single).run(None, {n: known[n] for n in inputs})
     except Exception:
         return None  # not foldable here; the backend will compute it

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -30,9 +30,11 @@ from quiver.ir import dtypes
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.quantized import graph_encodings
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
-from quiver.passes.convert import InputShapes, convert
 from quiver.runtime import sections
 from quiver.runtime.graph import Graph
+
+if TYPE_CHECKING:  # converting models (onnx.reference, the inliner...) is for building, not loading
+    from quiver.passes.convert import InputShapes
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,8 @@ class Context:
             weakref.finalize(self, self._writer.abort)
         if name in self._enabled:
             raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
+        from quiver.passes.convert import convert
+
         converted = convert(model, input_shapes=input_shapes, label=name, updateable=updateable)
         mapping = {
             tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks(), converted.encodings.get(tensor))

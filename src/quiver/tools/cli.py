@@ -98,7 +98,7 @@ def demo(workdir: Path | None, as_json: bool) -> None:
     if as_json:
         _emit_json(
             {
-                "context": str(result.path),
+                "context": str(result.path) if result.path else None,
                 "context_bytes": result.context_bytes,
                 "separate_bytes": result.separate_bytes,
                 "unique_weight_bytes": result.unique_weight_bytes,
@@ -128,7 +128,7 @@ def demo(workdir: Path | None, as_json: bool) -> None:
         )
         summary.add_row("unique weights", _mb(result.unique_weight_bytes))
         summary.add_row("load (from_binary)", f"{result.rows[0].load_ms:.1f} ms")
-        summary.add_row("context file", str(result.path))
+        summary.add_row("context file", str(result.path) if result.path else "removed (--workdir DIR keeps it)")
         console.print(summary)
     if not all(r.matches for r in result.rows):
         raise QuiverError("outputs differ from ONNX Runtime by more than 1e-4; please report this")

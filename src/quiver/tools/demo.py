@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ class DemoResult:
     rows: list[DemoRow]
     context_bytes: int
     unique_weight_bytes: int
-    path: Path
+    path: Path | None  # None: made in a temporary folder, removed again (pass a workdir to keep it)
 
     @property
     def separate_bytes(self) -> int:
@@ -61,8 +62,15 @@ def run_demo(
     repeats: int = 30,
     on_step: Callable[[str], None] = lambda _: None,
 ) -> DemoResult:
-    """Builds the demo family into one context, runs every graph on the cpu backend and checks it against ORT."""
-    folder = Path(workdir or tempfile.mkdtemp(prefix="quiver-demo-"))
+    """Builds the demo family into one context, runs every graph on the cpu backend and checks it against ORT.
+
+    Without a workdir everything is made in a temporary folder that is removed before returning.
+    """
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="quiver-demo-") as temporary:
+            result = run_demo(temporary, shape, repeats, on_step)
+        return dataclasses.replace(result, path=None)
+    folder = Path(workdir)
     folder.mkdir(parents=True, exist_ok=True)
     on_step("making a base model and two fine-tunes")
     family = make_family(shape, count=3, tuned_layers=1)

@@ -1,0 +1,199 @@
+"""Real exports with real weights (the test corpus of tests/real/make_models.py): MiniLM-L6 (BERT encoder,
+dynamic and fixed shapes, a16w8, a16w4), its fine-tune, and SmolLM2's first layers (Llama decoder). Quiver
+against ONNX Runtime on the same files, side by side: open-to-first-output (in a warm process and counting
+imports in a fresh one), steady latency, context size against unique weights, RSS per added fine-tune."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+import quiver
+from timing import median_ms
+
+OUTPUTS = {"minilm": "last_hidden_state", "minilm_tuned": "last_hidden_state", "smollm": "logits"}
+
+# One fresh interpreter per measurement. It times its imports, then (after the same warm-up on both sides:
+# ORT's runtime and one tiny session) the open and the first output.
+_OPEN_WORKER = """
+import json, sys, time
+start = time.perf_counter()
+import numpy as np
+kind, path, graph, npz, output = sys.argv[1:6]
+if kind == "ort":
+    import onnxruntime as ort
+else:
+    import quiver
+    import onnxruntime as ort
+imports_ms = (time.perf_counter() - start) * 1e3
+case = dict(np.load(npz)); case.pop(output)
+from onnx import TensorProto, helper
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "t", [x], [y]))
+ort.InferenceSession(tiny.SerializeToString()).run(None, {"x": np.ones(1, np.float32)})
+start = time.perf_counter()
+if kind == "ort":
+    ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, case)
+else:
+    quiver.Context.from_binary(path).graph(graph).execute(case)
+print(json.dumps({"imports_ms": imports_ms, "open_first_ms": (time.perf_counter() - start) * 1e3}))
+import os; os._exit(0)  # the background packing thread is not part of what is measured
+"""
+
+_RSS_WORKER = """
+import gc, json, sys
+import numpy as np, psutil, quiver
+path, npz = sys.argv[1:3]
+case = dict(np.load(npz)); case.pop("last_hidden_state")
+process = psutil.Process()
+context = quiver.Context.from_binary(path)
+rss = []
+for name in context.graph_names:
+    context.graph(name).execute(case)
+    context.wait_until_ready()
+    gc.collect()
+    rss.append(process.memory_info().rss)
+print(json.dumps({"rss": rss}))
+"""
+
+
+def _worker(code: str, *args: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _context(folder: Path, name: str, sources: dict[str, Path], **add: Any) -> Path:
+    context = quiver.Context.create("cpu", workdir=folder)
+    for graph, source in sources.items():
+        context.add_graph(graph, source, **add)
+    path = context.save(folder / f"{name}.qctx")
+    context.close()
+    return path
+
+
+def _quantized(corpus: Path, folder: Path) -> dict[str, Path]:
+    """a16w8 (per channel) and a16w4 MiniLM, calibrated on padded batches of seeded vocabulary ids."""
+    rng = np.random.default_rng(5)
+    lines = []
+    for i in range(8):
+        lengths = rng.integers(6, 24, size=2)
+        ids, mask = np.zeros((2, int(lengths.max())), np.int64), np.zeros((2, int(lengths.max())), np.int64)
+        for row, length in enumerate(lengths):
+            ids[row, :length] = np.concatenate([[101], rng.integers(1996, 29000, length - 2), [102]])
+            mask[row, :length] = 1
+        np.save(folder / f"ids_{i}.npy", ids)
+        np.save(folder / f"mask_{i}.npy", mask)
+        lines.append(f"input_ids:=ids_{i}.npy attention_mask:=mask_{i}.npy")
+    (folder / "calibration.txt").write_text("\n".join(lines) + "\n")
+    made = {}
+    for name, extra in (("a16w8", ["--per-channel"]), ("a16w4", ["--weight-bitwidth", "4", "--block-size", "32"])):
+        made[name] = folder / f"minilm_{name}.onnx"
+        subprocess.run(
+            [sys.executable, "-m", "quiver", "quantize", str(corpus / "minilm.onnx"), "-o", str(made[name]),
+             "--act-bitwidth", "16", "--input-list", str(folder / "calibration.txt"), "--quiet", *extra],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    return made
+
+
+def _open(model: Path, qctx: Path, graph: str, npz: Path, output: str, repeats: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"ort": [], "quiver": []}
+    for _ in range(repeats):  # interleaved: drift hits both alike
+        runs["ort"].append(_worker(_OPEN_WORKER, "ort", str(model), graph, str(npz), output))
+        runs["quiver"].append(_worker(_OPEN_WORKER, "quiver", str(qctx), graph, str(npz), output))
+    median = {
+        k: {m: statistics.median(r[m] for r in v) for m in ("imports_ms", "open_first_ms")} for k, v in runs.items()
+    }
+    fresh = {k: v["imports_ms"] + v["open_first_ms"] for k, v in median.items()}
+    return {
+        "ort": median["ort"],
+        "quiver": median["quiver"],
+        "ratio_to_ort": median["quiver"]["open_first_ms"] / median["ort"]["open_first_ms"],
+        "ratio_to_ort_fresh_process": fresh["quiver"] / fresh["ort"],
+    }
+
+
+def _latency(model: Path, qctx: Path, graph: str, feeds: dict[str, np.ndarray], rounds: int, iterations: int,
+             ort_config: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    options = ort.SessionOptions()
+    for key, value in (ort_config or {}).items():
+        options.add_session_config_entry(key, value)
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    context = quiver.Context.from_binary(qctx)
+    ours = context.graph(graph)
+    ours.execute(feeds)
+    context.wait_until_ready()
+    samples: dict[str, list[float]] = {"ort": [], "quiver": []}
+    for _ in range(rounds):
+        samples["ort"].append(median_ms(lambda: session.run(None, feeds), iterations, warm_up=2))
+        samples["quiver"].append(median_ms(lambda: ours.execute(feeds), iterations, warm_up=2))
+    context.close()
+    ratios = [q / o for q, o in zip(samples["quiver"], samples["ort"])]
+    return {
+        "ort_ms": statistics.median(samples["ort"]),
+        "quiver_ms": statistics.median(samples["quiver"]),
+        "ratio_to_ort": statistics.median(ratios),
+    }
+
+
+def measure_real_models(
+    folder: Path, corpus: Path, repeats: int, rounds: int = 7, iterations: int = 20
+) -> dict[str, Any]:
+    from quiver.backends.cpu import EXACT_QDQ_CONFIG
+
+    npz = {name: corpus / f"{name}.npz" for name in OUTPUTS}
+    feeds = {}
+    for name in OUTPUTS:
+        case = dict(np.load(npz[name]))
+        case.pop(OUTPUTS[name])
+        feeds[name] = case
+    shape = list(feeds["minilm"]["input_ids"].shape)
+    quantized = _quantized(corpus, folder)
+    fixed = {"input_shapes": {"input_ids": shape, "attention_mask": shape}}
+    models = {  # row: (source .onnx, corpus case, how the context is built)
+        "minilm": (corpus / "minilm.onnx", "minilm", {}),
+        "minilm_fixed_shape": (corpus / "minilm.onnx", "minilm", fixed),
+        "minilm_a16w8": (quantized["a16w8"], "minilm", {}),
+        "minilm_a16w4": (quantized["a16w4"], "minilm", {}),
+        "smollm": (corpus / "smollm.onnx", "smollm", {}),
+    }  # fmt: skip
+    rows: dict[str, Any] = {}
+    for row, (source, case, add) in models.items():
+        print(f"  {row} ...", file=sys.stderr)
+        qctx = _context(folder, row, {row: source}, **add)
+        output = OUTPUTS[case]
+        entry: dict[str, Any] = {
+            "input": list(feeds[case]["input_ids"].shape),
+            "open_to_first_output": _open(source, qctx, row, npz[case], output, repeats),
+            "latency": _latency(source, qctx, row, feeds[case], rounds, iterations),
+        }
+        if "a16" in row:  # ORT's default on a QDQ file rounds activations to int8 in MatMulNBits; exact: float32
+            entry["latency_vs_ort_exact_qdq"] = _latency(source, qctx, row, feeds[case], rounds, iterations,
+                                                         EXACT_QDQ_CONFIG)  # fmt: skip
+            entry["context_over_float_weights"] = qctx.stat().st_size / (corpus / "minilm.onnx.data").stat().st_size
+        rows[row] = entry
+    pair = _context(folder, "pair", {"minilm": corpus / "minilm.onnx", "minilm_tuned": corpus / "minilm_tuned.onnx"})
+    with quiver.Context.from_binary(pair) as context:
+        stats = context.weight_stats()
+        file = context.file
+        base = set(file.graphs["minilm"].weights.values())
+        added = sum(file.weights[i].length for i in set(file.graphs["minilm_tuned"].weights.values()) - base)
+    rss = _worker(_RSS_WORKER, str(pair), str(npz["minilm"]))["rss"]
+    rows["fine_tune_pair"] = {
+        "context_bytes": pair.stat().st_size,
+        "unique_weight_bytes": stats.unique_bytes,
+        "referenced_weight_bytes": stats.referenced_bytes,
+        "context_over_unique": pair.stat().st_size / stats.unique_bytes,
+        "unique_bytes_of_added_graph": added,
+        "rss_growth_of_added_graph": rss[1] - rss[0],
+        "rss_over_unique_of_added_graph_mb": (rss[1] - rss[0] - added) / 1e6,
+    }
+    return rows
