@@ -56,14 +56,14 @@ def _ms_fused_matmul(self: OpRun, a: np.ndarray, b: np.ndarray, **attributes: An
 class QuantizeLinear(QuantizeLinear_21):
     op_domain = MS_DOMAIN
 
-    def _run(self, *args: Any, axis: int = 1, saturate: bool = True, **_: Any) -> Any:
+    def _run(self, *args: Any, axis: int = 1, saturate: bool = True, **_: Any) -> Any:  # type: ignore[override,unused-ignore]
         return super()._run(*args, axis=axis, saturate=saturate)
 
 
 class DequantizeLinear(DequantizeLinear_21):
     op_domain = MS_DOMAIN
 
-    def _run(self, *args: Any, axis: int = 1, **_: Any) -> Any:
+    def _run(self, *args: Any, axis: int = 1, **_: Any) -> Any:  # type: ignore[override,unused-ignore]
         return super()._run(*args, axis=axis)
 
 

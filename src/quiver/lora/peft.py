@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError
+from safetensors import SafetensorError  # type: ignore[attr-defined,unused-ignore]  # untyped before 0.5
 from safetensors.numpy import load_file
 
 from quiver.errors import AdapterError

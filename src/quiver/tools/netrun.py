@@ -46,9 +46,10 @@ def _read_tensor(path: Path, info: TensorInfo, shape_hint: Sequence[int] | None 
             f"input {info.name!r} has dynamic shape {list(info.shape or [])}; a raw file cannot say its shape: "
             "give it with --input-shape, use a .npy file, or fix the shape at build time"
         )
-    if math.prod(shape) != count:
+    dims = [int(d) for d in shape if isinstance(d, int)]  # every dim is known here
+    if math.prod(dims) != count:
         raise InputListError(f"{path}: {count} {info.dtype} values do not fit input {info.name!r} of shape {shape}")
-    return np.fromfile(path, dtype=dtype).reshape(shape).astype(info.numpy_dtype, copy=False)
+    return np.fromfile(path, dtype=dtype).reshape(dims).astype(info.numpy_dtype, copy=False)
 
 
 def parse_input_list(
