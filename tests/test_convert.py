@@ -166,3 +166,25 @@ def test_small_tensors_in_external_data_are_inlined_like_any_small_tensor(tmp_pa
     inline = {t.name: t for t in converted.skeleton.graph.initializer}
     assert inline["b"].data_location == TensorProto.DEFAULT
     np.testing.assert_array_equal(numpy_helper.to_array(inline["b"]), np.arange(16, dtype=np.float32))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_an_ir_3_model_with_unlisted_initializers_and_prelu_runs_as_onnx_runtime_runs_it(backend: str) -> None:
+    weight = numpy_helper.from_array(np.arange(2048, dtype=np.float32).reshape(32, 64) / 1000, "W")
+    slope = numpy_helper.from_array(np.full(64, 0.1, np.float32), "slope")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("PRelu", ["h", "slope"], ["y"])],
+        "ir3",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 32])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 64])],
+        [weight, slope],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)])
+    model.ir_version = 3  # initializers should be graph inputs in IR 3; ORT runs it without
+    x = np.random.default_rng(0).normal(size=(2, 32)).astype(np.float32)
+    expected = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    context = quiver.Context.create(backend)
+    context.add_graph("ir3", model)
+    context.finalize()
+    np.testing.assert_allclose(context.graph("ir3").execute({"x": x})["y"], expected, rtol=1e-6, atol=1e-6)
+    assert (expected < 0).any()  # PRelu's negative side is exercised

@@ -12,7 +12,7 @@ QNN_EP_OPS = frozenset(
 Abs Add And ArgMax ArgMin Asin Atan AveragePool BatchNormalization Cast Clip Concat Conv ConvTranspose Cos
 DepthToSpace DequantizeLinear Div Elu Equal Exp Expand Flatten Floor Gather Gelu Gemm GlobalAveragePool Greater
 GreaterOrEqual GridSample HardSwish InstanceNormalization LRN LayerNormalization LeakyRelu Less LessOrEqual Log
-LogSoftmax LpNormalization MatMul Max MaxPool Min Mul Neg Not Or Prelu Pad Pow QuantizeLinear ReduceMax ReduceMean
+LogSoftmax LpNormalization MatMul Max MaxPool Min Mul Neg Not Or PRelu Pad Pow QuantizeLinear ReduceMax ReduceMean
 ReduceMin ReduceProd ReduceSum Relu Resize Round Sigmoid Sign Sin Slice Softmax SpaceToDepth Split Sqrt Squeeze Sub
 Tanh Tile TopK Transpose Unsqueeze Where
 """.split()

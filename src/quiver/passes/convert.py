@@ -179,6 +179,10 @@ def convert(
         model.CopyFrom(loaded)
     else:
         model = loaded
+    if model.ir_version < 4:
+        # IR 3 lists initializers as graph inputs; exporters of that age (and ORT) do not insist, and the
+        # skeleton lists them as weights, never inputs: IR 4 is what it is, in every other respect the same.
+        model.ir_version = 4
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     to_matmul_nbits(model, base)  # before the dtype checks: 4-bit weights leave as packed uint8
