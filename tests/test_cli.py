@@ -25,8 +25,9 @@ def quiver(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedPr
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
     assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("quiver: error: "), result.stderr  # not after a blank line
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("quiver: error: "), result.stderr
+    assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in lines[0]

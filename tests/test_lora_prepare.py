@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -133,6 +134,42 @@ def test_quiver_run_applies_a_section_with_strengths(project: Path, prepared: Pa
         rtol=1e-4,
     )
     assert_one_line_error(run_cli(*run, "--lora-strength", "long=1"), "no LoRA section applied")
+    not_in_section = run_cli(*run, "--section", prepared / "elementary.qsec", "--lora-strength", "long=1")
+    assert_one_line_error(not_in_section, "'long' is not in the section", "['elementary']")
+
+
+def test_a_lora_context_runs_without_a_section_as_its_base_model(project: Path, prepared: Path) -> None:
+    with quiver.Context.from_binary(prepared / "lora.qctx") as context:
+        graph = context.graph("model")
+        zero_adapter = graph.execute({"x": X})["y"]
+        context.apply_binary_section("model", prepared / "base.qsec")
+        np.testing.assert_array_equal(graph.execute({"x": X})["y"], zero_adapter)
+    np.testing.assert_allclose(zero_adapter, _expected(project, {}), atol=1e-4, rtol=1e-4)
+
+
+def test_inspect_shows_a_sections_tensors_and_use_case(prepared: Path) -> None:
+    document = json.loads(run_cli("inspect", prepared / "elementary.qsec", "--json").stdout)
+    assert document["kind"] == "binary section"
+    assert document["metadata"]["lora"]["active"] == ["elementary"]
+    tensors = [row["tensor"] for rows in document["graphs"].values() for row in rows]
+    assert tensors and all(name.startswith("lora.") for name in tensors)
+    table = run_cli("inspect", prepared / "elementary.qsec")
+    assert table.returncode == 0 and "use case 'elementary'" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda text: text.replace("  lora_config: long", "  lora_config: long\n  rank: 4"), "unknown keys ['rank']"),
+        (lambda text: text.replace("base/model.onnx", "missing/model.onnx"), "does not exist"),
+        (lambda text: text.replace("[1.0, 0.5]", "[1.0, .nan]"), "alphas are finite numbers"),
+    ],
+)
+def test_yaml_mistakes_are_one_line_errors(project: Path, tmp_path: Path, edit: Any, message: str) -> None:
+    (project / "mistake.yaml").write_text(edit(YAML))
+    for command in ("prepare", "create", "import"):
+        result = run_cli("lora", command, "--lora-config", project / "mistake.yaml", "-o", tmp_path / command)
+        assert_one_line_error(result, message)
 
 
 def test_a_use_case_model_with_another_base_is_refused(project: Path, tmp_path: Path) -> None:

@@ -216,3 +216,18 @@ def test_a_context_has_no_graph_limit(family: dict) -> None:
         first = context.graph("variant_00").execute({"input_ids": ids})["last_hidden_state"]
         last = context.graph("variant_79").execute({"input_ids": ids})["last_hidden_state"]
         np.testing.assert_array_equal(first, last)
+
+
+def test_saved_files_get_the_mode_a_plain_open_would_give(family: dict, tmp_path: Path) -> None:
+    import os
+    import stat
+
+    mask = os.umask(0o027)
+    try:
+        context = quiver.Context.create("reference", workdir=tmp_path)
+        context.add_graph("base", family["base"])
+        path = context.save(tmp_path / "family.qctx")
+        context.close()
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # not mkstemp's 0600

@@ -52,3 +52,7 @@ def info_of_value(value: onnx.ValueInfoProto, tensor_type: TensorType) -> Tensor
             for d in tensor.shape.dim
         )
     return TensorInfo(value.name, dtypes.name_of_onnx(tensor.elem_type), shape, tensor_type)
+
+
+# The input of a LoRA graph holding one strength per adapter (QNN's `lora_alpha`, Genie's alpha tensor).
+LORA_ALPHA_INPUT = "lora_alpha"

@@ -21,10 +21,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from quiver.errors import AdapterError
+from quiver.ir.tensors import LORA_ALPHA_INPUT
 from quiver.lora.attach import AttachPoint
 from quiver.lora.peft import PeftAdapter
 
-ALPHA_INPUT = "lora_alpha"
+ALPHA_INPUT = LORA_ALPHA_INPUT
 
 
 @dataclass(frozen=True)

@@ -258,7 +258,13 @@ def prepare(
         context.graph(graph.name).update_tensors(values[name])
         context.finalize()
         metadata: dict[str, Any] = {
-            "lora": {"use_case": name, "alpha_input": ALPHA_INPUT, "adapters": graph.adapter_order, "alphas": alphas}
+            "lora": {
+                "use_case": name,
+                "alpha_input": ALPHA_INPUT,
+                "adapters": graph.adapter_order,
+                "alphas": alphas,
+                "active": cases[name].adapters,
+            }
         }
         if name in encodings:
             metadata["encodings"] = encodings[name]  # its adapter weights' and the changed activations

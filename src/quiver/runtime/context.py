@@ -80,6 +80,7 @@ class LoraStrengths:
     alpha_input: str
     adapters: list[str]
     alphas: np.ndarray
+    active: list[str]  # the adapters the section holds weights for (its use case); the others are zero
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> LoraStrengths | None:
@@ -91,12 +92,14 @@ class LoraStrengths:
             adapters = [str(a) for a in lora["adapters"]]
             if alphas.shape != (len(adapters),):
                 return None
-            return cls(str(lora["alpha_input"]), adapters, alphas)
+            # sections written before "active" existed: the adapters their use case gives a strength
+            active = [str(a) for a in lora.get("active", [a for a, v in zip(adapters, alphas) if v != 0])]
+            return cls(str(lora["alpha_input"]), adapters, alphas, active)
         except (KeyError, TypeError, ValueError):
             return None
 
     def copy(self) -> LoraStrengths:
-        return LoraStrengths(self.alpha_input, list(self.adapters), self.alphas.copy())
+        return LoraStrengths(self.alpha_input, list(self.adapters), self.alphas.copy(), list(self.active))
 
 
 def _graph_name(graph: str | Graph) -> str:

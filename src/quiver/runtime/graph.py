@@ -9,7 +9,7 @@ import numpy as np
 
 from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError, TensorUpdateError
 from quiver.formats.encodings import EncodingSet
-from quiver.ir.tensors import TensorInfo
+from quiver.ir.tensors import LORA_ALPHA_INPUT, TensorInfo
 
 if TYPE_CHECKING:
     from quiver.runtime.context import Context
@@ -62,19 +62,26 @@ class Graph:
         self.inputs = inputs
         self.outputs = outputs
         self.static_tensors = static
+        # Without a section, a LoRA graph runs as its base: strength 0 for every adapter (QNN's default
+        # adapter; the context's own LoRA weights are zero too).
+        self._zero_adapter: tuple[str, np.ndarray] | None = None
+        alpha = next((i for i in inputs if i.name == LORA_ALPHA_INPUT and i.dtype == "float32"), None)
+        if alpha is not None and alpha.shape is not None and len(alpha.shape) == 1 and isinstance(alpha.shape[0], int):
+            self._zero_adapter = (alpha.name, np.zeros(alpha.shape[0], np.float32))
 
     def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
         """Runs the graph (QnnGraph_execute); prepares it on first use."""
         lora = self._context._lora.get(self.name)
-        default_alphas = lora is not None and lora.alpha_input not in feeds
-        if lora is not None and default_alphas:
-            feeds = {**feeds, lora.alpha_input: lora.alphas}
+        strengths = (lora.alpha_input, lora.alphas) if lora is not None else self._zero_adapter
+        default_alphas = strengths is not None and strengths[0] not in feeds
+        if strengths is not None and default_alphas:
+            feeds = {**feeds, strengths[0]: strengths[1]}
         arrays = validate_feeds(self.name, self.inputs, feeds)
         # The same arrays run after run, in the same dict until an update replaces it (never mutated),
         # so a backend can reuse what it built for them.
         bound: Mapping[str, np.ndarray] = self._context._current[self.name]
-        if lora is not None and default_alphas:
-            bound = {**bound, lora.alpha_input: arrays.pop(lora.alpha_input)}
+        if strengths is not None and default_alphas:
+            bound = {**bound, strengths[0]: arrays.pop(strengths[0])}
         results = self._context._executable(self.name).run(arrays, bound)
         return {info.name: result for info, result in zip(self.outputs, results)}
 
@@ -85,6 +92,11 @@ class Graph:
             raise TensorUpdateError(f"graph {self.name!r} has no LoRA section applied; apply one first")
         if adapter not in lora.adapters:
             raise TensorUpdateError(f"graph {self.name!r} has no adapter {adapter!r}; its adapters are {lora.adapters}")
+        if adapter not in lora.active:
+            raise TensorUpdateError(
+                f"adapter {adapter!r} is not in the section applied to graph {self.name!r} (it holds {lora.active}); "
+                "apply a section of a use case with that adapter first"
+            )
         lora.alphas = lora.alphas.copy()  # a run in flight keeps the vector it was given
         lora.alphas[lora.adapters.index(adapter)] = value
 

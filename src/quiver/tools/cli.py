@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -40,9 +41,19 @@ def _progress(quiet: bool) -> Progress:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=err_console,
-        disable=quiet,
+        disable=quiet or not err_console.is_terminal,  # elsewhere rich leaves a blank line before any error
         transient=True,
     )
+
+
+def _status(message: str) -> Any:
+    """A spinner line on a terminal; nothing (not even a blank line) when stderr is a file or a pipe."""
+    return err_console.status(message) if err_console.is_terminal else contextlib.nullcontext(_NoStatus())
+
+
+class _NoStatus:
+    def update(self, *_: object, **__: object) -> None:
+        pass
 
 
 def _parse_model_arg(text: str) -> tuple[Path, str]:
@@ -93,7 +104,7 @@ def demo(workdir: Path | None, as_json: bool) -> None:
     """Build a base model and two fine-tunes into one context, run them, check them against ONNX Runtime."""
     from quiver.tools.demo import run_demo
 
-    with err_console.status("starting") as status:
+    with _status("starting") as status:
         result = run_demo(workdir, on_step=lambda step: status.update(step))
     if as_json:
         _emit_json(
@@ -216,14 +227,51 @@ def _print_summary(report: dict[str, Any]) -> None:
     console.print(summary)
 
 
+def _starts_with(path: Path, magic: bytes) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(magic)) == magic
+    except OSError:
+        return False  # the context reader says why, in its own words
+
+
+def _inspect_section(path: Path, as_json: bool) -> None:
+    from rich.markup import escape
+
+    from quiver.formats.section import SectionFile
+    from quiver.tools.report import describe_section
+
+    report = describe_section(SectionFile.open(path), str(path))
+    if as_json:
+        _emit_json(report)
+        return
+    table = Table(title=escape(f"{path}: binary section for context {report['context'][:16]}…"))
+    for column in ("graph", "tensor", "dtype", "shape", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left", overflow="fold")
+    for graph, rows in report["graphs"].items():
+        for row in rows:
+            table.add_row(escape(graph), escape(row["tensor"]), row["dtype"], str(row["shape"]), f"{row['bytes']:,}")
+    console.print(table)
+    lora = report["metadata"].get("lora") if isinstance(report["metadata"], dict) else None
+    if isinstance(lora, dict):
+        console.print(
+            escape(f"use case {lora.get('use_case')!r}: adapters {lora.get('active')}, alphas {lora.get('alphas')}")
+        )
+    console.print(f"{_mb(report['bytes'])} of tensors")
+
+
 @cli.command()
 @click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the metadata as JSON.")
 @click.option("--tensors", is_flag=True, help="Also list every stored tensor and the graphs using it.")
 def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
-    """Print a context binary's graphs, inputs/outputs, tensors and sharing."""
+    """Print a context binary's graphs, inputs/outputs, tensors and sharing (or a .qsec section's tensors)."""
+    from quiver.formats._layout import SECTION_MAGIC
     from quiver.tools.report import describe_context
 
+    if _starts_with(context_path, SECTION_MAGIC):
+        _inspect_section(context_path, as_json)
+        return
     with Context.from_binary(context_path, backend="reference") as context:
         report = describe_context(context, str(context_path))
     if as_json:
@@ -683,7 +731,7 @@ def lora_prepare(
             QuantizeOptions(activation_bits=int(act_bitwidth), weight_bits=int(weight_bitwidth)),
             int(lora_weight_bitwidth) if lora_weight_bitwidth else None,
         )
-    with err_console.status("preparing") as status:
+    with _status("preparing") as status:
         manifest = prepare(
             lora_config, output_dir, genie_config, on_step=lambda step: status.update(step), quantization=quantization
         )

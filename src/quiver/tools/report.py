@@ -7,6 +7,7 @@ from typing import Any
 
 from quiver.formats._layout import MAJOR
 from quiver.formats.reader import ContextFile
+from quiver.formats.section import SectionFile
 from quiver.runtime.context import Context
 
 
@@ -86,4 +87,29 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
             }
             for w in file.weights
         ],
+    }
+
+
+def describe_section(section: SectionFile, source: str) -> dict[str, Any]:
+    """The metadata of a binary section (`.qsec`) as one JSON-ready dict: its context, graphs and tensors."""
+    return {
+        "path": source,
+        "kind": "binary section",
+        "format_version": f"{MAJOR}.{section.minor_version}",
+        "producer": section.producer,
+        "context": section.context_id,
+        "metadata": section.metadata,
+        "bytes": sum(w.length for w in section.weights),
+        "graphs": {
+            name: [
+                {
+                    "tensor": tensor,
+                    "dtype": section.weights[index].dtype,
+                    "shape": list(section.weights[index].shape),
+                    "bytes": section.weights[index].length,
+                }
+                for tensor, index in sorted(graph.tensors.items())
+            ]
+            for name, graph in section.graphs.items()
+        },
     }
