@@ -257,3 +257,47 @@ def test_an_update_one_graph_refuses_is_staged_for_none() -> None:
             context.update_context_tensors(_adapter(9))  # fits prefill, not decode's smaller rank
         context.finalize()
         np.testing.assert_allclose(context.graph("prefill").execute({"x": X})["y"], _expected(X, None), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_lower_rank_adapter_is_stored_at_its_rank_and_zero_extended_at_apply(
+    binary: Path, tmp_path: Path, backend: str
+) -> None:
+    low = {name: value.copy() for name, value in _adapter(5).items()}
+    low["lora_A"][:, 2:] = 0  # rank 2 in a rank-4 branch, as a smaller adapter is padded
+    low["lora_B"][2:, :] = 0
+    maker = quiver.Context.from_binary(binary)
+    maker.graph("lora").update_tensors(low)
+    maker.finalize()
+    narrow = maker.get_binary_section("lora")
+    maker.graph("lora").update_tensors(_adapter(6))
+    maker.finalize()
+    whole = maker.get_binary_section("lora")
+    stored = {w.shape for w in SectionFile(narrow).weights}
+    assert stored == {(IN, 2), (2, OUT)}
+    assert len(narrow) < len(whole)
+    (tmp_path / "narrow.qsec").write_bytes(narrow)
+    with quiver.Context.from_binary(binary, backend=backend) as context:
+        context.apply_binary_section("lora", tmp_path / "narrow.qsec")
+        np.testing.assert_allclose(context.graph("lora").execute({"x": X})["y"], _expected(X, low), rtol=1e-5)
+        (tmp_path / "narrow.qsec").write_bytes(whole)  # rewritten in place after the apply: changes nothing
+        np.testing.assert_allclose(context.graph("lora").execute({"x": X})["y"], _expected(X, low), rtol=1e-5)
+
+
+def test_a_section_tensor_larger_than_its_updateable_tensor_is_refused(binary: Path) -> None:
+    with quiver.Context.create("reference") as other:
+        wide = _lora_model()
+        for tensor in wide.graph.initializer:
+            if tensor.name == "lora_A":
+                tensor.CopyFrom(numpy_helper.from_array(np.ones((IN, RANK + 1), np.float32), "lora_A"))
+            if tensor.name == "lora_B":
+                tensor.CopyFrom(numpy_helper.from_array(np.ones((RANK + 1, OUT), np.float32), "lora_B"))
+        other.add_graph("lora", wide, updateable=["lora_A", "lora_B"])
+        other.finalize()
+        section = SectionFile(other.get_binary_section("lora"))
+    with quiver.Context.from_binary(binary) as context:
+        before = context.graph("lora").execute({"x": X})["y"]
+        section.context_id = context.file.header_sha256  # past the identity check, to reach the shape check
+        with pytest.raises(quiver.SectionMismatchError, match="needs float32"):
+            context.apply_binary_section("lora", section)
+        np.testing.assert_array_equal(context.graph("lora").execute({"x": X})["y"], before)

@@ -37,6 +37,23 @@ def checked_update(file: ContextFile, graph: str, values: Mapping[str, Any]) -> 
     return checked
 
 
+def trailing_zeros_trimmed(array: np.ndarray) -> np.ndarray:
+    """The smallest leading box of a float tensor that holds all its non-zeros (at least 1 along each axis).
+
+    A LoRA adapter of rank 8 in a context whose branches have rank 16 fills the first 8 columns of A and
+    rows of B: its section stores those, and applying it zero-extends them (format 1.3). Integer tensors
+    are kept whole: for quantized ones 0 is not the real zero.
+    """
+    if array.dtype.kind != "f" or array.ndim == 0 or array.size == 0:
+        return array
+    box = []
+    for axis in range(array.ndim):
+        others = tuple(i for i in range(array.ndim) if i != axis)
+        used = np.flatnonzero(np.any(array != 0, axis=others)) if others else np.flatnonzero(array != 0)
+        box.append(slice(0, max(int(used[-1]) + 1 if used.size else 1, 1)))
+    return array[tuple(box)]
+
+
 def write_section(
     file: ContextFile, current: Mapping[str, Values], graphs: Iterable[str], metadata: Mapping[str, Any] | None = None
 ) -> bytes:
@@ -44,10 +61,12 @@ def write_section(
     writer = SectionWriter(file.header_sha256, metadata)
     try:
         for graph in graphs:
-            mapping = {
-                name: writer.add_weight(array.dtype.name, array.shape, [array.tobytes()])
-                for name, array in sorted(current[graph].items())
-            }
+            mapping = {}
+            for name, array in sorted(current[graph].items()):
+                stored = trailing_zeros_trimmed(array)
+                mapping[name] = writer.add_weight(
+                    stored.dtype.name, stored.shape, [np.ascontiguousarray(stored).tobytes()]
+                )
             writer.add_graph(graph, mapping)
         path = writer.finish()
     except BaseException:
@@ -60,10 +79,17 @@ def write_section(
 
 
 def load_section(source: str | Path | bytes | bytearray | memoryview | SectionFile) -> SectionFile:
-    """A section, every checksum verified (a damaged section is refused); bytes and mappings are not copied."""
+    """A section, every checksum verified (a damaged section is refused); bytes given are not copied.
+
+    A section from a path is read into memory, not mapped: it is small, and what was checked is then
+    what is used, whatever later happens to the file (rewritten or truncated in place).
+    """
     if isinstance(source, SectionFile):
         return source
-    section = SectionFile(source) if isinstance(source, (bytes, bytearray, memoryview)) else SectionFile.open(source)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        section = SectionFile(source)
+    else:
+        section = SectionFile.open(source, persistent=False)
     problems = section.verify()
     if problems:
         raise ChecksumMismatchError(
@@ -95,10 +121,21 @@ def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str])
             if name not in entry.updateable:
                 raise SectionMismatchError(f"{section.source}: graph {graph!r} has no updateable tensor {name!r}")
             weight = file.weights[entry.weights[name]]
-            if (stored.dtype, stored.shape) != (weight.dtype, weight.shape):
+            fits = len(stored.shape) == len(weight.shape) and all(a <= b for a, b in zip(stored.shape, weight.shape))
+            if stored.dtype != weight.dtype or not fits:
                 raise SectionMismatchError(
                     f"{section.source}: tensor {name!r} is {stored.dtype}{list(stored.shape)}, graph {graph!r} "
                     f"needs {weight.dtype}{list(weight.shape)}"
                 )
-            bound[graph][name] = section.weight_array(index)
+            bound[graph][name] = _zero_extended(section.weight_array(index), weight.shape)
     return bound
+
+
+def _zero_extended(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The section's tensor at the context's shape: itself when it is whole, else zero-extended (a copy)."""
+    if tuple(array.shape) == tuple(shape):
+        return array
+    whole = np.zeros(shape, array.dtype)
+    whole[tuple(slice(0, n) for n in array.shape)] = array
+    whole.flags.writeable = False
+    return whole
