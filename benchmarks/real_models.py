@@ -31,6 +31,7 @@ if kind == "ort":
     import onnxruntime as ort
 else:
     import quiver
+    import quiver.backends.cpu, quiver.runtime.context  # what opening needs (imported lazily by quiver)
     import onnxruntime as ort
 imports_ms = (time.perf_counter() - start) * 1e3
 case = dict(np.load(npz)); case.pop(output)

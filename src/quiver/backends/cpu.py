@@ -52,6 +52,13 @@ def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
     return [graph.weights[n] for n in sorted(names) if n in graph.weights]
 
 
+def _return_freed_memory() -> None:
+    """Hands the heap's free pages back to the OS (glibc's malloc_trim) once a stand-in session is gone:
+    without it, what that session freed stays in this process's RSS (~1.3 MB per MiniLM graph)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
 def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
     """Tells the kernel the mapped pages of packed weights are not needed now (MADV_DONTNEED).
 
@@ -208,9 +215,11 @@ class CpuExecutable:
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         if not self._released:
-            self._session = packed  # attribute assignment is atomic; runs in flight keep the old session
+            stand_in, self._session = self._session, packed  # atomic; runs in flight keep the old session
             self.is_packed = True
             _drop_resident_pages(self._droppable)
+            del stand_in
+            _return_freed_memory()
 
     def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         session = self._session
