@@ -122,12 +122,10 @@ def _open(model: Path, qctx: Path, graph: str, npz: Path, output: str, repeats: 
     }
 
 
-def _latency(model: Path, qctx: Path, graph: str, feeds: dict[str, np.ndarray], rounds: int, iterations: int,
-             ort_config: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
-    options = ort.SessionOptions()
-    for key, value in (ort_config or {}).items():
-        options.add_session_config_entry(key, value)
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+def _latency(
+    model: Path, qctx: Path, graph: str, feeds: dict[str, np.ndarray], rounds: int, iterations: int
+) -> dict[str, Any]:
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     context = quiver.Context.from_binary(qctx)
     ours = context.graph(graph)
     ours.execute(feeds)
@@ -148,8 +146,6 @@ def _latency(model: Path, qctx: Path, graph: str, feeds: dict[str, np.ndarray], 
 def measure_real_models(
     folder: Path, corpus: Path, repeats: int, rounds: int = 7, iterations: int = 20
 ) -> dict[str, Any]:
-    from quiver.backends.cpu import EXACT_QDQ_CONFIG
-
     npz = {name: corpus / f"{name}.npz" for name in OUTPUTS}
     feeds = {}
     for name in OUTPUTS:
@@ -176,9 +172,7 @@ def measure_real_models(
             "open_to_first_output": _open(source, qctx, row, npz[case], output, repeats),
             "latency": _latency(source, qctx, row, feeds[case], rounds, iterations),
         }
-        if "a16" in row:  # ORT's default on a QDQ file rounds activations to int8 in MatMulNBits; exact: float32
-            entry["latency_vs_ort_exact_qdq"] = _latency(source, qctx, row, feeds[case], rounds, iterations,
-                                                         EXACT_QDQ_CONFIG)  # fmt: skip
+        if "a16" in row:
             entry["context_over_float_weights"] = qctx.stat().st_size / (corpus / "minilm.onnx.data").stat().st_size
         rows[row] = entry
     pair = _context(folder, "pair", {"minilm": corpus / "minilm.onnx", "minilm_tuned": corpus / "minilm_tuned.onnx"})
