@@ -146,6 +146,8 @@ def test_run_errors_are_one_line(built: Path, tmp_path: Path) -> None:
         quiver("run", built, "--graph", "base", "--input-list", tmp_path / "bad.txt", "--output-dir", tmp_path),
         "'ids' is not an input",
     )
+    run = ["run", built, "--graph", "base", "--input-list", tmp_path / "bad.txt", "--output-dir", tmp_path]
+    assert_one_line_error(quiver(*run, "--input-shape", "ids=1,4"), "shapes given for ['ids']")
     (tmp_path / "odd.raw").write_bytes(b"\0" * 7)
     (tmp_path / "odd.txt").write_text("input_ids:=odd.raw\n")
     assert_one_line_error(

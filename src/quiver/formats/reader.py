@@ -280,6 +280,7 @@ class TensorFile:
 
     def verify(self) -> list[str]:
         """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
+
         problems = [
             f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch"
             for w in self.weights
@@ -288,7 +289,7 @@ class TensorFile:
         problems += self._verify_rest()
         regions = sorted([(0, PREAMBLE_SIZE), *self._regions(), (self.header_offset, 0)])
         for (start, length), (next_start, _) in zip(regions, regions[1:]):
-            if any(self._buffer[start + length : next_start].tobytes()):
+            if np.frombuffer(self._buffer[start + length : next_start], np.uint8).any():  # read in place, no copy
                 problems.append(f"non-zero padding between bytes {start + length} and {next_start}")
         return problems
 

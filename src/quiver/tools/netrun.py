@@ -68,6 +68,11 @@ def parse_input_list(
     except (OSError, UnicodeDecodeError) as exc:
         raise InputListError(f"cannot read input list {list_path}: {exc}") from None
     inputs = {i.name: i for i in (graph.inputs if isinstance(graph, Graph) else graph)}
+    unknown = sorted(set(shapes) - set(inputs))
+    if unknown:
+        raise InputListError(
+            f"shapes given for {unknown} (--input-shape), which are not inputs; the inputs are {sorted(inputs)}"
+        )
     feeds = []
     for number, line in enumerate(lines, 1):
         line = line.strip()
