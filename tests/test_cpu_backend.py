@@ -112,3 +112,38 @@ def test_outputs_after_packing_are_right_for_every_kind_of_source(
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
         context.wait_until_ready()
     assert context._live["finetune_2"].is_packed  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_weights_that_onnx_runtime_folds_reach_its_optimizers_without_a_second_try(lazy: bool) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = np.arange(512 * 64, dtype=np.float32).reshape(512, 64) / 1000  # a position table, as BERT's
+    graph = helper.make_graph(
+        [  # Slice of a weight with constant bounds: too large for Quiver to fold at build time (100 KB), so
+            # ORT folds it at load and must read the table's bytes
+            helper.make_node("Slice", ["table", "starts", "ends", "axes"], ["rows"]),
+            helper.make_node("Add", ["x", "rows"], ["y"]),
+        ],
+        "folded",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [400, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [400, 64])],
+        [
+            numpy_helper.from_array(table, "table"),
+            *(
+                numpy_helper.from_array(np.array([v], np.int64), n)
+                for n, v in (("starts", 3), ("ends", 403), ("axes", 0))
+            ),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.ones((400, 64), np.float32)
+    context = quiver.Context.create(cpu.CpuBackend(lazy_prepack=lazy))
+    context.add_graph("folded", model)
+    context.finalize()
+    first = context.graph("folded").execute({"x": x})["y"]
+    context.wait_until_ready()
+    assert "Slice" in {n.op_type for n in context._live["folded"]._graph.model.graph.node}  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(first, x + table[3:403])
+    np.testing.assert_array_equal(context.graph("folded").execute({"x": x})["y"], first)
+    assert all(e.is_packed for e in context._live.values())  # type: ignore[attr-defined]

@@ -267,9 +267,11 @@ def test_4_bit_weights_are_block_quantized_and_stored_packed(encoder: dict[str, 
         theirs = _ort(out, ids, level)
         with quiver.Context.from_binary(tmp_path / "a16w4.qctx", backend=backend) as runtime:
             ours = runtime.graph("a16w4").execute({"input_ids": ids})["last_hidden_state"]
-        # at level 4 Quiver's MatMulNBits (packed at build time) and ORT's fusion of the QDQ pairs block
-        # the int8 activations alike but sum in another order: a few 16-bit steps apart, not more
-        np.testing.assert_allclose(ours, theirs, atol=2e-3 if level == 0 else 3e-2, rtol=0, err_msg=str(backend))
+        # at level 4 Quiver's MatMulNBits (packed at build time) and ORT's own fusion of the QDQ pairs are
+        # two int8 approximations of the same product (ORT < 1.32 blocks the activations differently):
+        # within 2 % of the output's range of each other, not more
+        atol = 2e-3 if level == 0 else 0.02 * float(np.abs(theirs).max())
+        np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0, err_msg=str(backend))
 
 
 def _dq_matmul_model(ints: np.ndarray, scale: np.ndarray, zero: np.ndarray, dtype: int, block: int) -> onnx.ModelProto:
@@ -427,3 +429,14 @@ def test_other_calibration_methods(encoder: dict[str, Path], method: str) -> Non
 def _scales(model: onnx.ModelProto) -> dict[str, float]:
     return {t.name: float(numpy_helper.to_array(t).ravel()[0]) for t in model.graph.initializer
             if t.name.endswith("_scale")}  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "low", "high"), [(onnx.TensorProto.INT4, -8, 7), (onnx.TensorProto.UINT4, 0, 15)])
+def test_4_bit_tensors_unpack_as_onnx_unpacks_them(dtype: int, low: int, high: int) -> None:
+    from quiver.passes.nbits import pack_nibbles, unpack_nibbles
+
+    values = np.random.default_rng(1).integers(low, high + 1, (5, 7))  # an odd count: the last byte is half used
+    flat = np.append(values.ravel(), 0)
+    tensor = helper.make_tensor("t", dtype, [5, 7], pack_nibbles(flat & 0x0F).tobytes(), raw=True)
+    np.testing.assert_array_equal(unpack_nibbles(tensor), values)
+    np.testing.assert_array_equal(numpy_helper.to_array(tensor).astype(np.int64), values)

@@ -97,9 +97,9 @@ def test_each_graph_gets_one_session_before_its_first_output(
     made: list[bool] = []
     create = cpu._create_session
 
-    def counting(*args: object, packed: bool) -> object:
+    def counting(*args: object, packed: bool, **options: object) -> object:
         made.append(packed)
-        return create(*args, packed=packed)  # type: ignore[arg-type]
+        return create(*args, packed=packed, **options)  # type: ignore[arg-type]
 
     monkeypatch.setattr(cpu, "_create_session", counting)
     feeds, _ = _case(real_models, "smollm")
@@ -194,7 +194,8 @@ def test_quantized_real_exports_run_alike_on_both_backends_and_in_onnx_runtime(
         # where ORT fuses the QDQ pairs itself; sums in another order flip a few 16-bit roundings, which
         # travel through six layers of requantization. The reference backend rounds intermediate
         # quantizers from its own float64 math: a few output steps.
-        tolerance = 0.02 if backend == "reference" else (1e-5 if name == "a16w8" else 0.02)
+        # (ORT < 1.32 blocks a16w4's int8 activations otherwise than Quiver's MatMulNBits at level 4: 3 %)
+        tolerance = 0.02 if backend == "reference" else (1e-5 if name == "a16w8" else 0.03)
         assert _relative(ours, theirs) <= tolerance, backend
 
 

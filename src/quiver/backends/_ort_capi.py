@@ -33,6 +33,7 @@ _RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, _RELEASE_SESSION_OPTIONS = 99, 100
 _ADD_SESSION_CONFIG_ENTRY, _ADD_INITIALIZER = 130, 150
 _CREATE_PREPACKED_CONTAINER, _RELEASE_PREPACKED_CONTAINER = 166, 167
 _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER = 169
+_ADD_EXTERNAL_INITIALIZERS = 210
 
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
@@ -82,7 +83,7 @@ class _Api:
         table = get_api(_API_VERSION)
         if not table:
             raise CApiUnavailableError(f"ONNX Runtime's C library does not offer API version {_API_VERSION}")
-        self._table = ctypes.cast(table, ctypes.POINTER(_P * 200)).contents
+        self._table = ctypes.cast(table, ctypes.POINTER(_P * 211)).contents
         self._lib = lib
 
         def fn(index: int, restype: Any, *argtypes: Any) -> Any:
@@ -98,6 +99,9 @@ class _Api:
         self.SetIntraOpNumThreads = fn(_SET_INTRA_OP_NUM_THREADS, _STATUS, _P, ctypes.c_int)
         self.AddSessionConfigEntry = fn(_ADD_SESSION_CONFIG_ENTRY, _STATUS, _P, ctypes.c_char_p, ctypes.c_char_p)
         self.AddInitializer = fn(_ADD_INITIALIZER, _STATUS, _P, ctypes.c_char_p, _P)
+        self.AddExternalInitializers = fn(
+            _ADD_EXTERNAL_INITIALIZERS, _STATUS, _P, ctypes.POINTER(ctypes.c_char_p), _PP, ctypes.c_size_t
+        )
         self.CreatePrepackedWeightsContainer = fn(_CREATE_PREPACKED_CONTAINER, _STATUS, _PP)
         self.ReleasePrepackedWeightsContainer = fn(_RELEASE_PREPACKED_CONTAINER, None, _P)
         self.CreateSessionFromArrayWithContainer = fn(
@@ -239,6 +243,7 @@ class Session:
         self,
         model: bytes,
         weights: Mapping[str, np.ndarray],
+        readable: Mapping[str, np.ndarray],
         container: PrepackedWeights,
         config: Mapping[str, str],
         intra_op_num_threads: int,
@@ -260,6 +265,17 @@ class Session:
                 capi.check(capi.AddSessionConfigEntry(options, key.encode(), value.encode()))
             for name, tensor in self._weights.items():
                 capi.check(capi.AddInitializer(options, name.encode(), tensor.handle))
+            # weights ORT's optimizers read: placed in the graph before it optimizes (not copied)
+            self._readable = {name: _Tensor(array) for name, array in readable.items()}  # must outlive the session
+            if self._readable:
+                capi.check(
+                    capi.AddExternalInitializers(
+                        options,
+                        (ctypes.c_char_p * len(self._readable))(*(n.encode() for n in self._readable)),
+                        (_P * len(self._readable))(*(t.handle for t in self._readable.values())),
+                        len(self._readable),
+                    )
+                )
             self.handle = capi._out(
                 capi.CreateSessionFromArrayWithContainer, capi.env, model, len(model), options, container.handle
             )

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
 
 from quiver.backends import _ort_capi
 from quiver.backends.base import FinalizedGraph
@@ -28,7 +27,7 @@ from quiver.backends.lora_strengths import fold_lora_strengths
 from quiver.errors import BackendError
 
 # ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
-# data, so placeholders name this empty file; nothing reads it (see `session_model`).
+# data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
 _PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
 
 # ORT's MatMulNBits kernel (Quiver's 4-bit weights; ORT >= 1.32 also fuses DequantizeLinear + MatMul of
@@ -38,6 +37,9 @@ _PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
 # MatMuls gets no unpacked stand-in session (it would compute in float32: another answer).
 DEFAULT_ACCURACY_LEVEL = 4
 _INTEGER_MATMUL_OPS = {"MatMulNBits", "DequantizeLinear"}
+# Before 1.32, ORT's MatMulNBits cannot keep its packed weights in a shared container (session creation
+# fails): such graphs then pack their own copies, through the Python API.
+_SHARED_INTEGER_PACKING = tuple(int(p) for p in ort.__version__.split(".")[:2]) >= (1, 32)
 
 _PREPACKED_OPS = {"MatMul", "Gemm"}
 _PAGE = mmap.PAGESIZE
@@ -120,25 +122,27 @@ def weights_optimizers_read(model: onnx.ModelProto) -> set[str]:
     return read
 
 
-def session_model(graph: FinalizedGraph) -> bytes:
-    """The graph as ORT gets it: placeholders, except that weights its optimizers read are inline.
+@dataclasses.dataclass(frozen=True)
+class SessionWeights:
+    """How a session gets the graph's weights, none of them copied.
 
-    Every weight reaches a session as a shared initializer (`AddInitializer`: what kernels compute with
-    and what the prepacked container keys, no copy). ORT's graph optimizers read initializers through
-    the model instead; a placeholder there would fail the session. ORT copies whatever it is given to
-    read (in-memory external files included, ~1 ms and 1 MB of RSS per MB), so only the weights they
-    read are given, inline: usually none (transposed weights are fused at build time), a position
-    table under fixed shapes, the quantized weights of QDQ graphs.
+    Most go in as shared initializers (`AddInitializer`): what kernels compute with and what the
+    prepacked container keys. ORT's graph optimizers cannot see those; the weights they read
+    (`weights_optimizers_read`) go in as external initializers (`AddExternalInitializers`), which ORT
+    puts into the graph before it optimizes. Given through the model instead, inline or as in-memory
+    files, ORT would copy them (~1 ms and 1 MB of RSS per MB); a placeholder would fail the session.
     """
-    read = weights_optimizers_read(graph.model) & set(graph.weights)
-    if not read:
-        return graph.model.SerializeToString()
-    model = onnx.ModelProto()
-    model.CopyFrom(graph.model)
-    for tensor in model.graph.initializer:
-        if tensor.name in read:
-            tensor.CopyFrom(numpy_helper.from_array(np.asarray(graph.weights[tensor.name]), tensor.name))
-    return model.SerializeToString()
+
+    model: bytes  # the skeleton as stored: placeholders for every weight
+    shared: dict[str, np.ndarray]
+    readable: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, graph: FinalizedGraph) -> SessionWeights:
+        read = weights_optimizers_read(graph.model)
+        shared = {name: array for name, array in graph.weights.items() if name not in read}
+        readable = {name: array for name, array in graph.weights.items() if name in read}
+        return cls(graph.model.SerializeToString(), shared, readable)
 
 
 class _PythonApiSession:
@@ -148,7 +152,7 @@ class _PythonApiSession:
     `prepack=False`.
     """
 
-    def __init__(self, graph: FinalizedGraph, model: bytes, backend: CpuBackend, prepack: bool) -> None:
+    def __init__(self, weights: SessionWeights, backend: CpuBackend, prepack: bool) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = backend.intra_op_num_threads
         options.graph_optimization_level = backend.graph_optimization_level
@@ -163,10 +167,13 @@ class _PythonApiSession:
         if backend.profile_prefix is not None:
             options.enable_profiling = True
             options.profile_file_prefix = backend.profile_prefix
-        self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in graph.weights.items()}
+        self._values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in weights.shared.items()}
         for name, value in self._values.items():
             options.add_initializer(name, value)
-        self._session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        self._readable = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in weights.readable.items()}
+        if self._readable:
+            options.add_external_initializers(list(self._readable), list(self._readable.values()))
+        self._session = ort.InferenceSession(weights.model, options, providers=["CPUExecutionProvider"])
 
     def run(
         self, output_names: list[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
@@ -180,18 +187,21 @@ class _PythonApiSession:
 _Session = _ort_capi.Session | _PythonApiSession
 
 
-def _create_session(graph: FinalizedGraph, model: bytes, backend: CpuBackend, packed: bool) -> _Session:
+def _create_session(
+    graph: FinalizedGraph, weights: SessionWeights, backend: CpuBackend, packed: bool, shareable: bool = True
+) -> _Session:
     """A packed session shares the context's container (C API); an unpacked one comes from the Python API.
 
     Both are made at the same optimization level: ORT's fusions change results (QDQ fusions compute in
     integers), and the first output must equal every later one.
     """
     try:
-        if packed and backend.profile_prefix is None:
+        if packed and shareable and backend.profile_prefix is None:
             try:
                 return _ort_capi.Session(
-                    model,
-                    graph.weights,
+                    weights.model,
+                    weights.shared,
+                    weights.readable,
                     backend.container(),
                     backend.config(prepack=True),
                     backend.intra_op_num_threads,
@@ -199,7 +209,7 @@ def _create_session(graph: FinalizedGraph, model: bytes, backend: CpuBackend, pa
                 )
             except _ort_capi.CApiUnavailableError:
                 pass  # no shared packing on this install: each graph packs its own copy
-        return _PythonApiSession(graph, model, backend, packed)
+        return _PythonApiSession(weights, backend, packed)
     except Exception as exc:
         raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
@@ -221,15 +231,18 @@ class CpuExecutable:
         self._upgrade: threading.Thread | None = None
         self._released = False
         self.is_packed = backend.prepack and (not backend.lazy_prepack or integer_matmuls)
-        self._model = session_model(graph)
-        self._session: _Session | None = _create_session(graph, self._model, backend, packed=self.is_packed)
+        self._shareable = _SHARED_INTEGER_PACKING or not integer_matmuls
+        self._weights = SessionWeights.of(graph)
+        self._session: _Session | None = _create_session(
+            graph, self._weights, backend, packed=self.is_packed, shareable=self._shareable
+        )
         self._upgrade_pending = backend.prepack and not self.is_packed
         if self.is_packed:
             _drop_resident_pages(self._droppable)
 
     def _build_packed_session(self) -> None:
         try:
-            packed = _create_session(self._graph, self._model, self._backend, packed=True)
+            packed = _create_session(self._graph, self._weights, self._backend, packed=True, shareable=self._shareable)
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         if not self._released:

@@ -34,25 +34,36 @@ def _emit_json(document: Any) -> None:
     click.echo(json.dumps(document, indent=2))
 
 
-def _progress(quiet: bool) -> Progress:
+def _progress(quiet: bool) -> Any:
+    """A progress bar on a terminal. Elsewhere (a pipe, a log, CI) none at all: rich would still end its
+    live display with a newline, and an error after it would not be the one line it must be."""
+    if quiet or not err_console.is_terminal:
+        return contextlib.nullcontext(_Silent())
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=err_console,
-        disable=quiet or not err_console.is_terminal,  # elsewhere rich leaves a blank line before any error
         transient=True,
     )
 
 
 def _status(message: str) -> Any:
-    """A spinner line on a terminal; nothing (not even a blank line) when stderr is a file or a pipe."""
-    return err_console.status(message) if err_console.is_terminal else contextlib.nullcontext(_NoStatus())
+    """A spinner line on a terminal; nothing elsewhere (see `_progress`)."""
+    return err_console.status(message) if err_console.is_terminal else contextlib.nullcontext(_Silent())
 
 
-class _NoStatus:
+class _Silent:
+    """Stands in for a progress bar or a status line where none is shown."""
+
+    def add_task(self, *_: object, **__: object) -> int:
+        return 0
+
     def update(self, *_: object, **__: object) -> None:
+        pass
+
+    def advance(self, *_: object, **__: object) -> None:
         pass
 
 
