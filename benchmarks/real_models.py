@@ -18,7 +18,8 @@ import onnxruntime as ort
 import quiver
 from timing import median_ms
 
-OUTPUTS = {"minilm": "last_hidden_state", "minilm_tuned": "last_hidden_state", "smollm": "logits"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the corpus helpers live with the tests
+from tests.real.corpus import OUTPUTS, quantize_minilm  # noqa: E402
 
 # One fresh interpreter per measurement. It times its imports, then (after the same warm-up on both sides:
 # ORT's runtime and one tiny session) the open and the first output.
@@ -80,31 +81,6 @@ def _context(folder: Path, name: str, sources: dict[str, Path], **add: Any) -> P
     return path
 
 
-def _quantized(corpus: Path, folder: Path) -> dict[str, Path]:
-    """a16w8 (per channel) and a16w4 MiniLM, calibrated on padded batches of seeded vocabulary ids."""
-    rng = np.random.default_rng(5)
-    lines = []
-    for i in range(8):
-        lengths = rng.integers(6, 24, size=2)
-        ids, mask = np.zeros((2, int(lengths.max())), np.int64), np.zeros((2, int(lengths.max())), np.int64)
-        for row, length in enumerate(lengths):
-            ids[row, :length] = np.concatenate([[101], rng.integers(1996, 29000, length - 2), [102]])
-            mask[row, :length] = 1
-        np.save(folder / f"ids_{i}.npy", ids)
-        np.save(folder / f"mask_{i}.npy", mask)
-        lines.append(f"input_ids:=ids_{i}.npy attention_mask:=mask_{i}.npy")
-    (folder / "calibration.txt").write_text("\n".join(lines) + "\n")
-    made = {}
-    for name, extra in (("a16w8", ["--per-channel"]), ("a16w4", ["--weight-bitwidth", "4", "--block-size", "32"])):
-        made[name] = folder / f"minilm_{name}.onnx"
-        subprocess.run(
-            [sys.executable, "-m", "quiver", "quantize", str(corpus / "minilm.onnx"), "-o", str(made[name]),
-             "--act-bitwidth", "16", "--input-list", str(folder / "calibration.txt"), "--quiet", *extra],
-            check=True, capture_output=True,
-        )  # fmt: skip
-    return made
-
-
 def _open(model: Path, qctx: Path, graph: str, npz: Path, output: str, repeats: int) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"ort": [], "quiver": []}
     for _ in range(repeats):  # interleaved: drift hits both alike
@@ -153,7 +129,7 @@ def measure_real_models(
         case.pop(OUTPUTS[name])
         feeds[name] = case
     shape = list(feeds["minilm"]["input_ids"].shape)
-    quantized = _quantized(corpus, folder)
+    quantized = quantize_minilm(corpus, folder)
     fixed = {"input_shapes": {"input_ids": shape, "attention_mask": shape}}
     models = {  # row: (source .onnx, corpus case, how the context is built)
         "minilm": (corpus / "minilm.onnx", "minilm", {}),

@@ -17,14 +17,7 @@ import quiver
 from quiver.backends import cpu
 from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend
 from quiver.passes.quantize import mask_fills_of
-from tests.test_cli import quiver as run_quiver
-
-OUTPUTS = {"minilm": "last_hidden_state", "minilm_tuned": "last_hidden_state", "smollm": "logits"}
-
-
-def _case(folder: Path, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    case = dict(np.load(folder / f"{name}.npz"))
-    return case, case.pop(OUTPUTS[name])
+from tests.real.corpus import OUTPUTS, case, quantize_minilm
 
 
 def _relative(a: np.ndarray, b: np.ndarray) -> float:
@@ -44,7 +37,7 @@ def _context(folder: Path, out: Path, models: dict[str, Path], **add: object) ->
 def contexts(real_models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("real")
     built = {name: _context(real_models, out, {name: real_models / f"{name}.onnx"}) for name in OUTPUTS}
-    shape = list(_case(real_models, "minilm")[0]["input_ids"].shape)
+    shape = list(case(real_models, "minilm")[0]["input_ids"].shape)
     built["minilm_fixed"] = _context(
         real_models, out, {"minilm_fixed": real_models / "minilm.onnx"},
         input_shapes={"input_ids": shape, "attention_mask": shape},
@@ -57,7 +50,7 @@ def contexts(real_models: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 def test_real_exports_run_as_torch_computes_them(
     real_models: Path, contexts: dict[str, Path], name: str, backend: str
 ) -> None:
-    feeds, expected = _case(real_models, name)
+    feeds, expected = case(real_models, name)
     with quiver.Context.from_binary(contexts[name], backend=backend) as context:
         got = context.graph(name).execute(feeds)[OUTPUTS[name]]
     assert _relative(got, expected) <= 1e-4
@@ -102,7 +95,7 @@ def test_each_graph_gets_one_session_before_its_first_output(
         return create(*args, packed=packed, **options)  # type: ignore[arg-type]
 
     monkeypatch.setattr(cpu, "_create_session", counting)
-    feeds, _ = _case(real_models, "smollm")
+    feeds, _ = case(real_models, "smollm")
     with quiver.Context.from_binary(contexts["smollm"]) as context:
         context.graph("smollm").execute(feeds)
         assert made[0] is False  # the first output's session: unpacked; the packed one follows in the background
@@ -116,29 +109,10 @@ def test_a_fine_tune_adds_only_its_unique_weights(real_models: Path, tmp_path: P
     with quiver.Context.from_binary(path) as context:
         stats = context.weight_stats()
         for name in models:
-            feeds, expected = _case(real_models, name)
+            feeds, expected = case(real_models, name)
             assert _relative(context.graph(name).execute(feeds)[OUTPUTS[name]], expected) <= 1e-4
     assert stats.unique_bytes < 0.7 * stats.referenced_bytes  # four of six layers and the embeddings shared
     assert path.stat().st_size <= 1.01 * stats.unique_bytes
-
-
-def _calibration(folder: Path, real_models: Path, count: int = 8) -> Path:
-    """Calibration inputs that are not the evaluated sentences: seeded token ids of MiniLM's vocabulary, in
-    padded batches of two as a tokenizer makes them (padding is what exercises the attention mask)."""
-    rng = np.random.default_rng(5)
-    lines = []
-    for i in range(count):
-        lengths = rng.integers(6, 24, size=2)
-        ids = np.zeros((2, int(lengths.max())), np.int64)
-        mask = np.zeros_like(ids)
-        for row, length in enumerate(lengths):
-            ids[row, :length] = np.concatenate([[101], rng.integers(1996, 29000, length - 2), [102]])
-            mask[row, :length] = 1
-        np.save(folder / f"ids_{i}.npy", ids)
-        np.save(folder / f"mask_{i}.npy", mask)
-        lines.append(f"input_ids:=ids_{i}.npy attention_mask:=mask_{i}.npy")
-    (folder / "calibration.txt").write_text("\n".join(lines) + "\n")
-    return folder / "calibration.txt"
 
 
 def _sentence_embeddings(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -148,21 +122,13 @@ def _sentence_embeddings(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def quantized(real_models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("real-quantized")
-    calibration = _calibration(folder, real_models)
-    made = {}
-    for name, extra in (("a16w8", ["--per-channel"]), ("a16w4", ["--weight-bitwidth", "4", "--block-size", "32"])):
-        made[name] = folder / f"minilm_{name}.onnx"
-        result = run_quiver("quantize", real_models / "minilm.onnx", "-o", made[name], "--act-bitwidth", "16",
-                            "--input-list", calibration, "--quiet", *extra)  # fmt: skip
-        assert result.returncode == 0, result.stderr
-    return made
+    return quantize_minilm(real_models, tmp_path_factory.mktemp("real-quantized"))
 
 
 def test_a16w8_minilm_keeps_its_sentence_embeddings(real_models: Path, quantized: dict[str, Path]) -> None:
     import onnx
 
-    feeds, _ = _case(real_models, "minilm")
+    feeds, _ = case(real_models, "minilm")
     reference = ort.InferenceSession(str(real_models / "minilm.onnx")).run(None, feeds)[0]
     with quiver.Context.create("cpu") as context:
         context.add_graph("q", quantized["a16w8"])
@@ -182,7 +148,7 @@ def test_a16w8_minilm_keeps_its_sentence_embeddings(real_models: Path, quantized
 def test_quantized_real_exports_run_alike_on_both_backends_and_in_onnx_runtime(
     real_models: Path, quantized: dict[str, Path], tmp_path: Path, name: str
 ) -> None:
-    feeds, _ = _case(real_models, "minilm")
+    feeds, _ = case(real_models, "minilm")
     path = _context(real_models, tmp_path, {name: quantized[name]})
     for backend, level in (("cpu", DEFAULT_ACCURACY_LEVEL), (CpuBackend(accuracy_level=0), 0), ("reference", 0)):
         options = ort.SessionOptions()  # ORT on the QDQ file, its MatMulNBits at the same accuracy level

@@ -1,0 +1,1 @@
+"""The real-model corpus: its export script and what tests and benchmarks share about it."""

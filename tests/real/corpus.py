@@ -1,0 +1,56 @@
+"""What the tests and the benchmarks share about the real-model corpus: outputs, cases, calibration, quantizing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+OUTPUTS = {"minilm": "last_hidden_state", "minilm_tuned": "last_hidden_state", "smollm": "logits"}
+QUANTIZED = {  # variant of MiniLM -> `quiver quantize` options besides 16-bit activations
+    "a16w8": ["--per-channel"],
+    "a16w4": ["--weight-bitwidth", "4", "--block-size", "32"],
+}
+
+
+def case(corpus: Path, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A model's inputs and torch's output for them (the ground truth)."""
+    arrays = dict(np.load(corpus / f"{name}.npz"))
+    return arrays, arrays.pop(OUTPUTS[name])
+
+
+def write_calibration(folder: Path, count: int = 8) -> Path:
+    """A QNN input list of inputs that are not the evaluated sentences: seeded token ids of MiniLM's
+    vocabulary, in padded batches of two as a tokenizer makes them (padding exercises the attention mask)."""
+    rng = np.random.default_rng(5)
+    lines = []
+    for i in range(count):
+        lengths = rng.integers(6, 24, size=2)
+        ids = np.zeros((2, int(lengths.max())), np.int64)
+        mask = np.zeros_like(ids)
+        for row, length in enumerate(lengths):
+            ids[row, :length] = np.concatenate([[101], rng.integers(1996, 29000, length - 2), [102]])
+            mask[row, :length] = 1
+        np.save(folder / f"ids_{i}.npy", ids)
+        np.save(folder / f"mask_{i}.npy", mask)
+        lines.append(f"input_ids:=ids_{i}.npy attention_mask:=mask_{i}.npy")
+    (folder / "calibration.txt").write_text("\n".join(lines) + "\n")
+    return folder / "calibration.txt"
+
+
+def quantize_minilm(corpus: Path, folder: Path) -> dict[str, Path]:
+    """MiniLM as each variant of QUANTIZED, by `quiver quantize` (as a user runs it)."""
+    calibration = write_calibration(folder)
+    made = {}
+    for name, options in QUANTIZED.items():
+        made[name] = folder / f"minilm_{name}.onnx"
+        result = subprocess.run(
+            [sys.executable, "-m", "quiver", "quantize", str(corpus / "minilm.onnx"), "-o", str(made[name]),
+             "--act-bitwidth", "16", "--input-list", str(calibration), "--quiet", *options],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise RuntimeError(f"quiver quantize failed for {name}: {result.stderr}")
+    return made
