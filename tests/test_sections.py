@@ -301,3 +301,26 @@ def test_a_section_tensor_larger_than_its_updateable_tensor_is_refused(binary: P
         with pytest.raises(quiver.SectionMismatchError, match="needs float32"):
             context.apply_binary_section("lora", section)
         np.testing.assert_array_equal(context.graph("lora").execute({"x": X})["y"], before)
+
+
+def test_a_section_file_is_verified_once_until_it_changes(binary: Path, tmp_path: Path) -> None:
+    maker = quiver.Context.from_binary(binary)
+    sections = {}
+    for seed in (7, 8):
+        maker.graph("lora").update_tensors(_adapter(seed))
+        maker.finalize()
+        sections[seed] = maker.get_binary_section("lora")
+    path = tmp_path / "adapter.qsec"
+    path.write_bytes(sections[7])
+    with quiver.Context.from_binary(binary) as context:
+        first = context.apply_binary_section("lora", path)
+        assert context.apply_binary_section("lora", path) is first  # unchanged: not read nor hashed again
+        path.write_bytes(sections[8])  # rewritten in place: another identity, read and verified again
+        assert context.apply_binary_section("lora", path) is not first
+        np.testing.assert_allclose(context.graph("lora").execute({"x": X})["y"], _expected(X, _adapter(8)), rtol=1e-5)
+        damaged = bytearray(sections[7])
+        damaged[-len(damaged) // 3] ^= 0xFF  # somewhere in a tensor or the header
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(quiver.QuiverError):
+            context.apply_binary_section("lora", path)
+        np.testing.assert_allclose(context.graph("lora").execute({"x": X})["y"], _expected(X, _adapter(8)), rtol=1e-5)

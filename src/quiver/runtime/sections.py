@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -87,15 +90,51 @@ def load_section(source: str | Path | bytes | bytearray | memoryview | SectionFi
     if isinstance(source, SectionFile):
         return source
     if isinstance(source, (bytes, bytearray, memoryview)):
-        section = SectionFile(source)
-    else:
-        section = SectionFile.open(source, persistent=False)
+        return _verified(SectionFile(source))
+    return _FROM_PATHS.get(Path(source))
+
+
+def _verified(section: SectionFile) -> SectionFile:
     problems = section.verify()
     if problems:
         raise ChecksumMismatchError(
             f"{section.source}: {'; '.join(problems[:3])}; the section is damaged: make it again"
         )
     return section
+
+
+class _VerifiedSections:
+    """Sections read from paths and verified, by file identity: switching back to a file applied before
+    costs a stat, not a read and a SHA-256 of every tensor (~1 ms per 2 MB). A file replaced or written
+    to since has another identity (inode, size, mtime, ctime) and is read and verified again."""
+
+    def __init__(self, limit_bytes: int = 256 * 1024 * 1024) -> None:
+        self._limit = limit_bytes
+        self._sections: OrderedDict[tuple[int, ...], SectionFile] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: Path) -> SectionFile:
+        identity: tuple[int, ...] = ()
+        try:
+            info = os.stat(path)
+            identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        except OSError:
+            pass  # opening it below says why
+        with self._lock:
+            cached = self._sections.get(identity) if identity else None
+            if cached is not None:
+                self._sections.move_to_end(identity)
+                return cached
+        section = _verified(SectionFile.open(path, persistent=False))  # the reader says why it cannot
+        if identity:
+            with self._lock:
+                self._sections[identity] = section
+                while len(self._sections) > 1 and sum(s.size for s in self._sections.values()) > self._limit:
+                    self._sections.popitem(last=False)
+        return section
+
+
+_FROM_PATHS = _VerifiedSections()
 
 
 def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str]) -> dict[str, Values]:
