@@ -225,3 +225,15 @@ def test_demo_builds_runs_and_matches_onnxruntime(tmp_path: Path) -> None:
     assert report["context_bytes"] < 0.6 * report["separate_bytes"]
     table = quiver("demo", "--workdir", tmp_path / "again")
     assert "one context" in table.stdout and "ok" in table.stdout
+
+
+def test_the_demo_without_a_workdir_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from quiver.tools.demo import run_demo
+    from quiver.tools.family import SMALL
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = run_demo(shape=SMALL, repeats=2)
+    assert result.path is None and all(row.matches for row in result.rows)
+    assert list(tmp_path.iterdir()) == []

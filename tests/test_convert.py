@@ -188,3 +188,29 @@ def test_an_ir_3_model_with_unlisted_initializers_and_prelu_runs_as_onnx_runtime
     context.finalize()
     np.testing.assert_allclose(context.graph("ir3").execute({"x": x})["y"], expected, rtol=1e-6, atol=1e-6)
     assert (expected < 0).any()  # PRelu's negative side is exercised
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_matmul_by_a_transposed_weight_reads_the_weight_as_stored(backend: str) -> None:
+    table = np.random.default_rng(2).standard_normal((256, 64)).astype(np.float32)  # a tied embedding, 64 KB
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["hidden"]),
+            helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+            helper.make_node("MatMul", ["hidden", "table_t"], ["logits"]),
+        ],
+        "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 5])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 5, 256])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    converted = convert(model)
+    ops = [n.op_type for n in converted.skeleton.graph.node]
+    assert "Transpose" not in ops and "FusedMatMul" in ops  # no transposed copy of the table anywhere
+    assert list(converted.weights) == ["table"]
+    ids = np.array([[3, 1, 4, 1, 5]], np.int64)
+    context = quiver.Context.create(backend)
+    context.add_graph("tied", model)
+    context.finalize()
+    np.testing.assert_allclose(context.graph("tied").execute({"ids": ids})["logits"], table[ids] @ table.T, rtol=1e-5)

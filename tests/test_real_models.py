@@ -16,7 +16,7 @@ import pytest
 import quiver
 from quiver.backends import cpu
 from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend
-from quiver.passes.quantize import mask_fills_of
+from quiver.passes.mask_fills import mask_fills_of
 from tests.real.corpus import OUTPUTS, case, quantize_minilm
 
 

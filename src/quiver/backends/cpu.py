@@ -218,7 +218,7 @@ class CpuExecutable:
     def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
         model, self._strengths = fold_lora_strengths(graph.model)
         integer_matmuls = backend.accuracy_level > 0 and any(n.op_type in _INTEGER_MATMUL_OPS for n in model.graph.node)
-        if integer_matmuls:
+        if integer_matmuls and any(n.op_type == "MatMulNBits" for n in model.graph.node):
             model = _with_accuracy_level(model, backend.accuracy_level)
         graph = dataclasses.replace(graph, model=model)
         self._graph = graph

@@ -280,7 +280,6 @@ class TensorFile:
 
     def verify(self) -> list[str]:
         """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
-
         problems = [
             f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch"
             for w in self.weights

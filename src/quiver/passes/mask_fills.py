@@ -9,6 +9,8 @@ one, so Softmax gives the same probabilities in float32, and the Add's range sta
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +54,7 @@ def _extreme_constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 def _scores_reached(graph: onnx.GraphProto, start: str) -> list[tuple[str, str]]:
     """(Softmax input, the scores the mask is added to) for every Softmax the constant reaches."""
     consumers: dict[str, list[onnx.NodeProto]] = {}
+    producers = {output: node for node in graph.node for output in node.output}
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
@@ -61,7 +64,7 @@ def _scores_reached(graph: onnx.GraphProto, start: str) -> list[tuple[str, str]]
         for name in frontier:
             for node in consumers.get(name, []):
                 if node.op_type == "Softmax":
-                    producer = next((n for n in graph.node if name in n.output), None)
+                    producer = producers.get(name)
                     if producer is not None and producer.op_type == "Add":
                         scores = [i for i in producer.input if i not in on_path]
                         if len(scores) == 1:
@@ -96,15 +99,12 @@ def _lowest(model: onnx.ModelProto, names: Sequence[str], samples: Sequence[Mapp
 
 def clamp_mask_fills(model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]]) -> list[MaskFill]:
     """Rewrites the model's mask fills in place (see the module docstring); returns what it treated."""
-    graph = model.graph
-    masks = {
-        name: reached for name, value in _extreme_constants(graph).items() if (reached := _scores_reached(graph, name))
-    }
+    values = _extreme_constants(model.graph)
+    masks = {name: reached for name in values if (reached := _scores_reached(model.graph, name))}
     if not masks or not samples:
         return []
     lowest = _lowest(model, [scores for reached in masks.values() for _, scores in reached], samples)
     fill = float(np.float32(lowest - MARGIN))
-    values = _extreme_constants(graph)
     treated = [
         MaskFill(name, float(values[name].min()), fill, tuple(s for s, _ in reached)) for name, reached in masks.items()
     ]
@@ -128,3 +128,20 @@ def apply_mask_fills(model: onnx.ModelProto, fills: Sequence[MaskFill]) -> None:
         for node in graph.node:
             if node.op_type == "Constant" and node.output[0] == fill.tensor:
                 node.attribute[0].t.CopyFrom(replacement)
+
+
+MASK_FILLS_KEY = "quiver.mask_fills"  # model metadata: the fills a QDQ model was calibrated with
+
+
+def record_mask_fills(model: onnx.ModelProto, fills: Sequence[MaskFill]) -> None:
+    """Notes the fills in the (quantized) model's metadata, where reports and summaries find them."""
+    if fills:
+        model.metadata_props.add(key=MASK_FILLS_KEY, value=json.dumps([dataclasses.asdict(f) for f in fills]))
+
+
+def mask_fills_of(model: onnx.ModelProto) -> list[MaskFill]:
+    """The fills recorded in a model (none for a model `quantize` did not treat)."""
+    for prop in model.metadata_props:
+        if prop.key == MASK_FILLS_KEY:
+            return [MaskFill(**{**m, "softmax_inputs": tuple(m["softmax_inputs"])}) for m in json.loads(prop.value)]
+    return []

@@ -9,9 +9,7 @@ precision included (its `convert` overrides). Quiver adds what ORT lacks: AIMET 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
-import json
 import logging
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,7 +25,7 @@ from onnx import numpy_helper
 from quiver.errors import QuantizationError
 from quiver.formats.encodings import Encoding, EncodingSet
 from quiver.ir.quantized import QUANTIZED_SUFFIX, graph_encodings
-from quiver.passes.mask_fills import MaskFill, clamp_mask_fills
+from quiver.passes.mask_fills import clamp_mask_fills, record_mask_fills
 from quiver.passes.nbits import pack_nibbles
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
@@ -311,20 +309,8 @@ def quantize(
     if options.weight_bits == 4:
         result = _with_opset(result, BLOCK_QUANTIZATION_OPSET)
         _matmul_weights_to_int4_blocks(result, model_copy, options.block_size or DEFAULT_BLOCK_SIZE)
-    if mask_fills:  # the model says what was changed in it; reports read it from there
-        result.metadata_props.add(key=MASK_FILLS_KEY, value=json.dumps([dataclasses.asdict(m) for m in mask_fills]))
+    record_mask_fills(result, mask_fills)  # the model says what was changed in it; reports read it there
     return result, encodings_of(result)
-
-
-MASK_FILLS_KEY = "quiver.mask_fills"
-
-
-def mask_fills_of(model: onnx.ModelProto) -> list[MaskFill]:
-    """The mask fills `quantize` treated in this QDQ model (none for other models)."""
-    for prop in model.metadata_props:
-        if prop.key == MASK_FILLS_KEY:
-            return [MaskFill(**{**m, "softmax_inputs": tuple(m["softmax_inputs"])}) for m in json.loads(prop.value)]
-    return []
 
 
 BLOCK_QUANTIZATION_OPSET = 21  # DequantizeLinear's block_size

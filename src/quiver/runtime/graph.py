@@ -72,15 +72,17 @@ class Graph:
     def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
         """Runs the graph (QnnGraph_execute); prepares it on first use."""
         lora = self._context._lora.get(self.name)
+        # the strengths a caller does not feed: the applied section's, or the zero adapter's
         strengths = (lora.alpha_input, lora.alphas) if lora is not None else self._zero_adapter
-        default_alphas = strengths is not None and strengths[0] not in feeds
-        if strengths is not None and default_alphas:
+        if strengths is not None and strengths[0] in feeds:
+            strengths = None
+        if strengths is not None:
             feeds = {**feeds, strengths[0]: strengths[1]}
         arrays = validate_feeds(self.name, self.inputs, feeds)
         # The same arrays run after run, in the same dict until an update replaces it (never mutated),
         # so a backend can reuse what it built for them.
         bound: Mapping[str, np.ndarray] = self._context._current[self.name]
-        if strengths is not None and default_alphas:
+        if strengths is not None:
             bound = {**bound, strengths[0]: arrays.pop(strengths[0])}
         results = self._context._executable(self.name).run(arrays, bound)
         return {info.name: result for info, result in zip(self.outputs, results)}

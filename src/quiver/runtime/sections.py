@@ -53,7 +53,7 @@ def trailing_zeros_trimmed(array: np.ndarray) -> np.ndarray:
     for axis in range(array.ndim):
         others = tuple(i for i in range(array.ndim) if i != axis)
         used = np.flatnonzero(np.any(array != 0, axis=others)) if others else np.flatnonzero(array != 0)
-        box.append(slice(0, max(int(used[-1]) + 1 if used.size else 1, 1)))
+        box.append(slice(0, int(used[-1]) + 1 if used.size else 1))
     return array[tuple(box)]
 
 

@@ -16,8 +16,7 @@ import onnx
 import onnxruntime as ort
 
 from quiver.errors import QuantizationError
-from quiver.passes.mask_fills import apply_mask_fills
-from quiver.passes.quantize import mask_fills_of
+from quiver.passes.mask_fills import apply_mask_fills, mask_fills_of
 
 
 def sqnr_db(reference: np.ndarray, approximation: np.ndarray) -> float:

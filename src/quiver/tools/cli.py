@@ -535,7 +535,8 @@ def quantize(
     quiet: bool,
 ) -> None:
     """Quantize MODEL.onnx to a QDQ model (runnable by ONNX Runtime), as qairt-quantizer does."""
-    from quiver.passes.quantize import QuantizeOptions, mask_fills_of
+    from quiver.passes.mask_fills import mask_fills_of
+    from quiver.passes.quantize import QuantizeOptions
     from quiver.tools.quantize import read_overrides, run_quantize
 
     if input_list is None and not float_fallback:
@@ -551,6 +552,7 @@ def quantize(
             model, output, options, input_list, _parse_file_shapes(input_shapes), encodings_out, encodings_version,
             report,
         )  # fmt: skip
+    mask_fills = mask_fills_of(result.model)
     summary = {
         "output": str(output),
         "float_weight_bytes": result.float_bytes,
@@ -559,7 +561,7 @@ def quantize(
         "activation_encodings": len(result.encodings.activations()),
         "encodings_out": str(encodings_out) if encodings_out else None,
         "accuracy": result.report.to_json() if result.report else None,
-        "mask_fills": [vars(m) for m in mask_fills_of(result.model)],
+        "mask_fills": [vars(m) for m in mask_fills],
     }
     if as_json:
         _emit_json(summary)
@@ -570,11 +572,11 @@ def quantize(
     if encodings_out:
         table.add_row("encodings file", f"{encodings_out} (AIMET {encodings_version})")
     console.print(table)
-    if summary["mask_fills"]:
+    if mask_fills:
         fills = Table(title="mask fills clamped before calibration (Softmax unchanged in float32)")
         for column in ("tensor", "was", "now", "reaches Softmax of"):
             fills.add_column(column)
-        for m in mask_fills_of(result.model):
+        for m in mask_fills:
             fills.add_row(m.tensor, f"{m.original:.4g}", f"{m.fill:.4g}", ", ".join(m.softmax_inputs[:3]))
         console.print(fills)
     if result.report:
