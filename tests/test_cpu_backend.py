@@ -10,6 +10,7 @@ import pytest
 
 import quiver
 from quiver.backends import _ort_capi, cpu
+from tests.helpers import executables
 
 
 def _outputs(context: quiver.Context, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -21,7 +22,7 @@ def test_a_graph_runs_unpacked_first_then_packed_with_the_same_outputs(
 ) -> None:
     context = quiver.Context.from_binary(family_context, backend="cpu")
     first = context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"]
-    executable = context._live["base"]
+    executable = executables(context)["base"]
     assert isinstance(executable, cpu.CpuExecutable)
     context.wait_until_ready()
     assert executable.is_packed
@@ -37,7 +38,7 @@ def test_eager_packing_and_no_packing_agree_with_onnxruntime(
     for name, ours in _outputs(context, input_ids).items():
         theirs = ort.InferenceSession(family[name].SerializeToString()).run(None, {"input_ids": input_ids})[0]
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-    assert all(e.is_packed == backend.prepack for e in context._live.values())
+    assert all(e.is_packed == backend.prepack for e in executables(context).values())
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -48,7 +49,7 @@ def test_graphs_of_one_context_share_one_packing_container(
     context = quiver.Context.from_binary(family_context, backend=backend)
     _outputs(context, input_ids)
     context.wait_until_ready()
-    sessions = [e._session for e in context._live.values()]  # type: ignore[attr-defined]
+    sessions = [e._session for e in executables(context).values()]  # type: ignore[attr-defined]
     assert all(isinstance(s, _ort_capi.Session) for s in sessions)
     assert {id(s._container) for s in sessions} == {id(backend.container())}
     other = quiver.Context.from_binary(family_context, backend="cpu")
@@ -68,12 +69,12 @@ def test_the_first_output_comes_from_an_unpacked_python_api_session(
 ) -> None:
     context = quiver.Context.from_binary(family_context, backend="cpu")
     context.graph("base").execute({"input_ids": input_ids})
-    executable = context._live["base"]
+    executable = executables(context)["base"]
     context.wait_until_ready()
     assert executable.is_packed and isinstance(executable._session, _ort_capi.Session)  # type: ignore[attr-defined]
     unpacked = quiver.Context.from_binary(family_context, backend="cpu-noprepack")
     unpacked.graph("base").execute({"input_ids": input_ids})
-    assert isinstance(unpacked._live["base"]._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
+    assert isinstance(executables(unpacked)["base"]._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
 
 
 def test_without_the_c_library_the_python_api_runs_the_graph(
@@ -85,7 +86,7 @@ def test_without_the_c_library_the_python_api_runs_the_graph(
     monkeypatch.setattr(_ort_capi.Session, "__init__", unavailable)
     context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(lazy_prepack=False))
     ours = context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"]
-    executable = context._live["base"]
+    executable = executables(context)["base"]
     assert executable.is_packed and isinstance(executable._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
     theirs = ort.InferenceSession(family["base"].SerializeToString()).run(None, {"input_ids": input_ids})[0]
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
@@ -111,7 +112,7 @@ def test_outputs_after_packing_are_right_for_every_kind_of_source(
         ours = context.graph("finetune_2").execute({"input_ids": input_ids})["last_hidden_state"]
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
         context.wait_until_ready()
-    assert context._live["finetune_2"].is_packed  # type: ignore[attr-defined]
+    assert executables(context)["finetune_2"].is_packed  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -143,7 +144,7 @@ def test_weights_that_onnx_runtime_folds_reach_its_optimizers_without_a_second_t
     context.finalize()
     first = context.graph("folded").execute({"x": x})["y"]
     context.wait_until_ready()
-    assert "Slice" in {n.op_type for n in context._live["folded"]._graph.model.graph.node}  # type: ignore[attr-defined]
+    assert "Slice" in {n.op_type for n in executables(context)["folded"]._graph.model.graph.node}  # type: ignore[attr-defined]
     np.testing.assert_array_equal(first, x + table[3:403])
     np.testing.assert_array_equal(context.graph("folded").execute({"x": x})["y"], first)
-    assert all(e.is_packed for e in context._live.values())  # type: ignore[attr-defined]
+    assert all(e.is_packed for e in executables(context).values())  # type: ignore[attr-defined]

@@ -58,13 +58,14 @@ def test_real_exports_run_as_torch_computes_them(
 
 _LOAD_AND_COMPARE = """
 import json, sys, numpy as np, quiver
+from tests.helpers import executables
 path, graph, npz, output = sys.argv[1:5]
 case = dict(np.load(npz)); case.pop(output)
 with quiver.Context.from_binary(path) as context:
     first = context.graph(graph).execute(case)[output]
     context.wait_until_ready()
     later = context.graph(graph).execute(case)[output]
-    packed = all(e.is_packed for e in context._live.values())
+    packed = all(e.is_packed for e in executables(context).values())
 print(json.dumps({"relative": float(np.abs(first - later).max() / np.abs(later).max()), "packed": packed}))
 """
 

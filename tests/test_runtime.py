@@ -56,7 +56,7 @@ def test_graphs_use_the_same_memory_for_shared_weights(family_context: Path, inp
         shared = set(file.graphs["base"].weights.values()) & set(file.graphs["finetune_1"].weights.values())
         assert shared
         for index in shared:
-            view = context._weight_view(index)
+            view = context._store.weight_view(index)  # type: ignore[union-attr]
             assert np.shares_memory(view, np.frombuffer(file._buffer, np.uint8))
 
 

@@ -139,7 +139,7 @@ def test_applying_binds_the_mapped_section_without_copying(binary: Path, tmp_pat
     context = quiver.Context.from_binary(binary)
     context.apply_binary_section("lora", section)
     assert section.file_backed
-    bound = context._current["lora"]["lora_A"]
+    bound = context._state("lora").values["lora_A"]
     assert np.shares_memory(bound, np.frombuffer(section._buffer, np.uint8))
 
 

@@ -28,6 +28,10 @@ class TruncatedFileError(CorruptFileError):
     """The file is shorter than its preamble says."""
 
 
+class FileChangedError(CorruptFileError):
+    """A loaded file was truncated or rewritten in place; files in use must be replaced instead."""
+
+
 class HeaderTooLargeError(CorruptFileError):
     """The header length exceeds the format's bound."""
 

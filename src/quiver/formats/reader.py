@@ -16,6 +16,7 @@ from quiver.errors import (
     BadMagicError,
     ChecksumMismatchError,
     FileAccessError,
+    FileChangedError,
     HeaderTooLargeError,
     InvalidHeaderError,
     MisalignedTensorError,
@@ -30,10 +31,12 @@ from quiver.formats._layout import (
     MAJOR,
     MAX_HEADER,
     MAX_RANK,
+    PAGE_ALIGNMENT,
     PREAMBLE_SIZE,
     Preamble,
     align_for,
 )
+from quiver.formats.files import open_regular
 from quiver.ir import dtypes
 
 
@@ -151,12 +154,20 @@ def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
 
 
 def _check_order(regions: list[tuple[int, int, str]]) -> None:
+    """Regions in ascending order, each after the previous one's end and no further than a page from it:
+    writers only pad for alignment, so a file's size is bounded by what its header declares (a sparse
+    file with a huge hole is refused before a byte of the hole is read)."""
     previous_end, previous = DATA_START, "the preamble"
     for offset, length, what in regions:
         if offset < previous_end:
             raise OverlappingRegionsError(
                 f"{what} starts at {offset}, before the end of {previous} ({previous_end}); "
                 "the file is damaged: rebuild it"
+            )
+        if offset - previous_end >= PAGE_ALIGNMENT:
+            raise OutOfBoundsError(
+                f"{what} starts {offset - previous_end} bytes after the end of {previous}, more than alignment "
+                "allows; the file is damaged: rebuild it"
             )
         previous_end, previous = offset + length, what
 
@@ -178,6 +189,8 @@ class TensorFile:
     def __init__(self, buffer: mmap.mmap | bytes | bytearray | memoryview, source: str = "<bytes>") -> None:
         self.source = source
         self._mmap = buffer if isinstance(buffer, mmap.mmap) else None
+        self._fd: int | None = None  # the mapped file, kept open to notice changes made in place
+        self._identity: tuple[int, ...] = ()
         self._buffer = memoryview(buffer).cast("B")
         size = len(self._buffer)
         if size < PREAMBLE_SIZE:
@@ -236,7 +249,8 @@ class TensorFile:
         if len(keys) != len(self.weights):
             raise _fail("two weights have the same content key; each distinct tensor must be stored once")
         regions = self._parse_rest(header, graphs_raw, limit)
-        _check_order([(w.offset, w.length, f"weight {w.index}") for w in self.weights] + regions)
+        tail = [(self.header_offset, 0, "the header")]
+        _check_order([(w.offset, w.length, f"weight {w.index}") for w in self.weights] + regions + tail)
 
     def _parse_rest(self, header: dict[str, Any], graphs_raw: list[Any], limit: int) -> list[tuple[int, int, str]]:
         """Parses the subclass's fields; returns the regions they own, for the ordering check."""
@@ -247,16 +261,66 @@ class TensorFile:
 
     @classmethod
     def open(cls: type[_T], path: str | Path, persistent: bool = True) -> _T:
-        """Maps `path` read-only (persistent) or reads it into private memory."""
+        """Maps `path` read-only (persistent) or reads it into private memory.
+
+        Only regular files are opened. The file is validated on the mapping first, so a private copy
+        reads no more than its header declares; that copy is then what was checked, whatever later
+        happens to the file.
+        """
         path = Path(path)
+        with open_regular(path) as f:
+            info = os.fstat(f.fileno())
+            if info.st_size < PREAMBLE_SIZE:
+                return cls(f.read(), str(path))  # too short to map: the constructor says why
+            try:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:
+                raise FileAccessError(f"cannot map {path}: {exc}; check the path") from None
+            file = cls(mapping, str(path))
+            if not persistent:
+                file._take_private_copy()
+                return file
+            file._fd = os.dup(f.fileno())
+            file._identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            return file
+
+    def _take_private_copy(self) -> None:
+        assert self._mmap is not None
+        data = bytes(self._buffer)
+        self._buffer.release()
+        self._mmap.close()
+        self._mmap, self._buffer = None, memoryview(data)
+
+    def check_unchanged(self) -> None:
+        """Raises if the mapped file was truncated or rewritten in place since it was opened.
+
+        Reading a mapping past a truncated end kills the process (SIGBUS); Quiver's files are replaced,
+        never rewritten, so a change in place is someone else's doing: refuse rather than compute with it.
+        """
+        if self._fd is None:
+            return
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < PREAMBLE_SIZE or not persistent:
-                    return cls(f.read(), str(path))
-                return cls(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), str(path))
-        except OSError as exc:
-            raise FileAccessError(f"cannot read {path}: {exc.strerror or exc}; check the path") from None
+            info = os.fstat(self._fd)
+        except OSError:
+            return  # closed meanwhile: nothing maps it any more
+        if (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != self._identity:
+            raise FileChangedError(
+                f"{self.source} was truncated or rewritten in place while it was loaded; files in use must be "
+                "replaced (write a new file, then rename it over the old one): load it again"
+            )
+
+    def is_file_at(self, path: str | Path) -> bool:
+        """Whether `path` names the very file this one maps, unchanged."""
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+        return bool(self._identity) and (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) == self._identity
+
+    @property
+    def buffer(self) -> memoryview:
+        """The file's bytes (the mapping itself for a mapped file)."""
+        return self._buffer
 
     @property
     def file_backed(self) -> bool:
@@ -280,6 +344,7 @@ class TensorFile:
 
     def verify(self) -> list[str]:
         """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
+        self.check_unchanged()
         problems = [
             f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch"
             for w in self.weights
@@ -296,6 +361,9 @@ class TensorFile:
         return []
 
     def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         try:
             self._buffer.release()
             if self._mmap is not None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +61,8 @@ class TensorFileWriter:
     FORMAT = "qctx"
 
     def __init__(self, directory: str | Path | None = None) -> None:
-        fd, tmp = temporary_file(f".{self.FORMAT}-", directory)
+        fd, tmp = temporary_file(self.FORMAT, directory)
+        self._pid = os.getpid()  # a forked child must not remove its parent's file
         self._path = Path(tmp)
         self._file: BinaryIO = os.fdopen(fd, "w+b")
         self._file.write(b"\0" * DATA_START)
@@ -164,23 +167,37 @@ class TensorFileWriter:
         os.fsync(self._file.fileno())
 
     def finish(self, destination: str | Path | None = None) -> Path:
-        """Completes the file; moves it to `destination` (atomically) or returns the temporary path."""
+        """Completes the file; moves it to `destination` (atomically) or returns the temporary path.
+
+        A temporary file stays open, and locked, until `release()` or `discard()`: its lock tells other
+        processes' clean-up that its writer still lives.
+        """
         self._require(_State.WEIGHTS)
         try:
             self._write_tail()
-            self._file.close()
             if destination is not None:
-                publish(self._path, Path(destination))
+                publish(self._path, Path(destination))  # renamed while still locked
                 self._path = Path(destination)
+                self._file.close()
         except BaseException:
             self.abort()
             raise
         self._state = _State.DONE
         return self._path
 
+    def release(self) -> None:
+        """Closes a finished file (after it was published elsewhere)."""
+        self._file.close()
+
+    def discard(self) -> None:
+        """Removes a finished temporary file that was never published (only in the process that wrote it)."""
+        if self._state is _State.DONE and not self._file.closed:
+            unlink_if_owner(self._path, self._pid)
+            self._file.close()
+
     def abort(self) -> None:
         """Drops the partial file; safe to call in any state."""
-        if self._state is _State.WEIGHTS:
+        if self._state is _State.WEIGHTS and os.getpid() == self._pid:
             self._file.close()
             self._path.unlink(missing_ok=True)
             self._state = _State.ABORTED
@@ -243,14 +260,58 @@ def _umask() -> int:
     return mask
 
 
-def temporary_file(prefix: str, directory: str | Path | None) -> tuple[int, str]:
-    """A `.partial` file for an atomic write, with the mode a plain `open()` would give (mkstemp: 0600)."""
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".partial", dir=directory)
+TEMPORARY_PREFIX = ".quiver-tmp-"
+TEMPORARY_SUFFIX = ".partial"
+_STALE_AFTER_S = 1.0  # a file this young may be one a writer has created but not locked yet
+
+
+def temporary_file(label: str, directory: str | Path | None) -> tuple[int, str]:
+    """A `.quiver-tmp-<label>-*.partial` file for an atomic write, locked while its writer lives, with
+    the mode a plain `open()` would give (mkstemp: 0600). Files left by writers that were killed (their
+    lock died with them) are removed first."""
+    folder = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    remove_stale_temporaries(folder)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{label}-", suffix=TEMPORARY_SUFFIX, dir=folder)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS however the process ends
+    except OSError:
+        pass  # a file system without locks: the file is still removed on every exit Python sees
     try:
         os.fchmod(fd, 0o666 & ~_umask())
     except OSError:
         pass  # a file system without modes: keep mkstemp's
     return fd, tmp
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Removes temporary files whose writer is gone (killed: nothing else could clean them up)."""
+    removed = []
+    try:
+        candidates = list(folder.glob(f"{TEMPORARY_PREFIX}*{TEMPORARY_SUFFIX}"))
+    except OSError:
+        return removed
+    for path in candidates:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < _STALE_AFTER_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a living writer holds it
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def unlink_if_owner(path: Path, pid: int) -> None:
+    """Removes `path` when called by the process that made it (finalizers also run in forked children)."""
+    if os.getpid() == pid:
+        path.unlink(missing_ok=True)
 
 
 def publish(source: Path, destination: Path) -> None:
@@ -265,13 +326,13 @@ def publish(source: Path, destination: Path) -> None:
 def _replace_atomically(destination: Path, fill: Callable[[BinaryIO], object]) -> None:
     """Writes a temporary file in the destination folder with `fill`, syncs it, then renames it into place."""
     destination = Path(destination).resolve()
-    fd, tmp = temporary_file(f".{destination.name}-", destination.parent)
+    fd, tmp = temporary_file(destination.name, destination.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             fill(out)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, destination)
+            os.replace(tmp, destination)  # while still open: its lock keeps other clean-ups off it
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

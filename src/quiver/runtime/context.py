@@ -1,9 +1,15 @@
-"""The context (QNN context): graphs over one weight store, built, saved, loaded by mmap and executed."""
+"""The context (QNN context): graphs over one weight store, built, saved, loaded by mmap and executed.
+
+A `Context` is a handle: the mapped binary, parsed graphs and prepared executables live in a shared
+store (`runtime/store.py`), while the applied sections and LoRA strengths belong to the handle. Each
+`view()` is another handle over the same store with its own adapter state (QNN's per-graph state over
+one context), so users sharing a context share weights and packed weights, never adapters.
+"""
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,25 +19,18 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from quiver.backends import Backend, Executable, FinalizedGraph, get_backend
-from quiver.errors import (
-    ContextStateError,
-    DuplicateGraphError,
-    InvalidHeaderError,
-    TensorUpdateError,
-    UnknownGraphError,
-)
-from quiver.formats._layout import WEIGHT_LOCATION
+from quiver.backends import Backend, FinalizedGraph, get_backend
+from quiver.errors import ContextStateError, DuplicateGraphError, TensorUpdateError, UnknownGraphError
 from quiver.formats.encodings import EncodingSet
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
-from quiver.formats.writer import ContextWriter, copy_atomically, publish, write_atomically
-from quiver.ir import dtypes
+from quiver.formats.writer import ContextWriter, publish, write_atomically
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.quantized import graph_encodings
-from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.runtime import sections
 from quiver.runtime.graph import Graph
+from quiver.runtime.state import GraphState, LoraStrengths
+from quiver.runtime.store import Store
 
 if TYPE_CHECKING:  # converting models (onnx.reference, the inliner...) is for building, not loading
     from quiver.passes.convert import InputShapes
@@ -45,63 +44,6 @@ class WeightStats:
     referenced_count: int
 
 
-def _parse_skeleton(file: ContextFile, name: str) -> onnx.ModelProto:
-    model = onnx.ModelProto()
-    try:
-        model.ParseFromString(file.skeleton(name))
-    except Exception as exc:  # protobuf's DecodeError and friends
-        raise InvalidHeaderError(
-            f"{file.source}: graph {name!r} is not a valid ONNX structure ({exc}); rebuild the context"
-        ) from None
-    placeholders = {t.name: t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
-    mapping = file.graphs[name].weights
-    if set(placeholders) != set(mapping):
-        raise InvalidHeaderError(
-            f"{file.source}: graph {name!r} weight map does not match its initializers; rebuild the context"
-        )
-    for tensor_name, index in mapping.items():
-        tensor, weight = placeholders[tensor_name], file.weights[index]
-        if (
-            tensor.data_type != dtypes.onnx_of(weight.dtype)
-            or tuple(tensor.dims) != weight.shape
-            or [(e.key, e.value) for e in tensor.external_data] != [("location", WEIGHT_LOCATION)]
-        ):
-            raise InvalidHeaderError(
-                f"{file.source}: graph {name!r} initializer {tensor_name!r} does not match weight {index}; "
-                "rebuild the context"
-            )
-    return model
-
-
-@dataclass
-class LoraStrengths:
-    """The `lora_alpha` feed a section's metadata sets: one strength per adapter (Genie's LoRA strengths)."""
-
-    alpha_input: str
-    adapters: list[str]
-    alphas: np.ndarray
-    active: list[str]  # the adapters the section holds weights for (its use case); the others are zero
-
-    @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any]) -> LoraStrengths | None:
-        lora = metadata.get("lora")
-        if not isinstance(lora, dict):
-            return None
-        try:
-            alphas = np.asarray(lora["alphas"], dtype=np.float32)
-            adapters = [str(a) for a in lora["adapters"]]
-            if alphas.shape != (len(adapters),):
-                return None
-            # sections written before "active" existed: the adapters their use case gives a strength
-            active = [str(a) for a in lora.get("active", [a for a, v in zip(adapters, alphas) if v != 0])]
-            return cls(str(lora["alpha_input"]), adapters, alphas, active)
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    def copy(self) -> LoraStrengths:
-        return LoraStrengths(self.alpha_input, list(self.adapters), self.alphas.copy(), list(self.active))
-
-
 def _graph_name(graph: str | Graph) -> str:
     return graph.name if isinstance(graph, Graph) else graph
 
@@ -113,26 +55,24 @@ class Context:
     Graphs are prepared on first use; with `memory_limit_hint_mb` the least recently used graph's
     backend state is released when the live graphs' estimated backend memory (`Executable.private_bytes`;
     for the cpu backend, the weight bytes ORT packs for the graph) exceeds the hint. Weights are
-    in memory once (mapped from the binary), whichever graphs are live.
+    in memory once (mapped from the binary), whichever graphs are live. Safe to use from many threads:
+    every run sees one consistent state of tensors and strengths, taken when it starts.
     """
 
     def __init__(self, backend: str | Backend = "cpu") -> None:
         self._backend = get_backend(backend)
         self._writer: ContextWriter | None = None
         self._workdir: Path | None = None
-        self._file: ContextFile | None = None
+        self._store: Store | None = None
         self._temp_path: Path | None = None
         self._enabled: list[str] = []
-        self._skeletons: dict[str, onnx.ModelProto] = {}
         self._graphs: dict[str, Graph] = {}
-        self._live: OrderedDict[str, Executable] = OrderedDict()
-        # graph -> values of its updateable tensors in use; an update replaces the dict, never mutates it
-        # (runs in flight and backends keep using the one they were given)
-        self._current: dict[str, sections.Values] = {}
+        # graph -> what runs read now (one immutable GraphState: replaced whole, never mutated)
+        self._states: dict[str, GraphState] = {}
         self._staged: dict[str, sections.Values] = {}  # graph -> updates waiting for finalize()
-        self._lora: dict[str, LoraStrengths] = {}  # graph -> adapter strengths from the applied section
-        self._weight_views: dict[int, np.ndarray] = {}
-        self.memory_limit_hint_mb: float | None = None
+        self._lock = threading.RLock()  # orders this handle's changes; runs only read self._states
+        self._memory_limit_hint_mb: float | None = None
+        self._closed = False
 
     # --- building ---------------------------------------------------------------------------------
     @classmethod
@@ -144,7 +84,7 @@ class Context:
 
     @property
     def finalized(self) -> bool:
-        return self._file is not None
+        return self._store is not None
 
     def add_graph(
         self,
@@ -178,34 +118,38 @@ class Context:
         if self.finalized:
             self._apply_staged(list(self._staged))
             return self
+        if self._closed:
+            raise ContextStateError("the context is closed; load it again with Context.from_binary()")
         if self._writer is None:
             raise ContextStateError("the context has no graphs; add at least one with add_graph() before finalize()")
         path = self._writer.finish()
         self._temp_path = path
-        weakref.finalize(self, path.unlink, missing_ok=True)
-        self._attach(ContextFile.open(path), None)
+        # only the process that wrote it removes it: a forked child exiting must not take the parent's file
+        weakref.finalize(self, self._writer.discard)
+        self._attach(Store(self._backend, ContextFile.open(path), self._memory_limit_hint_mb), None)
         return self
 
     def save(self, path: str | Path) -> Path:
-        """Writes the context binary to `path` atomically (finalizing first if needed)."""
+        """Writes the context binary to `path` atomically (finalizing first if needed).
+
+        What is written is what this context holds (its mapping), whatever now lies at the path it was
+        loaded from.
+        """
         self.finalize()
         destination = Path(path)
-        assert self._file is not None
+        file = self.file
         if self._temp_path is not None:
             publish(self._temp_path, destination)  # the mapping stays valid: same file, new name
             self._temp_path = None
-        elif Path(self._file.source).is_file():
-            if Path(self._file.source).resolve() != destination.resolve():
-                copy_atomically(Path(self._file.source), destination)
-        else:
-            write_atomically(destination, self._file._buffer)
+            assert self._writer is not None
+            self._writer.release()
+        elif not file.is_file_at(destination):
+            write_atomically(destination, file.buffer)
         return destination
 
     def get_binary(self) -> bytes:
         """The context binary as bytes (QnnContext_getBinary)."""
-        self.finalize()
-        assert self._file is not None
-        return bytes(self._file._buffer)
+        return bytes(self.file.buffer)
 
     # --- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -219,28 +163,46 @@ class Context:
     ) -> Context:
         """Loads a context binary (QnnContext_createFromBinary).
 
-        `persistent=True` maps the file (or keeps a view of the bytes) and uses weights in place; it
-        must not change while the context lives. `persistent=False` copies it into private memory.
-        `enable_graphs` limits which graphs can be retrieved, in priority order.
+        `persistent=True` maps the file (or keeps a view of the bytes) and uses weights in place: the
+        file must be replaced, never rewritten or truncated in place, while the context lives (as with
+        SQLite or LMDB files; every Quiver command replaces). `persistent=False` copies it into private
+        memory. `enable_graphs` limits which graphs can be retrieved, in priority order.
         """
         context = cls(backend)
         if isinstance(source, (bytes, bytearray, memoryview)):
             file = ContextFile(source if persistent else bytes(source))
         else:
             file = ContextFile.open(source, persistent=persistent)
-        context.memory_limit_hint_mb = memory_limit_hint_mb
-        context._attach(file, enable_graphs)
+        context._attach(Store(context._backend, file, memory_limit_hint_mb), enable_graphs)
         return context
 
-    def _attach(self, file: ContextFile, enable_graphs: Sequence[str] | None) -> None:
-        self._file = file
+    def _attach(self, store: Store, enable_graphs: Sequence[str] | None) -> None:
+        file = store.file
         if enable_graphs is None:
-            self._enabled = list(file.graphs)
+            enabled = list(file.graphs)
         else:
             unknown = [g for g in enable_graphs if g not in file.graphs]
             if unknown:
                 raise UnknownGraphError(f"cannot enable {unknown}: the context holds {list(file.graphs)}")
-            self._enabled = list(dict.fromkeys(enable_graphs))
+            enabled = list(dict.fromkeys(enable_graphs))
+        store.attach()
+        self._store, self._enabled = store, enabled
+        self._detach = weakref.finalize(self, store.detach)  # also when a handle is dropped unclosed
+
+    def view(self) -> Context:
+        """Another handle on the same loaded context: same weights, packed weights and prepared graphs,
+        its own applied sections and strengths (starting from the context's own values)."""
+        store = self._require_store()
+        handle = Context(self._backend)
+        handle._attach(store, self._enabled)
+        return handle
+
+    def _require_store(self) -> Store:
+        if self._closed:
+            raise ContextStateError("the context is closed; load it again with Context.from_binary()")
+        if self._store is None:
+            raise ContextStateError("the context is not finalized yet; call finalize() first")
+        return self._store
 
     # --- graphs -----------------------------------------------------------------------------------
     @property
@@ -251,107 +213,88 @@ class Context:
     def backend_name(self) -> str:
         return self._backend.name
 
+    @property
+    def memory_limit_hint_mb(self) -> float | None:
+        return self._store.memory_limit_hint_mb if self._store is not None else self._memory_limit_hint_mb
+
+    @memory_limit_hint_mb.setter
+    def memory_limit_hint_mb(self, value: float | None) -> None:
+        self._memory_limit_hint_mb = value
+        if self._store is not None:
+            self._store.memory_limit_hint_mb = value
+
     def graph(self, name: str) -> Graph:
         """The graph of that name (QnnGraph_retrieve)."""
-        if name in self._graphs:
-            return self._graphs[name]
+        graph = self._graphs.get(name)
+        if graph is not None:
+            return graph
         if name not in self._enabled:
             raise UnknownGraphError(f"no graph {name!r} in this context; its graphs are {self.graph_names}")
-        if self._file is None:
-            raise ContextStateError(f"graph {name!r} is not finalized yet; call finalize() first")
-        model = _parse_skeleton(self._file, name)
-        self._skeletons[name] = model
-        entry = self._file.graphs[name]
-        # Every initializer, stored or inline, is a static tensor of the graph.
-        static = tuple(
-            TensorInfo(
-                t.name,
-                dtypes.name_of_onnx(t.data_type),
-                tuple(t.dims),
-                TensorType.UPDATEABLE_STATIC if t.name in entry.updateable else TensorType.STATIC,
-            )
-            for t in model.graph.initializer
-        )
-        # Updateable tensors are fed to the backend with each run: replacing them never rebuilds it.
-        self._current[name] = {t: self._weight_view(entry.weights[t]) for t in entry.updateable}
-        graph = Graph(
-            self,
-            name,
-            tuple(info_of_value(v, TensorType.APP_WRITE) for v in model.graph.input),
-            tuple(info_of_value(v, TensorType.APP_READ) for v in model.graph.output),
-            static,
-        )
-        self._graphs[name] = graph
-        return graph
+        info = self._require_store().info(name)
+        with self._lock:
+            return self._graphs.setdefault(name, Graph(self, name, info.inputs, info.outputs, info.static))
 
     def graphs(self) -> Iterable[Graph]:
         return (self.graph(name) for name in self._enabled)
 
+    def _state(self, name: str) -> GraphState:
+        """What a run of the graph reads now: one object, read once."""
+        state = self._states.get(name)
+        if state is None:
+            store = self._require_store()
+            updateable = store.file.graphs[name].updateable
+            with self._lock:
+                # Updateable tensors are fed to the backend with each run: replacing them never rebuilds it.
+                initial = GraphState({t: store.weight_view(store.file.graphs[name].weights[t]) for t in updateable})
+                state = self._states.setdefault(name, initial)
+        return state
+
+    def _run(self, name: str, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        store = self._require_store()
+        store.file.check_unchanged()  # a file written in place under a live mapping: refuse, don't crash
+        with store.running(name, lambda: self._finalized_graph(store, name)) as executable:
+            return executable.run(feeds, bound)
+
+    @staticmethod
+    def _finalized_graph(store: Store, name: str) -> FinalizedGraph:
+        info = store.info(name)
+        entry = store.file.graphs[name]
+        weights = {t: store.weight_view(i) for t, i in entry.weights.items() if t not in entry.updateable}
+        model = info.skeleton
+        if entry.updateable:  # fed with each run, so replacing them never rebuilds the backend state
+            model = initializers_as_inputs(model, entry.updateable)
+        return FinalizedGraph(name, model, weights, info.inputs, info.outputs, store.file.file_backed)
+
     def _encodings(self, name: str) -> EncodingSet:
         """The encodings of a graph's quantized tensors, from the values in use now (sections included)."""
         self.graph(name)
-        assert self._file is not None
-        skeleton, entry, current = self._skeletons[name], self._file.graphs[name], self._current[name]
+        store = self._require_store()
+        skeleton, entry, current = store.info(name).skeleton, store.file.graphs[name], self._state(name).values
         inline = {t.name: t for t in skeleton.graph.initializer if t.name not in entry.weights}
 
         def value_of(tensor: str) -> np.ndarray | None:
             if tensor in current:
                 return current[tensor]
             if tensor in entry.weights:
-                return self._weight_view(entry.weights[tensor])
+                return store.weight_view(entry.weights[tensor])
             return numpy_helper.to_array(inline[tensor]) if tensor in inline else None
 
         constants = {*current, *entry.weights, *inline}
         return graph_encodings(skeleton, constants, value_of)
 
-    def _weight_view(self, index: int) -> np.ndarray:
-        if index not in self._weight_views:
-            assert self._file is not None
-            self._weight_views[index] = self._file.weight_array(index)
-        return self._weight_views[index]
-
-    def _executable(self, name: str) -> Executable:
-        """The backend state of a graph, prepared on first use; evicts least recently used graphs over the hint."""
-        if name in self._live:
-            self._live.move_to_end(name)
-            return self._live[name]
-        graph = self.graph(name)
-        assert self._file is not None
-        entry = self._file.graphs[name]
-        weights = {t: self._weight_view(i) for t, i in entry.weights.items() if t not in entry.updateable}
-        model = self._skeletons[name]
-        if entry.updateable:  # fed with each run, so replacing them never rebuilds the backend state
-            model = initializers_as_inputs(model, entry.updateable)
-        executable = self._backend.prepare(
-            FinalizedGraph(name, model, weights, graph.inputs, graph.outputs, self._file.file_backed)
-        )
-        self._live[name] = executable
-        self._evict_over_limit()
-        return executable
-
-    def _evict_over_limit(self) -> None:
-        if self.memory_limit_hint_mb is None:
-            return
-        limit = self.memory_limit_hint_mb * 1024 * 1024
-        while len(self._live) > 1 and sum(e.private_bytes for e in self._live.values()) > limit:
-            _, oldest = self._live.popitem(last=False)
-            oldest.release()
-
     def wait_until_ready(self) -> None:
         """Blocks until the live graphs' background preparation (e.g. weight packing) is done."""
-        for executable in list(self._live.values()):
-            executable.wait_until_ready()
+        if self._store is not None:
+            self._store.wait_until_ready()
 
     @property
     def live_graphs(self) -> list[str]:
         """Graphs whose backend state is prepared, least recently used first."""
-        return list(self._live)
+        return self._store.live_graphs if self._store is not None else []
 
     def release_graph(self, name: str) -> None:
-        """Drops a graph's backend state; it is prepared again on next use."""
-        executable = self._live.pop(name, None)
-        if executable is not None:
-            executable.release()
+        """Drops a graph's backend state (runs in flight finish first); it is prepared again on next use."""
+        self._require_store().release_graph(name)
 
     # --- updateable tensors and binary sections ----------------------------------------------------
     def _stage(self, updates: Mapping[str, Mapping[str, object]]) -> None:
@@ -359,12 +302,16 @@ class Context:
         for graph in updates:
             self.graph(graph)  # known, enabled, finalized
         checked = {graph: sections.checked_update(self.file, graph, values) for graph, values in updates.items()}
-        for graph, values in checked.items():
-            self._staged.setdefault(graph, {}).update(values)
+        with self._lock:
+            for graph, values in checked.items():
+                self._staged.setdefault(graph, {}).update(values)
 
     def _apply_staged(self, graphs: Sequence[str]) -> None:
-        for graph in graphs:
-            self._current[graph] = {**self._current[graph], **self._staged.pop(graph, {})}
+        with self._lock:
+            for graph in graphs:
+                state = self._state(graph)
+                staged = self._staged.pop(graph, {})
+                self._states[graph] = GraphState({**state.values, **staged}, state.lora)
 
     def update_context_tensors(self, values: Mapping[str, object]) -> None:
         """Stages new values for updateable tensors of every graph that has them (QnnTensor_updateContextTensors).
@@ -395,7 +342,30 @@ class Context:
             self.graph(name)
         if not names:
             raise ContextStateError("no graph of this context has updateable tensors; mark them in add_graph()")
-        return sections.write_section(self.file, self._current, names, metadata)
+        current = {name: self._state(name).values for name in names}
+        return sections.write_section(self.file, current, names, metadata)
+
+    def _bind(self, section: SectionFile, targets: Sequence[str]) -> tuple[dict[str, sections.Values], Any]:
+        """The section's tensors per target graph and its strengths, every check passed (nothing changes)."""
+        for name in targets:
+            self.graph(name)  # every graph it would change must be one this context offers
+        bound = sections.bind_section(self.file, section, targets)
+        strengths = LoraStrengths.from_metadata(section.metadata, section.source)
+        if strengths is not None:
+            for name in targets:
+                strengths.check_fits(name, self.graph(name).inputs, section.source)
+        return bound, strengths
+
+    def state_with_sections(self, graph: str, applied: Sequence[SectionFile]) -> GraphState:
+        """The state the graph would have with these sections applied, in order, over its own values;
+        this handle's state does not change (per-run adapters)."""
+        store = self._require_store()
+        entry = store.file.graphs[graph]
+        state = GraphState({t: store.weight_view(entry.weights[t]) for t in entry.updateable})
+        for section in applied:
+            bound, strengths = self._bind(section, [graph])
+            state = GraphState({**state.values, **bound[graph]}, strengths if strengths is not None else state.lora)
+        return state
 
     def apply_binary_section(
         self,
@@ -405,36 +375,39 @@ class Context:
         """Binds a section's tensors (QnnContext_applyBinarySection): O(tensors), no copy of their bytes.
 
         `graph=None` applies it to every graph it covers. A section made for another context, for other
-        graphs or tensors, or damaged, is refused and nothing changes.
+        graphs or tensors, or damaged, is refused and nothing changes. Runs in flight finish with the
+        state they started with; runs started after see the whole section.
         """
         loaded = sections.load_section(section)
         targets = list(loaded.graphs) if graph is None else [_graph_name(graph)]
-        for name in targets:
-            self.graph(name)  # every graph it would change must be one this context offers
-        bound = sections.bind_section(self.file, loaded, targets)
-        strengths = LoraStrengths.from_metadata(loaded.metadata)
-        for name, values in bound.items():  # every check passed: now swap
-            self._current[name] = {**self._current[name], **values}
-            self._staged.pop(name, None)
-            if strengths is not None:
-                self._lora[name] = strengths.copy()
+        bound, strengths = self._bind(loaded, targets)
+        with self._lock:  # every check passed: now swap, one graph's state at a time, each whole
+            for name, values in bound.items():
+                state = self._state(name)
+                lora = strengths if strengths is not None else state.lora
+                self._states[name] = GraphState({**state.values, **values}, lora)
+                self._staged.pop(name, None)
         return loaded
+
+    def _set_lora_strength(self, graph: str, adapter: str, value: float) -> None:
+        with self._lock:
+            state = self._state(graph)
+            if state.lora is None:
+                raise TensorUpdateError(f"graph {graph!r} has no LoRA section applied; apply one first")
+            self._states[graph] = GraphState(state.values, state.lora.with_strength(graph, adapter, value))
 
     # --- facts ------------------------------------------------------------------------------------
     @property
     def size_bytes(self) -> int:
-        self.finalize()
-        assert self._file is not None
-        return self._file.size
+        return self.file.size
 
     def weight_stats(self) -> WeightStats:
-        self.finalize()
-        assert self._file is not None
-        referenced = [i for name in self._file.graphs for i in self._file.graphs[name].weights.values()]
+        file = self.file
+        referenced = [i for name in file.graphs for i in file.graphs[name].weights.values()]
         return WeightStats(
-            unique_bytes=sum(w.length for w in self._file.weights),
-            referenced_bytes=sum(self._file.weights[i].length for i in referenced),
-            unique_count=len(self._file.weights),
+            unique_bytes=sum(w.length for w in file.weights),
+            referenced_bytes=sum(file.weights[i].length for i in referenced),
+            unique_count=len(file.weights),
             referenced_count=len(referenced),
         )
 
@@ -442,15 +415,18 @@ class Context:
     def file(self) -> ContextFile:
         """The underlying validated binary (for inspection tools)."""
         self.finalize()
-        assert self._file is not None
-        return self._file
+        return self._require_store().file
 
     def close(self) -> None:
-        for name in list(self._live):
-            self.release_graph(name)
-        self._weight_views.clear()
-        if self._file is not None:
-            self._file.close()
+        """Lets go of this handle; the weights and prepared graphs go with the last handle."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, self._store = self._store, None
+        self._states = {}
+        if store is not None:
+            self._detach()  # runs store.detach() once, whoever calls first
 
     def __enter__(self) -> Context:
         return self
@@ -459,5 +435,5 @@ class Context:
         self.close()
 
     def __repr__(self) -> str:
-        state = "finalized" if self.finalized else "building"
+        state = "closed" if self._closed else "finalized" if self.finalized else "building"
         return f"Context({state}, backend={self.backend_name!r}, graphs={self.graph_names})"

@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError, TensorUpdateError
+from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError
 from quiver.formats.encodings import EncodingSet
 from quiver.ir.tensors import LORA_ALPHA_INPUT, TensorInfo
 
 if TYPE_CHECKING:
     from quiver.runtime.context import Context
+    from quiver.runtime.state import GraphState
 
 
 def validate_feeds(
@@ -70,9 +71,14 @@ class Graph:
             self._zero_adapter = (alpha.name, np.zeros(alpha.shape[0], np.float32))
 
     def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
-        """Runs the graph (QnnGraph_execute); prepares it on first use."""
-        lora = self._context._lora.get(self.name)
-        # the strengths a caller does not feed: the applied section's, or the zero adapter's
+        """Runs the graph (QnnGraph_execute); prepares it on first use. The run sees the tensors and
+        strengths in use when it starts, whatever is applied meanwhile."""
+        return self.execute_with(feeds, self._context._state(self.name))
+
+    def execute_with(self, feeds: Mapping[str, object], state: GraphState) -> dict[str, np.ndarray]:
+        """Runs the graph on a given state (`Context.state_with_sections`): per-run adapters."""
+        lora = state.lora
+        # the strengths a caller does not feed: the state's, or the zero adapter's
         strengths = (lora.alpha_input, lora.alphas) if lora is not None else self._zero_adapter
         if strengths is not None and strengths[0] in feeds:
             strengths = None
@@ -81,26 +87,15 @@ class Graph:
         arrays = validate_feeds(self.name, self.inputs, feeds)
         # The same arrays run after run, in the same dict until an update replaces it (never mutated),
         # so a backend can reuse what it built for them.
-        bound: Mapping[str, np.ndarray] = self._context._current[self.name]
+        bound: Mapping[str, np.ndarray] = state.values
         if strengths is not None:
             bound = {**bound, strengths[0]: arrays.pop(strengths[0])}
-        results = self._context._executable(self.name).run(arrays, bound)
+        results = self._context._run(self.name, arrays, bound)
         return {info.name: result for info, result in zip(self.outputs, results)}
 
     def set_lora_strength(self, adapter: str, value: float) -> None:
         """Sets one adapter's strength (Genie's setLoraStrength) after a LoRA section was applied."""
-        lora = self._context._lora.get(self.name)
-        if lora is None:
-            raise TensorUpdateError(f"graph {self.name!r} has no LoRA section applied; apply one first")
-        if adapter not in lora.adapters:
-            raise TensorUpdateError(f"graph {self.name!r} has no adapter {adapter!r}; its adapters are {lora.adapters}")
-        if adapter not in lora.active:
-            raise TensorUpdateError(
-                f"adapter {adapter!r} is not in the section applied to graph {self.name!r} (it holds {lora.active}); "
-                "apply a section of a use case with that adapter first"
-            )
-        lora.alphas = lora.alphas.copy()  # a run in flight keeps the vector it was given
-        lora.alphas[lora.adapters.index(adapter)] = value
+        self._context._set_lora_strength(self.name, adapter, value)
 
     def encodings(self) -> EncodingSet:
         """Encodings of the graph's quantized tensors as they are now: applying a section updates them.
@@ -113,7 +108,7 @@ class Graph:
     @property
     def lora_strengths(self) -> dict[str, float]:
         """Strength per adapter from the applied section (and set_lora_strength); empty without one."""
-        lora = self._context._lora.get(self.name)
+        lora = self._context._state(self.name).lora
         return {} if lora is None else {a: float(v) for a, v in zip(lora.adapters, lora.alphas)}
 
     def update_tensors(self, values: Mapping[str, object]) -> None:

@@ -78,7 +78,7 @@ def write_section(
     try:
         return path.read_bytes()
     finally:
-        path.unlink(missing_ok=True)
+        writer.discard()
 
 
 def load_section(source: str | Path | bytes | bytearray | memoryview | SectionFile) -> SectionFile:
