@@ -301,17 +301,19 @@ def test_sessions_over_one_wrapped_context_share_it(tmp_path: Path, small_model:
     options = quiver.ort.SessionOptions()
     options.add_session_config_entry("ep.share_ep_contexts", "1")
     sessions = [quiver.ort.InferenceSession(str(tmp_path / "wrapped" / f"{g}_ctx.onnx"), options) for g in "abcd"]
-    assert len({id(s._context) for s in sessions}) == 1 and SHARED_CONTEXTS.holds(sessions[0]._context)
+    # one store (weights mapped and packed once), one handle per session (adapters stay per session)
+    assert len({id(s._context._store) for s in sessions}) == 1 and len({id(s._context) for s in sessions}) == 4
+    key = sessions[0]._shared
+    assert key is not None and SHARED_CONTEXTS.holds(key)
     ids = {"input_ids": sample_input_ids(SMALL, 1, 6, seed=2)}
     outputs = [s.run(None, ids)[0] for s in sessions]
     for output in outputs[1:]:
         np.testing.assert_allclose(output, outputs[0], atol=1e-5)  # four graphs of the same model
-    shared = sessions[0]._context
     for session in sessions:
         session.close()
-    assert not SHARED_CONTEXTS.holds(shared)
+    assert not SHARED_CONTEXTS.holds(key)
     separate = quiver.ort.InferenceSession(str(tmp_path / "wrapped" / "a_ctx.onnx"))  # without the option
-    assert not SHARED_CONTEXTS.holds(separate._context)
+    assert separate._shared is None
 
 
 def test_ort_wrap_refuses_a_damaged_context_in_one_line(tmp_path: Path) -> None:

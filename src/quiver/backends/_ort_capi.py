@@ -9,6 +9,7 @@ The wheel ships `libonnxruntime.so` with the C API; function-table indices are O
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -166,6 +167,9 @@ class _Api:
 
 _API: _Api | None = None
 _API_LOCK = threading.Lock()
+# Held across fork: a child never inherits it taken by a thread it does not have (a packing thread
+# loading the library), and it sees the API either whole or not loaded.
+os.register_at_fork(before=_API_LOCK.acquire, after_in_parent=_API_LOCK.release, after_in_child=_API_LOCK.release)
 
 
 def api() -> _Api:

@@ -229,6 +229,7 @@ class CpuExecutable:
         self._droppable = self._packable if graph.file_backed else []
         self._prepacked = sum(a.nbytes for a in self._packable)
         self._upgrade: threading.Thread | None = None
+        self._upgrade_lock = threading.Lock()  # one packing thread, started once, joined only once started
         self._released = False
         self.is_packed = backend.prepack and (not backend.lazy_prepack or integer_matmuls)
         self._shareable = _SHARED_INTEGER_PACKING or not integer_matmuls
@@ -266,22 +267,33 @@ class CpuExecutable:
         except Exception as exc:
             raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
         if self._upgrade_pending:
+            self._start_upgrade()
+        return outputs
+
+    def _start_upgrade(self) -> None:
+        with self._upgrade_lock:
+            if not self._upgrade_pending or self._released:
+                return
             self._upgrade_pending = False
             # Not a daemon: at exit the interpreter waits for it rather than tearing ORT down mid-session.
-            self._upgrade = threading.Thread(target=self._build_packed_session, name="quiver-prepack")
-            self._upgrade.start()
-        return outputs
+            upgrade = threading.Thread(target=self._build_packed_session, name="quiver-prepack")
+            upgrade.start()
+            self._upgrade = upgrade
 
     def wait_until_ready(self) -> None:
         """Blocks until the background packed session (if any) is in place."""
-        if self._upgrade is not None:
-            self._upgrade.join()
+        with self._upgrade_lock:
+            upgrade = self._upgrade
+        if upgrade is not None:
+            upgrade.join()
 
     @property
     def private_bytes(self) -> int:
         return self._prepacked
 
     def release(self) -> None:
+        with self._upgrade_lock:
+            self._upgrade_pending = False  # no packing starts after this
         self.wait_until_ready()
         if self._backend.profile_prefix is not None and isinstance(self._session, _PythonApiSession):
             self._backend.profiles.append(self._session.end_profiling())
@@ -333,6 +345,16 @@ class CpuBackend:
             if self._container is None:
                 self._container = _ort_capi.PrepackedWeights()
             return self._container
+
+    def after_fork_in_child(self) -> None:
+        """A forked child packs into a container of its own: the parent's may be locked by a thread the
+        child does not have. The old one is kept (destroying it could wait on that lock)."""
+        from quiver.runtime.fork import keep_forever
+
+        self._lock = threading.Lock()
+        if self._container is not None:
+            keep_forever(self._container)
+            self._container = None
 
     def config(self, prepack: bool) -> dict[str, str]:
         entries = {

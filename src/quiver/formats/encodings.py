@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from quiver.errors import EncodingsError, QuiverError
+from quiver.errors import EncodingsError, FileAccessError, QuiverError
+from quiver.formats.files import read_text
 from quiver.formats.writer import write_atomically
 
 VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
@@ -254,11 +255,11 @@ def parse_encodings(raw: Mapping[str, Any], source: str = "<encodings>") -> Enco
 
 def read_json_file(path: Path, what: str, error: type[QuiverError] = EncodingsError) -> Any:
     """A JSON document, or `error` saying the file is missing or unreadable as a `what` file."""
+    if not Path(path).exists():
+        raise error(f"{path}: no such {what} file")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise error(f"{path}: no such {what} file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json.loads(read_text(path, what=f"{what} file"))
+    except (FileAccessError, json.JSONDecodeError, RecursionError) as exc:
         raise error(f"{path}: not a readable JSON {what} file ({exc})") from None
 
 

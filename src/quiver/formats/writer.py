@@ -285,7 +285,7 @@ def temporary_file(label: str, directory: str | Path | None) -> tuple[int, str]:
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
     """Removes temporary files whose writer is gone (killed: nothing else could clean them up)."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = list(folder.glob(f"{TEMPORARY_PREFIX}*{TEMPORARY_SUFFIX}"))
     except OSError:
@@ -348,3 +348,7 @@ def copy_atomically(source: Path, destination: Path) -> None:
 
 def write_atomically(destination: Path, data: bytes | memoryview) -> None:
     _replace_atomically(destination, lambda out: out.write(data))
+
+
+def write_text_atomically(destination: Path, text: str) -> None:
+    write_atomically(destination, text.encode("utf-8"))

@@ -13,7 +13,8 @@ import numpy as np
 from safetensors import SafetensorError  # type: ignore[attr-defined,unused-ignore]  # untyped before 0.5
 from safetensors.numpy import load_file
 
-from quiver.errors import AdapterError
+from quiver.errors import AdapterError, FileAccessError
+from quiver.formats.files import read_text
 
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
@@ -173,8 +174,8 @@ def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapte
     folder = source.parent if source.suffix == ".json" else source
     config_path, weights_path = _locate(source)
     try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(read_text(config_path, limit=16 << 20, what="PEFT config"))
+    except (FileAccessError, json.JSONDecodeError, RecursionError) as exc:
         raise AdapterError(f"{config_path}: not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{config_path}: must hold a JSON object")

@@ -14,8 +14,10 @@ import numpy as np
 import onnx
 import yaml
 
-from quiver.errors import AdapterError
+from quiver.errors import AdapterError, FileAccessError
 from quiver.formats.encodings import to_document
+from quiver.formats.files import read_text
+from quiver.formats.writer import write_atomically, write_text_atomically
 from quiver.lora.attach import AttachPoint, find_attach_points
 from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
@@ -74,8 +76,8 @@ def load_lora_config(path: str | Path) -> LoraProject:
     """Reads the YAML of DESIGN.md; relative paths are relative to the YAML's folder."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        raw = yaml.safe_load(read_text(path, limit=16 << 20, what="LoRA config"))
+    except (FileAccessError, yaml.YAMLError, RecursionError) as exc:
         raise AdapterError(f"cannot read LoRA config {path}: {exc}") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{path}: must be a YAML mapping with 'adapter' and 'use-case' lists")
@@ -114,8 +116,8 @@ def load_lora_config(path: str | Path) -> LoraProject:
     if raw.get("attach_point_onnx_mapping"):
         map_path = folder / str(raw["attach_point_onnx_mapping"])
         try:
-            mapping = {str(k): str(v) for k, v in json.loads(map_path.read_text()).items()}
-        except (OSError, ValueError, AttributeError) as exc:
+            mapping = {str(k): str(v) for k, v in json.loads(read_text(map_path, what="attach-point map")).items()}
+        except (FileAccessError, ValueError, AttributeError, RecursionError) as exc:
             raise AdapterError(f"cannot read the attach-point map {map_path}: {exc}") from None
     base = bases[0].model
     if base is None or not base.is_file():
@@ -268,16 +270,18 @@ def prepare(
         }
         if name in encodings:
             metadata["encodings"] = encodings[name]  # its adapter weights' and the changed activations
-        (out / f"{name}.qsec").write_bytes(context.get_binary_section(graph.name, metadata))
+        # replaced, never rewritten: a process that applied the old file keeps what it checked
+        write_atomically(out / f"{name}.qsec", context.get_binary_section(graph.name, metadata))
         manifest["use_cases"][name] = {
             "section": f"{name}.qsec",
             "adapters": cases[name].adapters,
             "alphas": cases[name].alphas,
         }
     context.close()
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    write_text_atomically(out / "manifest.json", json.dumps(manifest, indent=2))
     if genie_config is not None:
-        Path(genie_config).write_text(json.dumps(genie_lora_block(manifest, out, Path(genie_config).parent), indent=2))
+        genie = genie_lora_block(manifest, out, Path(genie_config).parent)
+        write_text_atomically(Path(genie_config), json.dumps(genie, indent=2))
     return manifest
 
 

@@ -43,6 +43,7 @@ from quiver.ort.options import RunOptions, SessionOptions, config_entries
 from quiver.ort.provider import ProviderConfig, select_provider
 from quiver.runtime.context import Context
 from quiver.runtime.sections import load_section
+from quiver.runtime.state import GraphState
 
 LORA_CONFIG_KEYS = ("qnn.lora_config", "quiver.lora_config")
 
@@ -75,35 +76,46 @@ def _backend(config: ProviderConfig, options: SessionOptions | Any, profile_fold
     )
 
 
+_Key = tuple[str, str, tuple[int, ...]]
+
+
 class _SharedContexts:
-    """One loaded context per (.qctx, backend) for sessions that ask to share (`ep.share_ep_contexts=1`)."""
+    """One loaded context per (.qctx file, backend) for sessions that ask to share (`ep.share_ep_contexts=1`).
+
+    Each session gets its own handle (`Context.view()`): weights and packed weights are shared, applied
+    adapters are not. A file replaced since it was loaded is another file: it is loaded anew.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._contexts: dict[tuple[str, str], tuple[Context, int]] = {}
+        self._contexts: dict[_Key, tuple[Context, int]] = {}
 
-    def acquire(self, path: Path, config: ProviderConfig, backend: Backend) -> Context:
-        key = (str(path.resolve()), config.backend)
+    def acquire(self, path: Path, config: ProviderConfig, backend: Backend) -> tuple[Context, _Key]:
+        try:
+            info = path.stat()
+        except OSError as exc:
+            raise NoSuchFile(f"cannot open the EP context {path}: {exc.strerror or exc}") from None
+        key = (str(path.resolve()), config.backend, (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
         with self._lock:
             context, users = self._contexts.get(key, (None, 0))
             if context is None:
                 context = Context.from_binary(path, backend=backend)
             self._contexts[key] = (context, users + 1)
-            return context
+            return context.view(), key
 
-    def release(self, context: Context) -> None:
+    def release(self, key: _Key) -> None:
+        """One session is done with the context; the last one lets it go."""
         with self._lock:
-            for key, (shared, users) in list(self._contexts.items()):
-                if shared is context:
-                    if users > 1:
-                        self._contexts[key] = (shared, users - 1)
-                    else:
-                        del self._contexts[key]
-                        shared.close()
-                    return
+            context, users = self._contexts[key]
+            if users > 1:
+                self._contexts[key] = (context, users - 1)
+                return
+            del self._contexts[key]
+        context.close()  # views still open keep the weights until they close
 
-    def holds(self, context: Context) -> bool:
-        return any(shared is context for shared, _ in self._contexts.values())
+    def holds(self, key: _Key) -> bool:
+        with self._lock:
+            return key in self._contexts
 
 
 SHARED_CONTEXTS = _SharedContexts()
@@ -140,10 +152,11 @@ class InferenceSession:
         self._options = sess_options if sess_options is not None else SessionOptions()
         self._config, self._providers = select_provider(providers, provider_options)
         self._entries = config_entries(self._options)
-        self._shared = False
+        self._shared: _Key | None = None
         self._broken: str | None = None
-        self._initial: SectionFile | None = None
-        self._applied: object = None  # what the updateable tensors hold now: a section, or None (initial)
+        # per-run adapters: the state each set of sections gives (by section identity), built once
+        self._states: dict[tuple[int, ...], tuple[list[SectionFile], GraphState]] = {}
+        self._states_lock = threading.Lock()
         self._sections: dict[Path, SectionFile] = {}
         self._profile: list[tuple[str, int, float]] = []
         self._fallback: onnxruntime.InferenceSession | None = None
@@ -171,8 +184,7 @@ class InferenceSession:
     def _open_ep_context(self, ep: EpContext) -> None:
         backend = self._make_backend()
         if isinstance(ep.cache, Path) and self._entries.get("ep.share_ep_contexts") == "1":
-            self._context = SHARED_CONTEXTS.acquire(ep.cache, self._config, backend)
-            self._shared = True
+            self._context, self._shared = SHARED_CONTEXTS.acquire(ep.cache, self._config, backend)
         else:
             self._context = Context.from_binary(ep.cache, backend=backend)
         if ep.graph not in self._context.graph_names:
@@ -271,9 +283,10 @@ class InferenceSession:
             raise EngineError(f"this session's backend failed earlier ({self._broken}); create a new session")
         assert self._context is not None
         try:
-            self._apply_adapters(run_options)
+            state = self._run_state(run_options)
             start = time.perf_counter()
-            results = self._graph().execute(dict(input_feed))
+            graph = self._graph()
+            results = graph.execute(dict(input_feed)) if state is None else graph.execute_with(dict(input_feed), state)
             self._record(time.perf_counter() - start)
         except errors.BackendError as exc:
             self._broken = str(exc)
@@ -315,20 +328,25 @@ class InferenceSession:
             found.append(self._sections[section_path])
         return found
 
-    def _apply_adapters(self, run_options: RunOptions | Any | None) -> None:
-        """Applies this run's sections, or puts the initial values back when a run names none."""
+    def _run_state(self, run_options: RunOptions | Any | None) -> GraphState | None:
+        """The state this run's adapters give, over the model's own values; None when it names none.
+
+        Nothing is applied to the session: concurrent runs with different adapters each see their own.
+        """
         assert self._context is not None
         wanted = self._lora_sections(run_options) if run_options is not None else []
-        key = tuple(id(s) for s in wanted) or None
-        if key == self._applied:
-            return
-        if self._initial is None:
-            if not wanted:
-                return  # nothing was ever applied: the context's own values are in use
-            self._initial = load_section(self._context.get_binary_section(self._graph_name))
-        for section in wanted or [self._initial]:
-            self._context.apply_binary_section(self._graph_name, section)
-        self._applied = key
+        if not wanted:
+            return None
+        key = tuple(id(s) for s in wanted)
+        with self._states_lock:
+            cached = self._states.get(key)
+        if cached is None:
+            cached = (wanted, self._context.state_with_sections(self._graph_name, wanted))  # keeps the ids theirs
+            with self._states_lock:
+                if len(self._states) >= 64:
+                    self._states.pop(next(iter(self._states)))
+                self._states[key] = cached
+        return cached[1]
 
     def _record(self, seconds: float) -> None:
         if self._config.profiling_level != "off":
@@ -374,11 +392,11 @@ class InferenceSession:
             self._profiled = True
             self.end_profiling()
         if self._context is not None:
-            if self._shared:
-                SHARED_CONTEXTS.release(self._context)
-            else:
-                self._context.close()
+            self._context.close()
             self._context = None
+        if self._shared is not None:
+            SHARED_CONTEXTS.release(self._shared)
+            self._shared = None
 
     def __del__(self) -> None:
         try:

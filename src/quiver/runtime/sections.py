@@ -58,7 +58,10 @@ def trailing_zeros_trimmed(array: np.ndarray) -> np.ndarray:
 
 
 def write_section(
-    file: ContextFile, current: Mapping[str, Values], graphs: Iterable[str], metadata: Mapping[str, Any] | None = None
+    file: ContextFile,
+    current: Mapping[str, Mapping[str, np.ndarray]],
+    graphs: Iterable[str],
+    metadata: Mapping[str, Any] | None = None,
 ) -> bytes:
     """A section holding the current values of the graphs' updateable tensors, each distinct tensor once."""
     writer = SectionWriter(file.header_sha256, metadata)
@@ -135,6 +138,7 @@ class _VerifiedSections:
 
 
 _FROM_PATHS = _VerifiedSections()
+os.register_at_fork(after_in_child=lambda: setattr(_FROM_PATHS, "_lock", threading.Lock()))
 
 
 def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str]) -> dict[str, Values]:

@@ -9,9 +9,7 @@ the parent's sessions rely on threads the child does not have, so they are kept 
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +24,7 @@ from quiver.formats._layout import WEIGHT_LOCATION
 from quiver.formats.reader import ContextFile
 from quiver.ir import dtypes
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
+from quiver.runtime import fork
 
 if TYPE_CHECKING:
     import onnx
@@ -115,7 +114,7 @@ class Store:
         self._live: OrderedDict[str, _Live] = OrderedDict()
         self._handles = 0
         self.closed = False
-        _STORES.add(self)
+        fork.reset_after_fork(self)
 
     # --- handles ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -248,20 +247,9 @@ class Store:
         """New locks; the parent's executables are forgotten, never released (their threads are not here)."""
         self._lock = threading.RLock()
         self._graph_locks = {}
-        _INHERITED.extend(live.executable for live in self._live.values())
+        for live in self._live.values():
+            fork.keep_forever(live.executable)
         self._live = OrderedDict()
         after_fork = getattr(self.backend, "after_fork_in_child", None)
         if after_fork is not None:
             after_fork()
-
-
-_STORES: weakref.WeakSet[Store] = weakref.WeakSet()
-_INHERITED: list[Executable] = []  # sessions made by the parent: destroying them in the child could hang
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_STORES):
-        store._after_fork_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -20,6 +20,7 @@ from quiver._version import __version__
 from quiver.backends import available_backends
 from quiver.errors import QuiverError
 from quiver.formats.reader import ContextFile
+from quiver.formats.writer import write_atomically, write_text_atomically
 from quiver.runtime.context import Context
 
 console = Console()
@@ -631,7 +632,8 @@ def lora_map(lora_config: Path, output: Path | None, as_json: bool) -> None:
     project = load_lora_config(lora_config)
     points, missing = map_attach_points(project, load_adapters(project))
     if output is not None:
-        output.write_text(json.dumps({module: point.node for module, point in sorted(points.items())}, indent=2))
+        nodes = {module: point.node for module, point in sorted(points.items())}
+        write_text_atomically(output, json.dumps(nodes, indent=2))
     if as_json:
         _emit_json({"attach_points": {m: vars(p) for m, p in sorted(points.items())}, "missing": missing})
     else:
@@ -666,13 +668,11 @@ def lora_map(lora_config: Path, output: Path | None, as_json: bool) -> None:
 )
 def lora_create(lora_config: Path, output: Path) -> None:
     """Write one ONNX graph with a LoRA branch at every attach point, serving every use case."""
-    import onnx
-
     from quiver.lora.prepare import create_graph, load_adapters, load_lora_config
 
     project = load_lora_config(lora_config)
     graph = create_graph(project, load_adapters(project))
-    onnx.save(graph.model, str(output))
+    write_atomically(output, graph.model.SerializeToString())  # weights zero-filled: far below protobuf's 2 GB
     table = Table(title=f"{output}: {len(graph.slots)} LoRA branches, lora_alpha[{len(graph.adapter_order)}]")
     for column in ("module", "node", "rank"):
         table.add_column(column)
@@ -686,7 +686,7 @@ def lora_create(lora_config: Path, output: Path) -> None:
 @click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 def lora_import(lora_config: Path, output_dir: Path) -> None:
     """Write each use case's LoRA tensors (<use case>.safetensors, zero-padded) and alphas (use_cases.json)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     from quiver.lora.prepare import create_graph, import_use_cases, load_adapters, load_lora_config
 
@@ -696,9 +696,9 @@ def lora_import(lora_config: Path, output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     summary = {}
     for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
-        save_file(values, str(output_dir / f"{name}.safetensors"))
+        write_atomically(output_dir / f"{name}.safetensors", save(values))
         summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
-    (output_dir / "use_cases.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomically(output_dir / "use_cases.json", json.dumps(summary, indent=2))
     err_console.print(f"{len(summary)} use case(s) in {output_dir}")
 
 

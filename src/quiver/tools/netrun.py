@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from quiver.errors import InputListError
+from quiver.errors import FileAccessError, InputListError
+from quiver.formats.files import read_text
 from quiver.ir.tensors import TensorInfo
 from quiver.runtime.graph import Graph
 
@@ -27,9 +28,9 @@ def _resolve(path_text: str, list_folder: Path) -> Path:
 
 def _read_tensor(path: Path, info: TensorInfo, shape_hint: Sequence[int] | None = None) -> np.ndarray:
     if path.suffix == ".npy":
-        try:
-            return np.load(path, allow_pickle=False)
-        except (ValueError, OSError) as exc:
+        try:  # mapped first: a header claiming more data than the file holds fails here, allocating nothing
+            return np.array(np.load(path, mmap_mode="r", allow_pickle=False))
+        except (ValueError, OSError, TypeError, OverflowError) as exc:
             raise InputListError(f"{path} is not a readable .npy file ({exc})") from None
     dtype = info.numpy_dtype.newbyteorder("<")
     size = path.stat().st_size
@@ -64,9 +65,9 @@ def parse_input_list(
     shapes = shapes or {}
     list_path = Path(list_path)
     try:
-        lines = list_path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputListError(f"cannot read input list {list_path}: {exc}") from None
+        lines = read_text(list_path, what="input list").splitlines()
+    except FileAccessError as exc:
+        raise InputListError(f"cannot read the input list: {exc}") from None
     inputs = {i.name: i for i in (graph.inputs if isinstance(graph, Graph) else graph)}
     unknown = sorted(set(shapes) - set(inputs))
     if unknown:

@@ -1,0 +1,87 @@
+"""Fork safety: a forked child (gunicorn --preload, multiprocessing's fork) runs contexts and exits normally.
+
+After `fork` only the forking thread exists in the child. ORT sessions made by the parent rely on
+threads the child does not have, and locks the parent's threads held stay held. So the child gets new
+locks and prepares its own sessions (`Store._after_fork_in_child`); the parent's copies are never
+destroyed there (destroying one joins threads that are not there). And ONNX Runtime (1.29 and later)
+starts a thread when it is imported: at the child's exit its C++ static destructors wait for that
+thread forever (upstream: microsoft/onnxruntime#31961). A forked child that imported ONNX Runtime
+therefore ends, once Python's own exit work is done (threads joined, atexit callbacks, finalizers),
+with `os._exit` and the status it was exiting with.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+_IMPORTED_IN = os.getpid()
+_exit_status: list[object] = [0]
+_handlers: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with an _after_fork_in_child() method
+
+
+def keep_forever(thing: object) -> None:
+    """Makes an object immortal in this process (a forked child's copy of the parent's ORT sessions)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thing))
+
+
+def reset_after_fork(owner: Any) -> None:
+    """Calls `owner._after_fork_in_child()` in every forked child while `owner` lives."""
+    _handlers.add(owner)
+
+
+def _status_code(status: object) -> int:
+    """The exit status Python gives `sys.exit(status)` (which has printed a message status already)."""
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status & 0xFF
+    return 1
+
+
+def _recording(exit: Callable[..., Any]) -> Callable[..., Any]:
+    def recorded_exit(status: object = None) -> Any:
+        _exit_status[0] = status
+        return exit(status)
+
+    return recorded_exit
+
+
+def _in_child() -> None:
+    for owner in list(_handlers):
+        owner._after_fork_in_child()
+    sys.exit = _recording(sys.exit)
+    previous_hook = sys.excepthook
+
+    def uncaught(*info: Any) -> None:
+        _exit_status[0] = 1
+        previous_hook(*info)
+
+    sys.excepthook = uncaught
+
+
+def _end_forked_child() -> None:
+    """Registered first, so it runs last of the atexit callbacks: only then skip the C++ destructors."""
+    if os.getpid() == _IMPORTED_IN or "onnxruntime" not in sys.modules:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing more to write
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)  # C stdio buffers, which os._exit would drop
+    except (OSError, AttributeError):
+        pass
+    os._exit(_status_code(_exit_status[0]))
+
+
+# Registered when Quiver's runtime is first imported: in a forked child, atexit callbacks registered
+# after that run first (LIFO), those registered before it are skipped with the C++ destructors.
+atexit.register(_end_forked_child)
+os.register_at_fork(after_in_child=_in_child)
