@@ -240,11 +240,11 @@ def _print_summary(report: dict[str, Any]) -> None:
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:
-    try:
-        with open(path, "rb") as file:
-            return file.read(len(magic)) == magic
-    except OSError:
-        return False  # the context reader says why, in its own words
+    """Whether a regular file starts with `magic` (a FIFO or a device is refused, never read)."""
+    from quiver.formats.files import open_regular
+
+    with open_regular(path) as file:
+        return file.read(len(magic)) == magic
 
 
 def _inspect_section(path: Path, as_json: bool) -> None:
@@ -416,11 +416,7 @@ def verify(context_path: Path, as_json: bool) -> None:
     from quiver.formats.section import SectionFile
 
     start = time.perf_counter()
-    try:
-        with open(context_path, "rb") as handle:
-            is_section = handle.read(len(SECTION_MAGIC)) == SECTION_MAGIC
-    except OSError as exc:
-        raise QuiverError(f"cannot read {context_path}: {exc.strerror or exc}; check the path") from None
+    is_section = _starts_with(context_path, SECTION_MAGIC)
     file = (SectionFile if is_section else ContextFile).open(context_path)
     problems = file.verify()
     elapsed = time.perf_counter() - start
