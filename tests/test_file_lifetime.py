@@ -17,7 +17,7 @@ from quiver.formats._layout import PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import TEMPORARY_PREFIX, ContextWriter
-from tests.stress.concurrency import X, LoraProject, make_lora_project
+from tests.stress.concurrency import LoraProject, X, make_lora_project
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import quiver as run_cli
 from tests.test_sections import _adapter, _expected, _lora_model
