@@ -25,7 +25,7 @@ _API_VERSION = 20  # ORT >= 1.20; every function used here predates it
 # Indices into `struct OrtApi` (onnxruntime_c_api.h); stable across releases.
 _CREATE_STATUS, _GET_ERROR_MESSAGE = 0, 2
 _CREATE_ENV, _RUN, _CREATE_SESSION_OPTIONS = 3, 9, 10
-_SET_GRAPH_OPTIMIZATION_LEVEL, _SET_INTRA_OP_NUM_THREADS = 23, 24
+_SET_SESSION_LOG_SEVERITY_LEVEL, _SET_GRAPH_OPTIMIZATION_LEVEL, _SET_INTRA_OP_NUM_THREADS = 22, 23, 24
 _CREATE_TENSOR_WITH_DATA, _GET_TENSOR_MUTABLE_DATA = 49, 51
 _GET_TENSOR_ELEMENT_TYPE, _GET_DIMENSIONS_COUNT, _GET_DIMENSIONS = 60, 61, 62
 _GET_TENSOR_TYPE_AND_SHAPE, _CREATE_CPU_MEMORY_INFO = 65, 69
@@ -36,6 +36,7 @@ _CREATE_PREPACKED_CONTAINER, _RELEASE_PREPACKED_CONTAINER = 166, 167
 _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER = 169
 _ADD_EXTERNAL_INITIALIZERS = 210
 
+_LOG_FATAL = 4
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
 _STATUS = ctypes.c_void_p
@@ -97,6 +98,7 @@ class _Api:
         self.CreateSessionOptions = fn(_CREATE_SESSION_OPTIONS, _STATUS, _PP)
         self.ReleaseSessionOptions = fn(_RELEASE_SESSION_OPTIONS, None, _P)
         self.SetGraphOptimizationLevel = fn(_SET_GRAPH_OPTIMIZATION_LEVEL, _STATUS, _P, ctypes.c_int)
+        self.SetSessionLogSeverityLevel = fn(_SET_SESSION_LOG_SEVERITY_LEVEL, _STATUS, _P, ctypes.c_int)
         self.SetIntraOpNumThreads = fn(_SET_INTRA_OP_NUM_THREADS, _STATUS, _P, ctypes.c_int)
         self.AddSessionConfigEntry = fn(_ADD_SESSION_CONFIG_ENTRY, _STATUS, _P, ctypes.c_char_p, ctypes.c_char_p)
         self.AddInitializer = fn(_ADD_INITIALIZER, _STATUS, _P, ctypes.c_char_p, _P)
@@ -265,6 +267,8 @@ class Session:
         try:
             capi.check(capi.SetIntraOpNumThreads(options, intra_op_num_threads))
             capi.check(capi.SetGraphOptimizationLevel(options, optimization_level))
+            # fatal only: a failing run raises with ORT's message; ORT need not also print it
+            capi.check(capi.SetSessionLogSeverityLevel(options, _LOG_FATAL))
             for key, value in config.items():
                 capi.check(capi.AddSessionConfigEntry(options, key.encode(), value.encode()))
             for name, tensor in self._weights.items():

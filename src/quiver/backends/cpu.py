@@ -156,7 +156,7 @@ class _PythonApiSession:
         options = ort.SessionOptions()
         options.intra_op_num_threads = backend.intra_op_num_threads
         options.graph_optimization_level = backend.graph_optimization_level
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # fatal only: a failing run raises with ORT's message
         entries = backend.config(prepack)
         if backend.prepack and not prepack:
             # A stand-in until the packed session is ready: its threads should not spin after a run and

@@ -91,9 +91,10 @@ def fold_lora_strengths(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Streng
     """
     graph = model.graph
     inputs = {value.name: value for value in graph.input}
-    if not any(node.op_type == "Gather" and node.input[0] in inputs for node in graph.node):
+    if not any(node.op_type == "Gather" and len(node.input) == 2 and node.input[0] in inputs for node in graph.node):
         return model, None  # no strengths read from an input: not a LoRA graph (skip the maps on start-up)
-    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    # inline ones only: a weight stored in the context is a data-less placeholder here
+    initializers = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
     producers = {output: node for node in graph.node for output in node.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
@@ -105,7 +106,9 @@ def fold_lora_strengths(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Streng
     rewrites: dict[int, tuple[str, str]] = {}  # id(consumer) -> (new activation input, folded weight)
     removed: set[int] = set()
     for mul in graph.node:
-        if mul.op_type != "Mul" or mul.output[0] in outputs or len(readers.get(mul.output[0], [])) != 1:
+        if mul.op_type != "Mul" or len(mul.input) != 2 or len(mul.output) != 1:
+            continue  # (a malformed node is left for ONNX Runtime to refuse)
+        if mul.output[0] in outputs or len(readers.get(mul.output[0], [])) != 1:
             continue
         consumer = readers[mul.output[0]][0]
         match = _strength_side(mul, producers, inputs, initializers)
@@ -161,12 +164,13 @@ def _strength_side(
     for side in (0, 1):
         scale = producers.get(mul.input[side])
         chain = []
-        if scale is not None and scale.op_type == "Reshape":  # the Conv form: [R] -> [1, R, 1, 1]
+        if scale is not None and scale.op_type == "Reshape" and scale.input:  # the Conv form: [R] -> [1, R, 1, 1]
             chain.append(scale)
             scale = producers.get(scale.input[0])
         if (
             scale is not None
             and scale.op_type == "Gather"
+            and len(scale.input) == 2
             and all(a.name != "axis" or a.i == 0 for a in scale.attribute)
             and scale.input[0] in inputs
             and (scale.input[1] in inputs or scale.input[1] in initializers)

@@ -247,7 +247,7 @@ def parse_encodings(raw: Mapping[str, Any], source: str = "<encodings>") -> Enco
             raise EncodingsError(f"{source}: encodings version {version} is not supported; use one of {VERSIONS}")
     except EncodingsError as exc:
         raise EncodingsError(f"{source}: {exc}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise EncodingsError(f"{source}: not an AIMET {version} encodings file ({type(exc).__name__}: {exc})") from None
     result.version = version
     return result

@@ -230,8 +230,8 @@ class TensorFile:
     def _parse_header(self, header_bytes: bytes) -> None:
         try:
             header = json.loads(header_bytes.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise _fail(f"header is not UTF-8 JSON ({exc})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, or a huge integer
+            raise _fail(f"header is not UTF-8 JSON Quiver can read ({exc})") from None
         if not isinstance(header, dict) or header.get("format") != self.FORMAT:
             raise _fail(f'header must be an object with "format": "{self.FORMAT}"')
         producer = header.get("producer")

@@ -26,6 +26,68 @@ _UNSUPPORTED = {
 }
 
 
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"{value!r} is not an integer")
+    number = int(value)
+    if number != float(value) or not 0 <= number < 1 << 31:
+        raise ValueError(f"{value!r} is not a whole number in range")
+    return number
+
+
+def _integers(values: Any) -> list[int] | None:
+    return None if values is None else [_integer(v) for v in values]
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a string")
+    return value
+
+
+def _texts(values: Any) -> list[str] | None:
+    return None if values is None else [_text(v) for v in values]
+
+
+def _check_regex(pattern: str, source: str) -> None:
+    """Refuses a pattern that does not compile, or that nests repeats (exponential backtracking)."""
+    try:
+        parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise AdapterError(f"{source}: {pattern!r} is not a valid regular expression ({exc})") from None
+
+    def nested(items: Any, inside_repeat: bool) -> bool:
+        for op, value in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                low, high, body = value
+                repeats = high > 1
+                if (inside_repeat and repeats) or nested(body, inside_repeat or repeats):
+                    return True
+            elif name == "SUBPATTERN":
+                if nested(value[-1], inside_repeat):
+                    return True
+            elif name == "BRANCH":  # alternatives under a repeat can overlap: (a|a)* backtracks exponentially
+                if inside_repeat or any(nested(branch, inside_repeat) for branch in value[1]):
+                    return True
+        return False
+
+    if nested(parsed, False):
+        raise AdapterError(
+            f"{source}: pattern {pattern!r} repeats a repeat or alternatives (like (a+)+ or (a|b)*), which can "
+            "take exponential time to match; write it without them"
+        )
+
+
 def _pattern_value(patterns: dict[str, Any], module: str) -> Any:
     """PEFT's rule: a pattern key applies when the module name ends with it at a dot boundary."""
     for key, value in patterns.items():
@@ -65,19 +127,28 @@ class LoraConfig:
         try:
             layers = raw.get("layers_to_transform")
             pattern = raw.get("layers_pattern")
-            return cls(
-                r=int(raw["r"]),
-                lora_alpha=float(raw.get("lora_alpha", raw["r"])),
-                target_modules=raw.get("target_modules") or [],
+            targets = raw.get("target_modules") or []
+            config = cls(
+                r=_integer(raw["r"]),
+                lora_alpha=_finite(raw.get("lora_alpha", raw["r"])),
+                target_modules=targets if isinstance(targets, str) else [_text(t) for t in targets],
                 use_rslora=bool(raw.get("use_rslora", False)),
-                rank_pattern={str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
-                alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
+                rank_pattern={_text(k): _integer(v) for k, v in (raw.get("rank_pattern") or {}).items()},
+                alpha_pattern={_text(k): _finite(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
                 fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
-                layers_to_transform=[layers] if isinstance(layers, int) else layers,
-                layers_pattern=[pattern] if isinstance(pattern, str) else pattern,
+                layers_to_transform=[_integer(layers)] if isinstance(layers, int) else _integers(layers),
+                layers_pattern=[pattern] if isinstance(pattern, str) else _texts(pattern),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise AdapterError(f"{source}: not a valid LoRA config ({type(exc).__name__}: {exc})") from None
+        # Every pattern is a regular expression (as in PEFT): compiled now, and refused when it could
+        # take exponential time to match (nested repeats, the usual ReDoS shape).
+        regexes = [*config.rank_pattern, *config.alpha_pattern, *(config.layers_pattern or [])]
+        if isinstance(config.target_modules, str) and config.target_modules != "all-linear":
+            regexes.append(config.target_modules)
+        for regex in regexes:
+            _check_regex(regex, source)
+        return config
 
     def targets(self, module: str) -> bool:
         """Whether PEFT adapts this module (target_modules, then layers_to_transform)."""

@@ -86,17 +86,41 @@ def read_ep_context(model: onnx.ModelProto, folder: Path | None) -> EpContext:
     if len(nodes) != 1 or len(model.graph.node) != 1:
         raise InvalidGraph("an EPContext model for Quiver holds exactly one EPContext node and nothing else")
     attributes = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
-    if attributes.get("source", b"").decode() != SOURCE:
-        raise InvalidGraph(f"this EPContext node was made by {attributes.get('source', b'?')!r}, not by {SOURCE}")
-    graph = attributes.get("partition_name", b"").decode() or model.graph.name
+
+    def text(name: str) -> str:
+        value = attributes.get(name, b"")
+        if not isinstance(value, bytes):
+            raise InvalidGraph(f"the EPContext attribute {name!r} must be a string, not {type(value).__name__}")
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidGraph(f"the EPContext attribute {name!r} is not UTF-8") from None
+
+    def number(name: str, default: int) -> int:
+        value = attributes.get(name, default)
+        if not isinstance(value, int):
+            raise InvalidGraph(f"the EPContext attribute {name!r} must be an integer, not {type(value).__name__}")
+        return value
+
+    source = text("source")
+    if source != SOURCE:
+        raise InvalidGraph(f"this EPContext node was made by {source!r}, not by {SOURCE}")
+    graph = text("partition_name") or model.graph.name
     cache = attributes.get("ep_cache_context")
     if not isinstance(cache, bytes) or not cache:
         raise InvalidGraph("the EPContext node has no ep_cache_context")
-    main = bool(attributes.get("main_context", 1))
-    if attributes.get("embed_mode", 0) == 1:
+    main = bool(number("main_context", 1))
+    if number("embed_mode", 0) == 1:
         return EpContext(graph, cache, main)
-    base = (folder or Path.cwd()).resolve()
-    relative = Path(cache.decode())
+    if folder is None:  # bytes: no folder to resolve the path against (never the working directory)
+        raise InvalidGraph(
+            "an EPContext model given as bytes must embed its context (embed_mode=1); open it by its path instead"
+        )
+    base = folder.resolve()
+    try:
+        relative = Path(cache.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidGraph("the EPContext attribute 'ep_cache_context' is not a UTF-8 path") from None
     target = (base / relative).resolve()
     if relative.is_absolute() or not target.is_relative_to(base):
         raise InvalidGraph(

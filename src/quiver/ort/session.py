@@ -199,8 +199,10 @@ class InferenceSession:
                 raise UnsupportedByBackend(
                     f"{self._providers[0]} cannot run operators {missing} and session.disable_cpu_ep_fallback=1"
                 )
-            # ORT's CPU EP fallback: the whole model on plain ONNX Runtime.
-            self._fallback = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            # ORT's CPU EP fallback: the whole model on plain ONNX Runtime, from its path when it has one
+            # (external data then resolves against the model's folder, as ORT does, not the working one).
+            original = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
+            self._fallback = onnxruntime.InferenceSession(original, providers=["CPUExecutionProvider"])
             self._providers = ["CPUExecutionProvider"]
             return
         source_path = Path(source) if isinstance(source, (str, Path)) else None

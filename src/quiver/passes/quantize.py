@@ -105,10 +105,15 @@ def parse_ort_overrides(raw: Mapping[str, Any]) -> dict[str, list[dict[str, Any]
                 if "scale" in entry or "zero_point" in entry:
                     dtype = _numpy_dtype_of(entry["quant_type"])
                     entry["scale"] = np.asarray(entry["scale"], np.float32)
-                    entry["zero_point"] = np.asarray(entry["zero_point"], dtype)
+                    if not np.all(np.isfinite(entry["scale"])) or np.any(entry["scale"] <= 0):
+                        raise ValueError(f"scale of {tensor!r} is not a finite positive number")
+                    zero_point = np.asarray(entry["zero_point"])
+                    if zero_point.dtype.kind not in "iub" or np.any(zero_point != zero_point.astype(dtype)):
+                        raise ValueError(f"zero_point of {tensor!r} does not fit {np.dtype(dtype).name}")
+                    entry["zero_point"] = zero_point.astype(dtype)
                 parsed.append(entry)
             result[str(tensor)] = parsed
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise QuantizationError(f"not a TensorQuantOverrides file ({type(exc).__name__}: {exc})") from None
     return result
 

@@ -195,10 +195,23 @@ def build(models: tuple[str, ...], output: Path, input_shapes: tuple[str, ...], 
     report = describe_context(context, str(output))
     context.close()
     if as_json:
-        _emit_json(report)
+        _emit_json(report)  # JSON escapes control characters itself
         return
+    report = printable(report)
     _print_graph_table(report, f"built {output}")
     _print_summary(report)
+
+
+def printable(value: Any) -> Any:
+    """Strings with control characters (names read from files: escape codes, bells) shown escaped,
+    so printing what a file says can never drive the terminal. Dicts and lists are walked."""
+    if isinstance(value, str):
+        return "".join(c if c.isprintable() or c == "\n" else ascii(c)[1:-1] for c in value)
+    if isinstance(value, dict):
+        return {printable(k): printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [printable(v) for v in value]
+    return value
 
 
 def _print_graph_table(report: dict[str, Any], title: str) -> None:
@@ -255,8 +268,9 @@ def _inspect_section(path: Path, as_json: bool) -> None:
 
     report = describe_section(SectionFile.open(path), str(path))
     if as_json:
-        _emit_json(report)
+        _emit_json(report)  # JSON escapes control characters itself
         return
+    report = printable(report)
     table = Table(title=escape(f"{path}: binary section for context {report['context'][:16]}…"))
     for column in ("graph", "tensor", "dtype", "shape", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left", overflow="fold")
@@ -287,8 +301,9 @@ def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
     with Context.from_binary(context_path, backend="reference") as context:
         report = describe_context(context, str(context_path))
     if as_json:
-        _emit_json(report)
+        _emit_json(report)  # JSON escapes control characters itself
         return
+    report = printable(report)
     _print_graph_table(report, f"{context_path} (format {report['format_version']}, {report['producer']})")
     if tensors:
         table = Table(title="stored tensors")
@@ -774,7 +789,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cli.main(args=list(argv) if argv is not None else None, prog_name="quiver", standalone_mode=False)
     except QuiverError as exc:
-        err_console.print(f"quiver: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(f"quiver: error: {printable(str(exc))}", markup=False, highlight=False, soft_wrap=True)
         return 1
     except click.ClickException as exc:
         exc.show()
