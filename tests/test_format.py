@@ -15,6 +15,7 @@ import quiver
 from quiver.formats._layout import DATA_START, MAGIC, PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from quiver.formats.writer import ContextWriter
+from tests.fuzz.harness import reseal
 
 
 def _write(tmp_path: Path, arrays: list[np.ndarray], graphs: dict[str, dict[str, int]] | None = None) -> Path:
@@ -31,18 +32,7 @@ def _rewrite_header(data: bytes, mutate: Callable[[dict], None]) -> bytes:
     _, pre = Preamble.unpack(data[:PREAMBLE_SIZE])
     header = json.loads(data[pre.header_offset :])
     mutate(header)
-    new_header = json.dumps(header).encode()
-    body = data[PREAMBLE_SIZE : pre.header_offset]
-    new_pre = Preamble(
-        pre.major,
-        pre.minor,
-        pre.flags,
-        pre.header_offset,
-        len(new_header),
-        pre.header_offset + len(new_header),
-        hashlib.sha256(new_header).digest(),
-    )
-    return new_pre.pack() + body + new_header
+    return reseal(data, json.dumps(header).encode())
 
 
 @pytest.fixture

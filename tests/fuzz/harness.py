@@ -313,29 +313,19 @@ def _lora_metadata(data: bytes, rng: random.Random) -> bytes:
 
 
 Mutator = Callable[[bytes, random.Random], bytes]
+_ANY_FILE: dict[str, Mutator] = {
+    "header_value": _header_value,
+    "header_delete": _header_delete,
+    "header_swap": _header_swap,
+    "header_bytes": _header_bytes,
+    "preamble_field": _preamble_field,
+    "truncate": _truncate,
+    "extend": _extend,
+    "data_bytes": _data_bytes,
+}
 MUTATORS: dict[str, dict[str, Mutator]] = {
-    "context": {
-        "header_value": _header_value,
-        "header_delete": _header_delete,
-        "header_swap": _header_swap,
-        "header_bytes": _header_bytes,
-        "preamble_field": _preamble_field,
-        "truncate": _truncate,
-        "extend": _extend,
-        "data_bytes": _data_bytes,
-        "skeleton": _skeleton,
-    },
-    "section": {
-        "header_value": _header_value,
-        "header_delete": _header_delete,
-        "header_swap": _header_swap,
-        "header_bytes": _header_bytes,
-        "preamble_field": _preamble_field,
-        "truncate": _truncate,
-        "extend": _extend,
-        "data_bytes": _data_bytes,
-        "lora_metadata": _lora_metadata,
-    },
+    "context": {**_ANY_FILE, "skeleton": _skeleton},
+    "section": {**_ANY_FILE, "lora_metadata": _lora_metadata},
 }
 
 
