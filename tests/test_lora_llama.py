@@ -13,6 +13,8 @@ import pytest
 
 import quiver
 from quiver.lora.prepare import prepare
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import quiver as run_cli
 
 LLAMA = Path(__file__).resolve().parent / "fixtures" / "llama"
 YAML = f"""
@@ -69,3 +71,44 @@ def test_switching_use_cases_back_and_forth_on_one_loaded_context(prepared: Path
         context.apply_binary_section("model", prepared / f"{use_case}.qsec")
         logits = context.graph("model").execute({"input_ids": ids})["logits"]
         np.testing.assert_allclose(logits, np.load(LLAMA / f"expected_{use_case}.npy"), atol=1e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same flow quantized (a16w8 base, 16-bit adapters), calibrated on the fixture's ids and seven more."""
+    root = tmp_path_factory.mktemp("llama_q")
+    (root / "lora.yaml").write_text(YAML)
+    ids = np.load(LLAMA / "input_ids.npy")
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(8):
+        np.save(root / f"calib_{i}.npy", ids if i == 0 else rng.integers(0, 128, ids.shape).astype(ids.dtype))
+        lines.append(f"input_ids:={root / f'calib_{i}.npy'}")
+    (root / "calib.txt").write_text("\n".join(lines) + "\n")
+    result = run_cli(
+        "lora", "prepare", "--lora-config", root / "lora.yaml", "-o", root / "out", "--input-list", root / "calib.txt",
+        "--act-bitwidth", "16", "--weight-bitwidth", "8", "--lora-weight-bitwidth", "16",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return root / "out"
+
+
+@pytest.mark.parametrize("use_case", ["base", "elementary", "long", "elementary_long"])
+def test_quantized_use_cases_match_peft_within_quantization_noise(quantized: Path, use_case: str) -> None:
+    context = quiver.Context.from_binary(quantized / "lora.qctx")
+    context.apply_binary_section("model", quantized / f"{use_case}.qsec")
+    logits = context.graph("model").execute({"input_ids": np.load(LLAMA / "input_ids.npy")})["logits"]
+    expected = np.load(LLAMA / f"expected_{use_case}.npy")
+    # the adapters move these logits by 0.46 to 0.63; 16-bit activations and 8-bit weights by ~0.01
+    assert np.abs(logits - expected).max() < 0.03
+
+
+def test_calibration_inputs_the_model_cannot_run_are_a_one_line_error(tmp_path: Path) -> None:
+    (tmp_path / "lora.yaml").write_text(YAML)
+    np.save(tmp_path / "bad.npy", np.full((1, 8), 850, np.int64))  # the vocabulary has 128 tokens
+    (tmp_path / "calib.txt").write_text(f"input_ids:={tmp_path / 'bad.npy'}\n")
+    result = run_cli(
+        "lora", "prepare", "--lora-config", tmp_path / "lora.yaml", "-o", tmp_path / "out",
+        "--input-list", tmp_path / "calib.txt", "--act-bitwidth", "16",
+    )  # fmt: skip
+    assert_one_line_error(result, "calibration inputs", "out of data bounds")

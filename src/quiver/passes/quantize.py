@@ -244,6 +244,25 @@ def quantize(
     model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]], options: QuantizeOptions
 ) -> tuple[onnx.ModelProto, EncodingSet]:
     """A QDQ model runnable by plain ONNX Runtime, and the encodings it uses (AIMET model)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+    failures = tuple(
+        getattr(ort_errors, name)
+        for name in ("Fail", "InvalidArgument", "RuntimeException", "InvalidGraph", "NotImplemented", "EPFail")
+        if hasattr(ort_errors, name)
+    )
+    try:
+        return _quantize(model, samples, options)
+    except failures as exc:  # calibration runs the float model on the samples: a sample that does not fit
+        raise QuantizationError(
+            f"ONNX Runtime could not run the model on the calibration inputs ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300]}); check that every --input-list sample is valid input for the model"
+        ) from None
+
+
+def _quantize(
+    model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]], options: QuantizeOptions
+) -> tuple[onnx.ModelProto, EncodingSet]:
     from onnxruntime.quantization import CalibrationMethod
     from onnxruntime.quantization import quantize as ort_quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
