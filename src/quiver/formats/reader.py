@@ -6,6 +6,8 @@ import hashlib
 import json
 import mmap
 import os
+import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +68,9 @@ class GraphEntry:
     updateable: tuple[str, ...] = ()  # weights a binary section may replace (format 1.1)
 
 
+_SHA256_HEX = re.compile("[0-9a-f]{64}")
+
+
 def _fail(message: str) -> InvalidHeaderError:
     return InvalidHeaderError(f"{message}; the context binary is damaged: rebuild it with `quiver build`")
 
@@ -84,7 +89,7 @@ def _str(value: Any, what: str) -> str:
 
 def _sha(value: Any, what: str) -> str:
     text = _str(value, what)
-    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+    if not _SHA256_HEX.fullmatch(text):
         raise _fail(f"{what} must be 64 lowercase hex digits")
     return text
 
@@ -173,6 +178,35 @@ def _check_order(regions: list[tuple[int, int, str]]) -> None:
 
 
 _T = TypeVar("_T", bound="TensorFile")
+_PARALLEL_HASH_FROM = 1 << 20  # below this, starting threads costs more than it saves
+
+
+def _sha256_of(buffer: memoryview, spans: list[tuple[int, int]]) -> list[str]:
+    """SHA-256 of each span, on as many threads as there are cores (hashlib lets go of the GIL)."""
+    digests = [""] * len(spans)
+
+    def hash_some(indices: list[int]) -> None:
+        for i in indices:
+            offset, length = spans[i]
+            digests[i] = hashlib.sha256(buffer[offset : offset + length]).hexdigest()
+
+    workers = min(os.cpu_count() or 1, 4)
+    if workers == 1 or sum(length for _, length in spans) < _PARALLEL_HASH_FROM:
+        hash_some(list(range(len(spans))))
+        return digests
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for i in sorted(range(len(spans)), key=lambda i: -spans[i][1]):  # largest first, to the least loaded
+        least = loads.index(min(loads))
+        shares[least].append(i)
+        loads[least] += spans[i][1]
+    threads = [threading.Thread(target=hash_some, args=(share,)) for share in shares[1:] if share]
+    for thread in threads:
+        thread.start()
+    hash_some(shares[0])
+    for thread in threads:
+        thread.join()
+    return digests
 
 
 class TensorFile:
@@ -345,20 +379,18 @@ class TensorFile:
     def verify(self) -> list[str]:
         """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
         self.check_unchanged()
-        problems = [
-            f"weight {w.index} ({w.dtype}{list(w.shape)}) checksum mismatch"
-            for w in self.weights
-            if hashlib.sha256(self._buffer[w.offset : w.offset + w.length]).hexdigest() != w.sha256
-        ]
-        problems += self._verify_rest()
+        checked = self._checksummed()
+        digests = _sha256_of(self._buffer, [(offset, length) for _, offset, length, _ in checked])
+        problems = [f"{what} checksum mismatch" for (what, *_, sha), digest in zip(checked, digests) if digest != sha]
         regions = sorted([(0, PREAMBLE_SIZE), *self._regions(), (self.header_offset, 0)])
         for (start, length), (next_start, _) in zip(regions, regions[1:]):
             if np.frombuffer(self._buffer[start + length : next_start], np.uint8).any():  # read in place, no copy
                 problems.append(f"non-zero padding between bytes {start + length} and {next_start}")
         return problems
 
-    def _verify_rest(self) -> list[str]:
-        return []
+    def _checksummed(self) -> list[tuple[str, int, int, str]]:
+        """(what, offset, length, sha256) of every region with a checksum."""
+        return [(f"weight {w.index} ({w.dtype}{list(w.shape)})", w.offset, w.length, w.sha256) for w in self.weights]
 
     def close(self) -> None:
         if self._fd is not None:
@@ -397,9 +429,6 @@ class ContextFile(TensorFile):
             )
         return data
 
-    def _verify_rest(self) -> list[str]:
-        return [
-            f"graph {g.name!r} checksum mismatch"
-            for g in self.graphs.values()
-            if hashlib.sha256(self._buffer[g.offset : g.offset + g.length]).hexdigest() != g.sha256
-        ]
+    def _checksummed(self) -> list[tuple[str, int, int, str]]:
+        graphs = [(f"graph {g.name!r}", g.offset, g.length, g.sha256) for g in self.graphs.values()]
+        return super()._checksummed() + graphs
