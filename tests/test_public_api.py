@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import quiver
 import quiver.errors
@@ -33,3 +36,23 @@ def test_every_module_has_a_docstring() -> None:
             continue
         imported = __import__(module.name, fromlist=["_"])
         assert imported.__doc__ and imported.__doc__.strip(), module.name
+
+
+_LOAD_AND_RUN = """
+import sys, numpy as np, quiver
+with quiver.Context.from_binary(sys.argv[1]) as context:
+    graph = context.graph("base")
+    graph.execute({"input_ids": np.ones((1, 4), np.int64)})
+    context.wait_until_ready()
+    graph.execute({"input_ids": np.ones((1, 4), np.int64)})
+print(sorted(m for m in sys.modules if m == "onnx" or m.startswith("onnx.")))
+"""
+
+
+def test_loading_and_running_a_context_does_not_import_the_onnx_package(family_context: Path) -> None:
+    # onnx's helpers, checker and reference code cost ~45 ms of every fresh process; loading needs only
+    # its protobuf messages (quiver.ir.proto)
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN, str(family_context)], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -18,13 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from quiver.backends import _ort_capi
 from quiver.backends.base import FinalizedGraph
 from quiver.backends.lora_strengths import fold_lora_strengths
 from quiver.errors import BackendError
+from quiver.ir.proto import AttributeProto, ModelProto, TensorProto, ValueInfoProto
 
 # ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
 # data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
@@ -57,15 +57,15 @@ def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
     return [graph.weights[n] for n in sorted(names) if n in graph.weights]
 
 
-def _with_accuracy_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
+def _with_accuracy_level(model: ModelProto, level: int) -> ModelProto:
     """Quiver's own MatMulNBits nodes at the backend's accuracy level (the context stores none: ORT's 0)."""
-    result = onnx.ModelProto()
+    result = ModelProto()
     result.CopyFrom(model)
     for node in result.graph.node:
         if node.op_type == "MatMulNBits":
             kept = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
-            node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
+            node.attribute.extend([*kept, AttributeProto(name="accuracy_level", type=AttributeProto.INT, i=level)])
     return result
 
 
@@ -92,12 +92,12 @@ def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
             _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
-def _is_static(value: onnx.ValueInfoProto) -> bool:
+def _is_static(value: ValueInfoProto) -> bool:
     shape = value.type.tensor_type.shape
     return value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in shape.dim)
 
 
-def weights_optimizers_read(model: onnx.ModelProto) -> set[str]:
+def weights_optimizers_read(model: ModelProto) -> set[str]:
     """The initializers whose bytes ORT's graph optimizers may read when they prepare this graph.
 
     Constant folding evaluates every node whose inputs are all constant (a Slice of a position table
@@ -369,6 +369,6 @@ class CpuBackend:
 
     def prepare(self, graph: FinalizedGraph) -> CpuExecutable:
         for tensor in graph.model.graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.name not in graph.weights:
+            if tensor.data_location == TensorProto.EXTERNAL and tensor.name not in graph.weights:
                 raise BackendError(f"graph {graph.name!r}: no weight supplied for initializer {tensor.name!r}")
         return CpuExecutable(graph, self)

@@ -14,10 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from quiver.errors import BackendError
+from quiver.ir.proto import ModelProto, NodeProto, TensorProto, ValueInfoProto
 
 _FOLDED_SUFFIX = ".scaled_by_strength"
 
@@ -82,7 +81,7 @@ class StrengthFolding:
         return weight * columns.reshape(shape)
 
 
-def fold_lora_strengths(model: onnx.ModelProto) -> tuple[onnx.ModelProto, StrengthFolding | None]:
+def fold_lora_strengths(model: ModelProto) -> tuple[ModelProto, StrengthFolding | None]:
     """The model with every foldable strength scaling removed, and how to make the scaled weights.
 
     Folds `Mul(xa, Gather(s, index))` -> `MatMul(·, B)` and `Mul(xa, Reshape(Gather(s, index)))` -> 1x1
@@ -94,9 +93,9 @@ def fold_lora_strengths(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Streng
     if not any(node.op_type == "Gather" and len(node.input) == 2 and node.input[0] in inputs for node in graph.node):
         return model, None  # no strengths read from an input: not a LoRA graph (skip the maps on start-up)
     # inline ones only: a weight stored in the context is a data-less placeholder here
-    initializers = {t.name: t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+    initializers = {t.name: t for t in graph.initializer if t.data_location != TensorProto.EXTERNAL}
     producers = {output: node for node in graph.node for output in node.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
+    readers: dict[str, list[NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
@@ -128,7 +127,7 @@ def fold_lora_strengths(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Streng
     if not folds:
         return model, None
 
-    result = onnx.ModelProto()
+    result = ModelProto()
     result.CopyFrom(model)
     marked = []
     for original, node in zip(graph.node, result.graph.node):
@@ -142,24 +141,22 @@ def fold_lora_strengths(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Streng
     dropped = {name for fold in folds for name in (fold.weight, fold.index, fold.strengths) if name not in read}
     kept = [value for value in result.graph.input if value.name not in dropped]
     for fold in folds:
-        value = onnx.ValueInfoProto()
+        value = ValueInfoProto()
         value.CopyFrom(inputs[fold.weight])
         value.name = fold.folded
         kept.append(value)
     del result.graph.input[:]
     result.graph.input.extend(kept)
-    constants = {
-        fold.index: numpy_helper.to_array(initializers[fold.index]) for fold in folds if fold.index in initializers
-    }
+    constants = {fold.index: _integers(initializers[fold.index]) for fold in folds if fold.index in initializers}
     return result, StrengthFolding(folds, constants, dropped)
 
 
 def _strength_side(
-    mul: onnx.NodeProto,
-    producers: Mapping[str, onnx.NodeProto],
-    inputs: Mapping[str, onnx.ValueInfoProto],
-    initializers: Mapping[str, onnx.TensorProto],
-) -> tuple[str, list[onnx.NodeProto], onnx.NodeProto] | None:
+    mul: NodeProto,
+    producers: Mapping[str, NodeProto],
+    inputs: Mapping[str, ValueInfoProto],
+    initializers: Mapping[str, TensorProto],
+) -> tuple[str, list[NodeProto], NodeProto] | None:
     """(the scaled activation, the nodes that make the per-column scale, its Gather) or None."""
     for side in (0, 1):
         scale = producers.get(mul.input[side])
@@ -179,7 +176,7 @@ def _strength_side(
     return None
 
 
-def _weight_axis(consumer: onnx.NodeProto, inputs: Mapping[str, onnx.ValueInfoProto]) -> int | None:
+def _weight_axis(consumer: NodeProto, inputs: Mapping[str, ValueInfoProto]) -> int | None:
     """Which axis of the consumer's weight the rank runs along, when the weight is a graph input."""
     if consumer.input[1] not in inputs or consumer.domain not in ("", "ai.onnx"):
         return None
@@ -191,11 +188,11 @@ def _weight_axis(consumer: onnx.NodeProto, inputs: Mapping[str, onnx.ValueInfoPr
 
 
 def _fits(
-    weight: onnx.ValueInfoProto,
+    weight: ValueInfoProto,
     axis: int,
     index: str,
-    inputs: Mapping[str, onnx.ValueInfoProto],
-    initializers: Mapping[str, onnx.TensorProto],
+    inputs: Mapping[str, ValueInfoProto],
+    initializers: Mapping[str, TensorProto],
 ) -> bool:
     """True when the weight's rank axis and the index have the same known length (and the Conv is 1x1)."""
     dims = _static_dims(weight)
@@ -206,11 +203,25 @@ def _fits(
     return axis == 0 or dims[2:] == [1, 1]
 
 
-def _static_dims(value: onnx.ValueInfoProto) -> list[int | None]:
+def _integers(tensor: TensorProto) -> np.ndarray:
+    """An inline integer initializer (an adapter index vector) as an array, read from its protobuf fields."""
+    if tensor.data_type not in (TensorProto.INT64, TensorProto.INT32):
+        raise BackendError(f"LoRA index {tensor.name!r} is not an int32 or int64 tensor")
+    dtype = np.int64 if tensor.data_type == TensorProto.INT64 else np.int32
+    if tensor.raw_data:
+        values = np.frombuffer(tensor.raw_data, np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    else:
+        values = np.asarray(tensor.int64_data if dtype is np.int64 else tensor.int32_data, dtype)
+    if values.size != int(np.prod(tensor.dims)):
+        raise BackendError(f"LoRA index {tensor.name!r} holds {values.size} values for shape {list(tensor.dims)}")
+    return values.reshape(tuple(tensor.dims))
+
+
+def _static_dims(value: ValueInfoProto) -> list[int | None]:
     return [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
 
 
-def _without_unread(nodes: list[tuple[bool, onnx.NodeProto]], outputs: set[str]) -> list[onnx.NodeProto]:
+def _without_unread(nodes: list[tuple[bool, NodeProto]], outputs: set[str]) -> list[NodeProto]:
     """The nodes less the removable ones nothing reads any more (a Gather shared with an unfolded Mul stays)."""
     while True:
         read = {name for _, node in nodes for name in node.input} | outputs

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
-from onnx import TensorProto
 
 from quiver.errors import ConversionError
+from quiver.ir.proto import TensorProto
 
 # name in .qctx headers and CLI output -> (ONNX element type, numpy dtype)
 _TABLE: dict[str, tuple[int, np.dtype]] = {

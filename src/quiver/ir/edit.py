@@ -4,41 +4,50 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-import onnx
+from quiver.ir.proto import ModelProto, NodeProto, TensorProto, ValueInfoProto
 
 
-def initializers_as_inputs(
-    model: onnx.ModelProto, names: Collection[str] | Callable[[onnx.TensorProto], bool]
-) -> onnx.ModelProto:
+def initializers_as_inputs(model: ModelProto, names: Collection[str] | Callable[[TensorProto], bool]) -> ModelProto:
     """A copy in which the chosen initializers (by name, or by predicate) are typed graph inputs instead."""
     chosen = names if callable(names) else (lambda tensor: tensor.name in names)
-    copy = onnx.ModelProto()
+    copy = ModelProto()
     copy.CopyFrom(model)
     graph = copy.graph
     moved = [t for t in graph.initializer if chosen(t)]
     kept = [t for t in graph.initializer if not chosen(t)]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in moved)
+    graph.input.extend(_value_info(t) for t in moved)
     return copy
 
 
-def quantized_io(model: onnx.ModelProto) -> onnx.ModelProto:
+def _value_info(tensor: TensorProto) -> ValueInfoProto:
+    """The typed input an initializer becomes (onnx.helper.make_tensor_value_info, without importing onnx)."""
+    value = ValueInfoProto(name=tensor.name)
+    value.type.tensor_type.elem_type = tensor.data_type
+    shape = value.type.tensor_type.shape
+    shape.SetInParent()  # a scalar has a shape too: present, with no dims
+    for dim in tensor.dims:
+        shape.dim.add().dim_value = dim
+    return value
+
+
+def quantized_io(model: ModelProto) -> ModelProto:
     """The model with its I/O quantization left to the caller (QNN EP's offload_graph_io_quantization=0).
 
     A float input whose only consumer is a QuantizeLinear becomes an input of the quantized type, and a
     float output made by a DequantizeLinear becomes that node's quantized input; the Q/DQ nodes go.
     """
-    result = onnx.ModelProto()
+    result = ModelProto()
     result.CopyFrom(model)
     graph = result.graph
     constants = {t.name: t for t in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
+    consumers: dict[str, list[NodeProto]] = {}
     producers = {o: n for n in graph.node for o in n.output}
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    dropped: list[onnx.NodeProto] = []
+    dropped: list[NodeProto] = []
     renames: dict[str, str] = {}
     for value in graph.input:
         users = consumers.get(value.name, [])

@@ -6,9 +6,9 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 
 from quiver.ir import dtypes
+from quiver.ir.proto import ValueInfoProto
 
 Dim = int | str | None
 
@@ -43,7 +43,7 @@ class TensorInfo:
         }
 
 
-def info_of_value(value: onnx.ValueInfoProto, tensor_type: TensorType) -> TensorInfo:
+def info_of_value(value: ValueInfoProto, tensor_type: TensorType) -> TensorInfo:
     tensor = value.type.tensor_type
     shape: tuple[Dim, ...] | None = None
     if tensor.HasField("shape"):

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from quiver.backends import Backend, FinalizedGraph, get_backend
 from quiver.errors import ContextStateError, DuplicateGraphError, TensorUpdateError, UnknownGraphError
@@ -26,13 +24,14 @@ from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import ContextWriter, publish, write_atomically
 from quiver.ir.edit import initializers_as_inputs
-from quiver.ir.quantized import graph_encodings
 from quiver.runtime import sections
 from quiver.runtime.graph import Graph
 from quiver.runtime.state import GraphState, LoraStrengths
 from quiver.runtime.store import Store
 
 if TYPE_CHECKING:  # converting models (onnx.reference, the inliner...) is for building, not loading
+    import onnx
+
     from quiver.passes.convert import InputShapes
 
 
@@ -267,6 +266,10 @@ class Context:
 
     def _encodings(self, name: str) -> EncodingSet:
         """The encodings of a graph's quantized tensors, from the values in use now (sections included)."""
+        from onnx import numpy_helper
+
+        from quiver.ir.quantized import graph_encodings
+
         self.graph(name)
         store = self._require_store()
         skeleton, entry, current = store.info(name).skeleton, store.file.graphs[name], self._state(name).values

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -23,11 +23,9 @@ from quiver.errors import ContextStateError, InvalidHeaderError
 from quiver.formats._layout import WEIGHT_LOCATION
 from quiver.formats.reader import ContextFile
 from quiver.ir import dtypes
+from quiver.ir.proto import ModelProto, TensorProto
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.runtime import fork
-
-if TYPE_CHECKING:
-    import onnx
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class GraphInfo:
     """A graph's parsed structure and tensor descriptions: read once per store."""
 
     name: str
-    skeleton: onnx.ModelProto
+    skeleton: ModelProto
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     static: tuple[TensorInfo, ...]
@@ -48,17 +46,15 @@ class _Live:
     retired: bool = False  # out of the table: released when its last run ends
 
 
-def _parse_skeleton(file: ContextFile, name: str) -> onnx.ModelProto:
-    import onnx
-
-    model = onnx.ModelProto()
+def _parse_skeleton(file: ContextFile, name: str) -> ModelProto:
+    model = ModelProto()
     try:
         model.ParseFromString(file.skeleton(name))
     except Exception as exc:  # protobuf's DecodeError and friends
         raise InvalidHeaderError(
             f"{file.source}: graph {name!r} is not a valid ONNX structure ({exc}); rebuild the context"
         ) from None
-    placeholders = {t.name: t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    placeholders = {t.name: t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
     mapping = file.graphs[name].weights
     if set(placeholders) != set(mapping):
         raise InvalidHeaderError(
