@@ -246,12 +246,14 @@ class CpuExecutable:
             packed = _create_session(self._graph, self._weights, self._backend, packed=True, shareable=self._shareable)
         except BackendError:
             return  # keep the unpacked session: slower, but correct
-        if not self._released:
-            stand_in, self._session = self._session, packed  # atomic; runs in flight keep the old session
+        with self._upgrade_lock:
+            if self._released:
+                return  # released while packing: the packed session goes with this thread
+            stand_in, self._session = self._session, packed  # runs in flight keep the old session
             self.is_packed = True
-            _drop_resident_pages(self._droppable)
-            del stand_in
-            _return_freed_memory()
+        _drop_resident_pages(self._droppable)
+        del stand_in
+        _return_freed_memory()
 
     def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
         session = self._session
@@ -292,13 +294,14 @@ class CpuExecutable:
         return self._prepacked
 
     def release(self) -> None:
+        """Drops the session at once: a packing thread still at work finishes on its own and discards
+        what it made (closing a context never waits for background packing)."""
         with self._upgrade_lock:
             self._upgrade_pending = False  # no packing starts after this
-        self.wait_until_ready()
-        if self._backend.profile_prefix is not None and isinstance(self._session, _PythonApiSession):
-            self._backend.profiles.append(self._session.end_profiling())
-        self._released = True
-        self._session = None
+            self._released = True
+            session, self._session = self._session, None
+        if self._backend.profile_prefix is not None and isinstance(session, _PythonApiSession):
+            self._backend.profiles.append(session.end_profiling())  # profiling sessions are packed eagerly
 
 
 class CpuBackend:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import io
 import json
 import tempfile
 import threading
@@ -27,6 +28,7 @@ from quiver import errors
 from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
 from quiver.formats.section import SectionFile
+from quiver.formats.writer import write_text_atomically
 from quiver.ir.edit import quantized_io
 from quiver.ir.ops import unsupported_operators
 from quiver.ir.tensors import TensorInfo
@@ -381,12 +383,13 @@ class InferenceSession:
             self._context.close()  # releases the graph: ORT writes its profile
             self._context = None
         path = Path(self._config.profiling_file_path)
-        with path.open("w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(["graph", "run", "node", "op_type", "duration_us"])
-            writer.writerows((g, str(r + 1), "", "", f"{d:.1f}") for g, r, d in self._profile)
-            if self._config.profiling_level == "detailed":
-                writer.writerows(self._node_rows())
+        table = io.StringIO(newline="")
+        writer = csv.writer(table)
+        writer.writerow(["graph", "run", "node", "op_type", "duration_us"])
+        writer.writerows((g, str(r + 1), "", "", f"{d:.1f}") for g, r, d in self._profile)
+        if self._config.profiling_level == "detailed":
+            writer.writerows(self._node_rows())
+        write_text_atomically(path, table.getvalue())
         return str(path)
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -11,6 +12,7 @@ import numpy as np
 
 from quiver.errors import FileAccessError, InputListError
 from quiver.formats.files import read_text
+from quiver.formats.writer import write_atomically
 from quiver.ir.tensors import TensorInfo
 from quiver.runtime.graph import Graph
 
@@ -122,10 +124,13 @@ def run_input_list(
         result_dir.mkdir(parents=True, exist_ok=True)
         for name, value in graph.execute(feed).items():
             raw = result_dir / f"{output_file_stem(name)}.raw"
-            np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False).tofile(raw)
+            little_endian = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False)
+            write_atomically(raw, little_endian.tobytes())  # replaced, never rewritten: a reader sees old or new
             written.append(raw)
             if npy:
-                np.save(result_dir / f"{output_file_stem(name)}.npy", value)
+                buffer = io.BytesIO()
+                np.save(buffer, value)
+                write_atomically(result_dir / f"{output_file_stem(name)}.npy", buffer.getbuffer())
         if on_result is not None:
             on_result(index + 1, len(feeds))
     return written
