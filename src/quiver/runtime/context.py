@@ -240,13 +240,18 @@ class Context:
         """What a run of the graph reads now: one object, read once."""
         state = self._states.get(name)
         if state is None:
-            store = self._require_store()
-            updateable = store.file.graphs[name].updateable
             with self._lock:
-                # Updateable tensors are fed to the backend with each run: replacing them never rebuilds it.
-                initial = GraphState({t: store.weight_view(store.file.graphs[name].weights[t]) for t in updateable})
-                state = self._states.setdefault(name, initial)
+                state = self._states.setdefault(name, self._initial_state(name))
         return state
+
+    def _initial_state(self, name: str) -> GraphState:
+        """The graph's updateable tensors as the context stores them (views of the mapping), no section.
+
+        They are fed to the backend with each run: replacing them never rebuilds it.
+        """
+        store = self._require_store()
+        entry = store.file.graphs[name]
+        return GraphState({t: store.weight_view(entry.weights[t]) for t in entry.updateable})
 
     def _run(self, name: str, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         store = self._require_store()
@@ -312,9 +317,7 @@ class Context:
     def _apply_staged(self, graphs: Sequence[str]) -> None:
         with self._lock:
             for graph in graphs:
-                state = self._state(graph)
-                staged = self._staged.pop(graph, {})
-                self._states[graph] = GraphState({**state.values, **staged}, state.lora)
+                self._states[graph] = self._state(graph).updated(self._staged.pop(graph, {}))
 
     def update_context_tensors(self, values: Mapping[str, object]) -> None:
         """Stages new values for updateable tensors of every graph that has them (QnnTensor_updateContextTensors).
@@ -348,7 +351,9 @@ class Context:
         current = {name: self._state(name).values for name in names}
         return sections.write_section(self.file, current, names, metadata)
 
-    def _bind(self, section: SectionFile, targets: Sequence[str]) -> tuple[dict[str, sections.Values], Any]:
+    def _bind(
+        self, section: SectionFile, targets: Sequence[str]
+    ) -> tuple[dict[str, sections.Values], LoraStrengths | None]:
         """The section's tensors per target graph and its strengths, every check passed (nothing changes)."""
         for name in targets:
             self.graph(name)  # every graph it would change must be one this context offers
@@ -362,12 +367,10 @@ class Context:
     def state_with_sections(self, graph: str, applied: Sequence[SectionFile]) -> GraphState:
         """The state the graph would have with these sections applied, in order, over its own values;
         this handle's state does not change (per-run adapters)."""
-        store = self._require_store()
-        entry = store.file.graphs[graph]
-        state = GraphState({t: store.weight_view(entry.weights[t]) for t in entry.updateable})
+        state = self._initial_state(graph)
         for section in applied:
             bound, strengths = self._bind(section, [graph])
-            state = GraphState({**state.values, **bound[graph]}, strengths if strengths is not None else state.lora)
+            state = state.updated(bound[graph], strengths)
         return state
 
     def apply_binary_section(
@@ -386,9 +389,7 @@ class Context:
         bound, strengths = self._bind(loaded, targets)
         with self._lock:  # every check passed: now swap, one graph's state at a time, each whole
             for name, values in bound.items():
-                state = self._state(name)
-                lora = strengths if strengths is not None else state.lora
-                self._states[name] = GraphState({**state.values, **values}, lora)
+                self._states[name] = self._state(name).updated(values, strengths)
                 self._staged.pop(name, None)
         return loaded
 

@@ -97,3 +97,7 @@ class GraphState:
 
     values: Mapping[str, np.ndarray]
     lora: LoraStrengths | None = None
+
+    def updated(self, values: Mapping[str, np.ndarray], lora: LoraStrengths | None = None) -> GraphState:
+        """A new state with these tensor values (and strengths, when given) over this one's."""
+        return GraphState({**self.values, **values}, lora if lora is not None else self.lora)
