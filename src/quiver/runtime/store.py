@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -152,7 +151,7 @@ class Store:
             return view
 
     @contextmanager
-    def running(self, name: str, prepare: Any) -> Iterator[Executable]:
+    def running(self, name: str, prepare: Callable[[], FinalizedGraph]) -> Iterator[Executable]:
         """The graph's executable for one run, prepared on first use (`prepare()` -> FinalizedGraph)."""
         live = self._acquire(name, prepare)
         try:
@@ -164,7 +163,7 @@ class Store:
             if last:
                 live.executable.release()
 
-    def _acquire(self, name: str, prepare: Any) -> _Live:
+    def _acquire(self, name: str, prepare: Callable[[], FinalizedGraph]) -> _Live:
         with self._lock:
             self._check_open()
             live = self._use(name)
@@ -177,8 +176,7 @@ class Store:
                 live = self._use(name)
                 if live is not None:
                     return live
-            finalized: FinalizedGraph = prepare()
-            executable = self.backend.prepare(finalized)
+            executable = self.backend.prepare(prepare())
             with self._lock:
                 if self.closed:
                     executable.release()
