@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnxruntime
 
@@ -55,8 +56,30 @@ _ELEMENT_TYPES = {
     11: np.float64,
     12: np.uint32,
     13: np.uint64,
+    16: ml_dtypes.bfloat16,
+    17: ml_dtypes.float8_e4m3fn,
+    18: ml_dtypes.float8_e4m3fnuz,
+    19: ml_dtypes.float8_e5m2,
+    20: ml_dtypes.float8_e5m2fnuz,
 }
-_BY_DTYPE = {np.dtype(v): k for k, v in _ELEMENT_TYPES.items()}
+# 4-bit types: numpy (ml_dtypes) holds one value per byte, ORT two per byte, low nibble first
+_NIBBLE_TYPES = {21: ml_dtypes.uint4, 22: ml_dtypes.int4}
+_BY_DTYPE = {np.dtype(v): k for k, v in {**_ELEMENT_TYPES, **_NIBBLE_TYPES}.items()}
+
+
+def _packed_nibbles(array: np.ndarray) -> np.ndarray:
+    """4-bit values (one per byte) packed two per byte, low nibble first, as ORT stores INT4/UINT4."""
+    values = array.reshape(-1).view(np.uint8) & 0x0F
+    if values.size % 2:
+        values = np.append(values, np.uint8(0))
+    return (values[0::2] | (values[1::2] << 4)).astype(np.uint8)
+
+
+def _unpacked_nibbles(packed: np.ndarray, count: int, dtype: Any) -> np.ndarray:
+    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(-1)[:count]
+    if np.dtype(dtype) == np.dtype(ml_dtypes.int4):
+        return ((values.astype(np.int8) ^ 8) - 8).astype(dtype)  # sign-extend the nibble
+    return values.astype(dtype)
 
 
 class CApiUnavailableError(BackendError):
@@ -205,11 +228,13 @@ class _Tensor:
         if element is None:
             raise BackendError(f"the cpu backend does not exchange {self.array.dtype} tensors")
         shape = (ctypes.c_int64 * self.array.ndim)(*self.array.shape)
+        data = _packed_nibbles(self.array) if element in _NIBBLE_TYPES else self.array
+        self._data = data  # what the OrtValue points at: must outlive it
         self.handle = self._api._out(
             self._api.CreateTensorWithDataAsOrtValue,
             self._api.cpu_memory,
-            self.array.ctypes.data_as(_P) if self.array.nbytes else _P(1),
-            self.array.nbytes,
+            data.ctypes.data_as(_P) if data.nbytes else _P(1),
+            data.nbytes,
             shape,
             self.array.ndim,
             element,
@@ -232,6 +257,12 @@ def _to_numpy(value: int) -> np.ndarray:
         capi.check(capi.GetDimensions(info, dims, count.value))
     finally:
         capi.ReleaseTensorTypeAndShapeInfo(info)
+    if element.value in _NIBBLE_TYPES:
+        values = int(np.prod(tuple(dims), dtype=np.int64))
+        packed = np.empty((values + 1) // 2, np.uint8)
+        if packed.nbytes:
+            ctypes.memmove(packed.ctypes.data, capi._out(capi.GetTensorMutableData, value), packed.nbytes)
+        return _unpacked_nibbles(packed, values, _NIBBLE_TYPES[element.value]).reshape(tuple(dims))
     dtype = _ELEMENT_TYPES.get(element.value)
     if dtype is None:
         raise BackendError(f"the cpu backend cannot return ONNX element type {element.value}")

@@ -42,6 +42,7 @@ _INTEGER_MATMUL_OPS = {"MatMulNBits", "DequantizeLinear"}
 _SHARED_INTEGER_PACKING = tuple(int(p) for p in ort.__version__.split(".")[:2]) >= (1, 32)
 
 _PREPACKED_OPS = {"MatMul", "Gemm"}
+_C_API_ONLY_IO = {"bfloat16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz", "int4", "uint4"}
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -188,27 +189,38 @@ _Session = _ort_capi.Session | _PythonApiSession
 
 
 def _create_session(
-    graph: FinalizedGraph, weights: SessionWeights, backend: CpuBackend, packed: bool, shareable: bool = True
+    graph: FinalizedGraph,
+    weights: SessionWeights,
+    backend: CpuBackend,
+    packed: bool,
+    shareable: bool = True,
+    c_api_only: bool = False,
 ) -> _Session:
     """A packed session shares the context's container (C API); an unpacked one comes from the Python API.
 
     Both are made at the same optimization level: ORT's fusions change results (QDQ fusions compute in
-    integers), and the first output must equal every later one.
+    integers), and the first output must equal every later one. `c_api_only`: graphs exchanging float8
+    or 4-bit tensors, which ORT's Python API cannot pass.
     """
     try:
-        if packed and shareable and backend.profile_prefix is None:
+        if (packed or c_api_only) and shareable and backend.profile_prefix is None:
             try:
                 return _ort_capi.Session(
                     weights.model,
                     weights.shared,
                     weights.readable,
                     backend.container(),
-                    backend.config(prepack=True),
+                    backend.config(prepack=packed),
                     backend.intra_op_num_threads,
                     int(backend.graph_optimization_level),
                 )
             except _ort_capi.CApiUnavailableError:
-                pass  # no shared packing on this install: each graph packs its own copy
+                if c_api_only:
+                    raise BackendError(
+                        f"graph {graph.name!r} exchanges float8 or 4-bit tensors, which only ORT's C API can pass, "
+                        "and this ONNX Runtime does not offer the functions Quiver needs"
+                    ) from None
+                # no shared packing on this install: each graph packs its own copy
         return _PythonApiSession(weights, backend, packed)
     except Exception as exc:
         raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
@@ -231,11 +243,15 @@ class CpuExecutable:
         self._upgrade: threading.Thread | None = None
         self._upgrade_lock = threading.Lock()  # one packing thread, started once, joined only once started
         self._released = False
-        self.is_packed = backend.prepack and (not backend.lazy_prepack or integer_matmuls)
-        self._shareable = _SHARED_INTEGER_PACKING or not integer_matmuls
+        io_types = {t.dtype for t in (*graph.inputs, *graph.outputs)}
+        # float8 and 4-bit tensors pass only through the C API (one session, packed from the start);
+        # strings only through the Python API (its sessions)
+        self._c_api_only = bool(io_types & _C_API_ONLY_IO) and "string" not in io_types
+        self.is_packed = backend.prepack and (not backend.lazy_prepack or integer_matmuls or self._c_api_only)
+        self._shareable = (_SHARED_INTEGER_PACKING or not integer_matmuls) and "string" not in io_types
         self._weights = SessionWeights.of(graph)
         self._session: _Session | None = _create_session(
-            graph, self._weights, backend, packed=self.is_packed, shareable=self._shareable
+            graph, self._weights, backend, packed=self.is_packed, shareable=self._shareable, c_api_only=self._c_api_only
         )
         self._upgrade_pending = backend.prepack and not self.is_packed
         if self.is_packed:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import onnx
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 from onnx.reference.ops.op_dequantize_linear import DequantizeLinear_21
@@ -14,6 +15,7 @@ from onnx.reference.ops.op_quantize_linear import QuantizeLinear_21
 
 from quiver.backends.base import FinalizedGraph
 from quiver.errors import BackendError
+from quiver.ir import dtypes
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.ops import MS_DOMAIN
 
@@ -93,10 +95,41 @@ _MS_OPS: list[Any] = [
 ]
 
 
-def _as_declared(result: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """onnx.reference returns bfloat16 in a dtype of its own; expose the graph's declared dtype."""
-    if result.dtype != dtype and result.dtype.itemsize == dtype.itemsize and dtype.name == "bfloat16":
+def _onnx_custom_types() -> dict[np.dtype, np.dtype]:
+    """Before 1.18, onnx.reference computes float8 and 4-bit values in structured dtypes of its own
+    (`onnx._custom_element_types`), not ml_dtypes: ml_dtypes dtype -> onnx's, for such versions."""
+    try:
+        from onnx import _custom_element_types as custom  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return {}
+    if tuple(int(p) for p in onnx.__version__.split(".")[:2]) >= (1, 18):
+        return {}
+    names = ("float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz", "int4", "uint4")
+    return {dtypes.numpy_of(name): np.dtype(getattr(custom, name)) for name in names}
+
+
+_ONNX_CUSTOM_TYPES = _onnx_custom_types()
+
+
+def _as_onnx_custom(value: np.ndarray) -> np.ndarray:
+    custom = _ONNX_CUSTOM_TYPES.get(value.dtype)
+    if custom is None:
+        return value
+    if value.dtype.name.startswith("float8"):
+        return value.view(np.uint8).view(custom)  # the same bits
+    return value.astype(np.int8 if value.dtype.name == "int4" else np.uint8).view(custom)  # a value per byte
+
+
+def _as_declared(result: np.ndarray, name: str) -> np.ndarray:
+    """The output in the form Quiver exchanges for its declared type: onnx.reference returns bfloat16
+    (and, before onnx 1.18, float8 and 4-bit values) in dtypes of its own, strings as str arrays."""
+    dtype = dtypes.numpy_of(name)
+    if result.dtype == dtype:
+        return result
+    if name == "bfloat16" and result.dtype.itemsize == dtype.itemsize:
         return result.view(dtype)
+    if name in dtypes.IO_DTYPE_NAMES - dtypes.DTYPE_NAMES:
+        return dtypes.as_io_array(result, name)
     return result
 
 
@@ -104,7 +137,7 @@ class ReferenceExecutable:
     def __init__(self, graph: FinalizedGraph) -> None:
         self._weights = graph.weights
         self._output_names = [o.name for o in graph.outputs]
-        self._output_dtypes = [o.numpy_dtype for o in graph.outputs]
+        self._output_types = [o.dtype for o in graph.outputs]
         try:
             self._evaluator = ReferenceEvaluator(
                 initializers_as_inputs(graph.model, graph.weights.keys()), new_ops=_MS_OPS + _FIXED_OPS
@@ -113,11 +146,13 @@ class ReferenceExecutable:
             raise BackendError(f"reference backend cannot prepare graph {graph.name!r}: {exc}") from None
 
     def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        if _ONNX_CUSTOM_TYPES:
+            feeds = {name: _as_onnx_custom(value) for name, value in feeds.items()}
         try:
             results = self._evaluator.run(self._output_names, {**self._weights, **(bound or {}), **feeds})
         except Exception as exc:
             raise BackendError(f"reference backend failed: {type(exc).__name__}: {exc}") from None
-        return [_as_declared(np.asarray(r), dtype) for r, dtype in zip(results, self._output_dtypes)]
+        return [_as_declared(np.asarray(r), name) for r, name in zip(results, self._output_types)]
 
     @property
     def private_bytes(self) -> int:

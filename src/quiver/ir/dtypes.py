@@ -28,6 +28,35 @@ _BY_ONNX = {onnx_type: name for name, (onnx_type, _) in _TABLE.items()}
 
 DTYPE_NAMES = frozenset(_TABLE)
 
+# Types graph inputs and outputs may have but weights may not (weights of these are converted at
+# build time: 4-bit ones packed for MatMulNBits). numpy holds them as ml_dtypes (one byte per value,
+# 4-bit ones too) and strings as object arrays of str.
+_IO_ONLY: dict[str, tuple[int, np.dtype]] = {
+    "float8e4m3fn": (TensorProto.FLOAT8E4M3FN, np.dtype(ml_dtypes.float8_e4m3fn)),
+    "float8e4m3fnuz": (TensorProto.FLOAT8E4M3FNUZ, np.dtype(ml_dtypes.float8_e4m3fnuz)),
+    "float8e5m2": (TensorProto.FLOAT8E5M2, np.dtype(ml_dtypes.float8_e5m2)),
+    "float8e5m2fnuz": (TensorProto.FLOAT8E5M2FNUZ, np.dtype(ml_dtypes.float8_e5m2fnuz)),
+    "int4": (TensorProto.INT4, np.dtype(ml_dtypes.int4)),
+    "uint4": (TensorProto.UINT4, np.dtype(ml_dtypes.uint4)),
+    "string": (TensorProto.STRING, np.dtype(object)),
+}
+_IO_BY_ONNX = {onnx_type: name for name, (onnx_type, _) in _IO_ONLY.items()}
+IO_DTYPE_NAMES = DTYPE_NAMES | frozenset(_IO_ONLY)
+
+
+def as_io_array(array: np.ndarray, name: str) -> np.ndarray:
+    """An array of an I/O-only type in the numpy form Quiver uses (ml_dtypes, str objects), from the
+    forms other libraries give: raw bytes (ORT's float8 outputs), onnx 1.17's structured dtypes."""
+    target = numpy_of(name)
+    if array.dtype == target:
+        return array
+    if name == "string":
+        return np.array([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)],
+                        dtype=object).reshape(array.shape)  # fmt: skip
+    if name.startswith("float8"):
+        return array.view(np.uint8).view(target)  # the same bits
+    return array.view(np.int8 if name == "int4" else np.uint8).astype(target)  # 4-bit: one value per byte
+
 
 def name_of_onnx(elem_type: int) -> str:
     """The Quiver dtype name of an ONNX element type; raises for types weights cannot have."""
@@ -40,12 +69,17 @@ def name_of_onnx(elem_type: int) -> str:
         ) from None
 
 
+def io_name_of_onnx(elem_type: int) -> str:
+    """The Quiver dtype name of a graph input's or output's element type (weights' types and I/O-only ones)."""
+    return _IO_BY_ONNX[elem_type] if elem_type in _IO_BY_ONNX else name_of_onnx(elem_type)
+
+
 def numpy_of(name: str) -> np.dtype:
-    return _TABLE[name][1]
+    return _TABLE[name][1] if name in _TABLE else _IO_ONLY[name][1]
 
 
 def onnx_of(name: str) -> int:
-    return _TABLE[name][0]
+    return _TABLE[name][0] if name in _TABLE else _IO_ONLY[name][0]
 
 
 def itemsize(name: str) -> int:

@@ -51,7 +51,7 @@ def info_of_value(value: ValueInfoProto, tensor_type: TensorType) -> TensorInfo:
             d.dim_value if d.HasField("dim_value") else (d.dim_param if d.HasField("dim_param") else None)
             for d in tensor.shape.dim
         )
-    return TensorInfo(value.name, dtypes.name_of_onnx(tensor.elem_type), shape, tensor_type)
+    return TensorInfo(value.name, dtypes.io_name_of_onnx(tensor.elem_type), shape, tensor_type)
 
 
 # The input of a LoRA graph holding one strength per adapter (QNN's `lora_alpha`, Genie's alpha tensor).

@@ -29,6 +29,7 @@ from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import write_text_atomically
+from quiver.ir import dtypes
 from quiver.ir.edit import quantized_io
 from quiver.ir.ops import unsupported_operators
 from quiver.ir.tensors import TensorInfo
@@ -60,7 +61,7 @@ class NodeArg:
 
 
 def _node_arg(info: TensorInfo) -> NodeArg:
-    elem = onnx.helper.np_dtype_to_tensor_dtype(info.numpy_dtype)
+    elem = dtypes.onnx_of(info.dtype)
     type_name = onnx.TensorProto.DataType.Name(elem).lower()
     return NodeArg(info.name, list(info.shape) if info.shape is not None else [], f"tensor({type_name})")
 

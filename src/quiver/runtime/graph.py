@@ -30,6 +30,8 @@ def validate_feeds(
     for name, value in feeds.items():
         info = expected[name]
         array = np.asarray(value)
+        if info.dtype == "string" and array.dtype.kind in "UO":
+            array = array.astype(object)  # ORT takes str arrays as objects
         if array.dtype != info.numpy_dtype:
             raise FeedDTypeError(
                 f"graph {graph_name!r}: input {name!r} expects {info.dtype}, got {array.dtype}; "
