@@ -175,3 +175,16 @@ def test_inspect_shows_control_characters_in_names_escaped(tmp_path: Path) -> No
     assert "\\x1b[31m" in shown.stdout and "\\x1b[2J" in shown.stdout
     as_json = json.loads(run_cli("inspect", tmp_path / "evil.qctx", "--json").stdout)
     assert as_json["graphs"][0]["name"] == "evil\x1b[31m\x07"  # JSON keeps the real name, escaped by JSON
+
+
+def test_an_adapter_config_python_cannot_parse_is_an_adapter_error(tmp_path: Path) -> None:
+    from quiver.lora.peft import load_peft_adapter
+    from tests.test_lora_inputs import write_adapter
+
+    write_adapter(tmp_path / "a", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, seed=1,
+                  modules={"model.layers.0.self_attn.q_proj": (16, 16)})  # fmt: skip
+    config = tmp_path / "a" / "adapter_config.json"
+    for text in ('{"r": 4, "layers_to_transform": ' + "1" * 5000 + "}", "[" * 100_000, "\xff"):
+        config.write_text(text, encoding="latin-1")
+        with pytest.raises(quiver.AdapterError, match="adapter_config.json"):
+            load_peft_adapter(tmp_path / "a")

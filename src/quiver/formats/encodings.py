@@ -259,7 +259,7 @@ def read_json_file(path: Path, what: str, error: type[QuiverError] = EncodingsEr
         raise error(f"{path}: no such {what} file")
     try:
         return json.loads(read_text(path, what=f"{what} file"))
-    except (FileAccessError, json.JSONDecodeError, RecursionError) as exc:
+    except (FileAccessError, ValueError, RecursionError) as exc:  # ValueError: JSON, or an integer too long
         raise error(f"{path}: not a readable JSON {what} file ({exc})") from None
 
 

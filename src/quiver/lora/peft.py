@@ -246,7 +246,7 @@ def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapte
     config_path, weights_path = _locate(source)
     try:
         raw = json.loads(read_text(config_path, limit=16 << 20, what="PEFT config"))
-    except (FileAccessError, json.JSONDecodeError, RecursionError) as exc:
+    except (FileAccessError, ValueError, RecursionError) as exc:  # ValueError: JSON, or an integer too long
         raise AdapterError(f"{config_path}: not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{config_path}: must hold a JSON object")
