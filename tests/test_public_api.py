@@ -56,3 +56,21 @@ def test_loading_and_running_a_context_does_not_import_the_onnx_package(family_c
         [sys.executable, "-c", _LOAD_AND_RUN, str(family_context)], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+_OPEN_EP_CONTEXT = """
+import sys, numpy as np, quiver.ort
+session = quiver.ort.InferenceSession(sys.argv[1])
+session.run(None, {"input_ids": np.ones((1, 4), np.int64)})
+print(sorted(m for m in sys.modules if m == "onnx" or m.startswith("onnx.")))
+"""
+
+
+def test_opening_an_ep_context_model_does_not_import_the_onnx_package(family_context: Path, tmp_path: Path) -> None:
+    from quiver.ort.epcontext import wrap_context
+
+    model = next(p for p in wrap_context(family_context, tmp_path) if p.name.startswith("base"))
+    result = subprocess.run(
+        [sys.executable, "-c", _OPEN_EP_CONTEXT, str(model)], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -13,12 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
-from onnx import helper
-
 from quiver._version import __version__
 from quiver.formats.writer import copy_atomically, write_atomically
 from quiver.ir import dtypes
+from quiver.ir.proto import AttributeProto, ModelProto, ValueInfoProto
 from quiver.ir.tensors import TensorInfo
 from quiver.ort.errors import InvalidGraph, NoSuchFile
 from quiver.runtime.context import Context
@@ -27,7 +25,9 @@ MS_DOMAIN = "com.microsoft"
 SOURCE = "Quiver"
 
 
-def _value_info(info: TensorInfo) -> onnx.ValueInfoProto:
+def _value_info(info: TensorInfo) -> ValueInfoProto:
+    from onnx import helper  # writing EPContext models is building: the onnx package is fine here
+
     shape = None if info.shape is None else list(info.shape)
     return helper.make_tensor_value_info(info.name, dtypes.onnx_of(info.dtype), shape)
 
@@ -38,10 +38,12 @@ def ep_context_model(
     outputs: Sequence[TensorInfo],
     cache: str | bytes,
     main_context: bool = True,
-) -> onnx.ModelProto:
+) -> ModelProto:
     """The EPContext model of one graph; `cache` is a relative path (embed_mode 0) or the `.qctx` bytes (1)."""
     embedded = isinstance(cache, bytes)
     cache_bytes = cache if isinstance(cache, bytes) else cache.encode()
+    from onnx import helper
+
     node = helper.make_node(
         "EPContext",
         [i.name for i in inputs],
@@ -64,7 +66,7 @@ def ep_context_model(
     )
 
 
-def save_ep_context_model(model: onnx.ModelProto, path: Path) -> Path:
+def save_ep_context_model(model: ModelProto, path: Path) -> Path:
     write_atomically(path, model.SerializeToString())
     return path
 
@@ -76,16 +78,26 @@ class EpContext:
     main_context: bool
 
 
-def is_ep_context_model(model: onnx.ModelProto) -> bool:
+def _attribute_value(attribute: AttributeProto) -> object:
+    """A string or integer attribute's value (onnx.helper.get_attribute_value without importing onnx);
+    other kinds come back as the attribute itself, which every check below refuses by type."""
+    if attribute.type == AttributeProto.STRING:
+        return attribute.s
+    if attribute.type == AttributeProto.INT:
+        return attribute.i
+    return attribute
+
+
+def is_ep_context_model(model: ModelProto) -> bool:
     return any(n.op_type == "EPContext" and n.domain == MS_DOMAIN for n in model.graph.node)
 
 
-def read_ep_context(model: onnx.ModelProto, folder: Path | None) -> EpContext:
+def read_ep_context(model: ModelProto, folder: Path | None) -> EpContext:
     """Where the context of an EPContext model is; a path may not leave the model's folder."""
     nodes = [n for n in model.graph.node if n.op_type == "EPContext" and n.domain == MS_DOMAIN]
     if len(nodes) != 1 or len(model.graph.node) != 1:
         raise InvalidGraph("an EPContext model for Quiver holds exactly one EPContext node and nothing else")
-    attributes = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
+    attributes = {a.name: _attribute_value(a) for a in nodes[0].attribute}
 
     def text(name: str) -> str:
         value = attributes.get(name, b"")

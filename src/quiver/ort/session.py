@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnxruntime
 
 from quiver import errors
@@ -31,7 +30,7 @@ from quiver.formats.section import SectionFile
 from quiver.formats.writer import write_text_atomically
 from quiver.ir import dtypes
 from quiver.ir.edit import quantized_io
-from quiver.ir.ops import unsupported_operators
+from quiver.ir.proto import ModelProto, TensorProto
 from quiver.ir.tensors import TensorInfo
 from quiver.ort.epcontext import (
     EpContext,
@@ -62,7 +61,7 @@ class NodeArg:
 
 def _node_arg(info: TensorInfo) -> NodeArg:
     elem = dtypes.onnx_of(info.dtype)
-    type_name = onnx.TensorProto.DataType.Name(elem).lower()
+    type_name = TensorProto.DataType.Name(elem).lower()
     return NodeArg(info.name, list(info.shape) if info.shape is not None else [], f"tensor({type_name})")
 
 
@@ -124,7 +123,7 @@ class _SharedContexts:
 SHARED_CONTEXTS = _SharedContexts()
 
 
-def _load_model(path_or_bytes: str | Path | bytes) -> tuple[onnx.ModelProto, Path | None]:
+def _load_model(path_or_bytes: str | Path | bytes) -> tuple[ModelProto, Path | None]:
     if isinstance(path_or_bytes, (bytes, bytearray)):
         data, folder = bytes(path_or_bytes), None
     else:
@@ -133,7 +132,7 @@ def _load_model(path_or_bytes: str | Path | bytes) -> tuple[onnx.ModelProto, Pat
             raise NoSuchFile(f"Load model from {path} failed: file does not exist")
         data, folder = path.read_bytes(), path.parent
     try:
-        model = onnx.ModelProto.FromString(data)
+        model = ModelProto.FromString(data)
     except Exception as exc:  # protobuf raises several types on malformed input
         raise InvalidProtobuf(f"the model is not a valid ONNX protobuf ({type(exc).__name__}: {exc})") from None
     if not model.graph.node and not model.graph.output:
@@ -194,7 +193,9 @@ class InferenceSession:
             raise InvalidArgument(f"the context has no graph {ep.graph!r}; its graphs are {self._context.graph_names}")
         self._graph_name = ep.graph
 
-    def _build(self, model: onnx.ModelProto, source: str | Path | bytes) -> None:
+    def _build(self, model: ModelProto, source: str | Path | bytes) -> None:
+        from quiver.ir.ops import unsupported_operators  # building needs the onnx package; opening does not
+
         unsupported = unsupported_operators(model)
         if unsupported:
             missing = ", ".join(sorted(unsupported))
@@ -221,7 +222,7 @@ class InferenceSession:
         builder.add_graph(self._graph_name, source_path or model)
         self._context = builder.finalize()
 
-    def _build_ep_context(self, model: onnx.ModelProto, source: Path | None, backend: Backend) -> Context:
+    def _build_ep_context(self, model: ModelProto, source: Path | None, backend: Backend) -> Context:
         """ep.context_enable=1: `<model>_ctx.onnx` (or ep.context_file_path) and the `.qctx` beside it."""
         default = source.with_name(source.stem + "_ctx.onnx") if source else None
         target = Path(self._entries.get("ep.context_file_path", "") or default or "")
@@ -414,7 +415,7 @@ class InferenceSession:
 class _ModelMeta:
     """`onnxruntime.ModelMetadata`'s fields."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: ModelProto) -> None:
         self.producer_name = model.producer_name
         self.graph_name = model.graph.name
         self.domain = model.domain
