@@ -3,9 +3,9 @@
 After `fork` only the forking thread exists in the child. ORT sessions made by the parent rely on
 threads the child does not have, and locks the parent's threads held stay held. So the child gets new
 locks and prepares its own sessions (`Store._after_fork_in_child`); the parent's copies are never
-destroyed there (destroying one joins threads that are not there). And ONNX Runtime (1.29 and later)
-starts a thread when it is imported: at the child's exit its C++ static destructors wait for that
-thread forever (upstream: microsoft/onnxruntime#31961). A forked child that imported ONNX Runtime
+destroyed there (destroying one joins threads that are not there). And ONNX Runtime (seen with 1.32,
+not with 1.24) starts a thread when it is imported: at the child's exit its C++ static destructors wait
+for that thread forever (upstream: microsoft/onnxruntime#31961). A forked child that imported ONNX Runtime
 therefore ends, once Python's own exit work is done (threads joined, atexit callbacks, finalizers),
 with `os._exit` and the status it was exiting with.
 """
