@@ -1,16 +1,12 @@
-"""The `.qsec` binary section: new values of a context's updateable tensors (docs/FORMAT.md)."""
+"""The `.qsec` binary section's validating reader (docs/FORMAT.md); `formats.writer.SectionWriter` writes them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from quiver.errors import DuplicateGraphError
 from quiver.formats._layout import SECTION_MAGIC
 from quiver.formats.reader import TensorFile, _fail, _int, _sha, _str
-from quiver.formats.writer import TensorFileWriter, _State
 
 
 @dataclass(frozen=True)
@@ -49,31 +45,3 @@ class SectionFile(TensorFile):
                 tensors[tensor] = index
             self.graphs[name] = SectionGraph(name, tensors)
         return []  # a section's only regions are its tensors
-
-
-class SectionWriter(TensorFileWriter):
-    """Writes a `.qsec` for the context whose identity (header SHA-256) is `context_id`."""
-
-    MAGIC = SECTION_MAGIC
-    FORMAT = "qsec"
-
-    def __init__(
-        self, context_id: str, metadata: Mapping[str, Any] | None = None, directory: str | Path | None = None
-    ) -> None:
-        super().__init__(directory)
-        self._context_id = context_id
-        self._metadata = dict(metadata or {})
-        self._graphs: dict[str, dict[str, int]] = {}
-
-    def add_graph(self, name: str, tensors: Mapping[str, int]) -> None:
-        self._require(_State.WEIGHTS)
-        if name in self._graphs:
-            raise DuplicateGraphError(f"graph {name!r} is already in the section")
-        self._check_indices(name, tensors)
-        self._graphs[name] = dict(sorted(tensors.items()))
-
-    def _header_fields(self) -> dict[str, Any]:
-        return {"context": self._context_id, "metadata": self._metadata}
-
-    def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
-        return [{"name": name, "weights": tensors} for name, tensors in self._graphs.items()], offset

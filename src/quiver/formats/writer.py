@@ -23,6 +23,7 @@ from quiver.formats._layout import (
     MAGIC,
     MAJOR,
     MINOR,
+    SECTION_MAGIC,
     Preamble,
     align_for,
     align_up,
@@ -245,6 +246,34 @@ class ContextWriter(TensorFileWriter):
                 }
             )
         return entries, offset
+
+
+class SectionWriter(TensorFileWriter):
+    """Writes a `.qsec` for the context whose identity (header SHA-256) is `context_id`."""
+
+    MAGIC = SECTION_MAGIC
+    FORMAT = "qsec"
+
+    def __init__(
+        self, context_id: str, metadata: Mapping[str, Any] | None = None, directory: str | Path | None = None
+    ) -> None:
+        super().__init__(directory)
+        self._context_id = context_id
+        self._metadata = dict(metadata or {})
+        self._graphs: dict[str, dict[str, int]] = {}
+
+    def add_graph(self, name: str, tensors: Mapping[str, int]) -> None:
+        self._require(_State.WEIGHTS)
+        if name in self._graphs:
+            raise DuplicateGraphError(f"graph {name!r} is already in the section")
+        self._check_indices(name, tensors)
+        self._graphs[name] = dict(sorted(tensors.items()))
+
+    def _header_fields(self) -> dict[str, Any]:
+        return {"context": self._context_id, "metadata": self._metadata}
+
+    def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        return [{"name": name, "weights": tensors} for name, tensors in self._graphs.items()], offset
 
 
 def _umask() -> int:

@@ -19,19 +19,19 @@ import numpy as np
 
 from quiver.backends import Backend, FinalizedGraph, get_backend
 from quiver.errors import ContextStateError, DuplicateGraphError, TensorUpdateError, UnknownGraphError
-from quiver.formats.encodings import EncodingSet
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
-from quiver.formats.writer import ContextWriter, publish, write_atomically
 from quiver.ir.edit import initializers_as_inputs
 from quiver.runtime import sections
 from quiver.runtime.graph import Graph
 from quiver.runtime.state import GraphState, LoraStrengths
 from quiver.runtime.store import Store
 
-if TYPE_CHECKING:  # converting models (onnx.reference, the inliner...) is for building, not loading
+if TYPE_CHECKING:  # converting models (onnx.reference, the inliner...) and writing are for building
     import onnx
 
+    from quiver.formats.encodings import EncodingSet
+    from quiver.formats.writer import ContextWriter
     from quiver.passes.convert import InputShapes
 
 
@@ -98,6 +98,8 @@ class Context:
         if not name:
             raise ContextStateError("graph names must not be empty")
         if self._writer is None:
+            from quiver.formats.writer import ContextWriter
+
             self._writer = ContextWriter(self._workdir)
             weakref.finalize(self, self._writer.abort)
         if name in self._enabled:
@@ -134,6 +136,8 @@ class Context:
         What is written is what this context holds (its mapping), whatever now lies at the path it was
         loaded from.
         """
+        from quiver.formats.writer import publish, write_atomically
+
         self.finalize()
         destination = Path(path)
         file = self.file

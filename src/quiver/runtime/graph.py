@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from quiver.errors import FeedDTypeError, FeedNameError, FeedShapeError
-from quiver.formats.encodings import EncodingSet
 from quiver.ir.tensors import LORA_ALPHA_INPUT, TensorInfo
 
 if TYPE_CHECKING:
+    from quiver.formats.encodings import EncodingSet
     from quiver.runtime.context import Context
     from quiver.runtime.state import GraphState
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from quiver.errors import ChecksumMismatchError, SectionMismatchError, TensorUpdateError
 from quiver.formats.reader import ContextFile
-from quiver.formats.section import SectionFile, SectionWriter
+from quiver.formats.section import SectionFile
 
 Values = dict[str, np.ndarray]
 
@@ -64,6 +64,8 @@ def write_section(
     metadata: Mapping[str, Any] | None = None,
 ) -> bytes:
     """A section holding the current values of the graphs' updateable tensors, each distinct tensor once."""
+    from quiver.formats.writer import SectionWriter  # writing is not needed to apply sections
+
     writer = SectionWriter(file.header_sha256, metadata)
     try:
         for graph in graphs:
