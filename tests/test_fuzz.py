@@ -188,3 +188,17 @@ def test_an_adapter_config_python_cannot_parse_is_an_adapter_error(tmp_path: Pat
         config.write_text(text, encoding="latin-1")
         with pytest.raises(quiver.AdapterError, match="adapter_config.json"):
             load_peft_adapter(tmp_path / "a")
+
+
+def test_encodings_of_a_damaged_quantized_skeleton_are_a_typed_error(seeds: list[harness.Seed]) -> None:
+    quantized = next(seed for seed in seeds if seed.name == "quantized")
+    with quiver.Context.from_binary(quantized.context) as seed_context:
+        file = seed_context.file
+        model = onnx.ModelProto.FromString(file.skeleton("base"))
+        inline = {t.name: t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+        scales = [n.input[1] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[1] in inline]
+        inline[scales[0]].dims.append(1 << 40)  # an inline scale whose data no longer fits its shape
+        damaged = harness._relayout(file, {"base": model.SerializeToString()})
+    with quiver.Context.from_binary(damaged) as context:
+        with pytest.raises(quiver.EncodingsError, match="damaged"):
+            context.graph("base").encodings()

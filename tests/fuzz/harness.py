@@ -64,7 +64,8 @@ def _run_all(context: quiver.Context, feeds: dict[str, dict[str, np.ndarray]]) -
 
 
 def make_seeds(folder: Path) -> list[Seed]:
-    """A LoRA context with a section (PEFT adapters through `quiver lora prepare`) and a transformer family."""
+    """A LoRA context with a section (PEFT adapters through `quiver lora prepare`), a transformer family,
+    and a 4-bit quantized transformer."""
     from quiver.tools.family import SMALL, make_family, sample_input_ids
     from tests.stress.concurrency import X, make_lora_project
 
@@ -98,6 +99,21 @@ def make_seeds(folder: Path) -> list[Seed]:
         expected = _run_all(context, feeds)
         context.wait_until_ready()
     seeds.append(Seed("family", path.read_bytes(), feeds, expected))
+    # a quantized context: weights with encodings (format 1.2) and 4-bit MatMulNBits blocks
+    from quiver.passes.quantize import QuantizeOptions, quantize
+
+    base = next(iter(make_family(SMALL, count=1).values()))
+    samples = [{"input_ids": sample_input_ids(SMALL, 1, 6, seed=s)} for s in range(4)]
+    qdq, _ = quantize(base, samples, QuantizeOptions(weight_bits=4, block_size=32))
+    quantized = quiver.Context.create("cpu", workdir=folder)
+    quantized.add_graph("base", qdq)
+    path = quantized.save(folder / "quantized.qctx")
+    quantized.close()
+    with quiver.Context.from_binary(path) as context:
+        feeds = {"base": ids}
+        expected = _run_all(context, feeds)
+        context.wait_until_ready()
+    seeds.append(Seed("quantized", path.read_bytes(), feeds, expected))
     return seeds
 
 

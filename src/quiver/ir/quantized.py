@@ -102,6 +102,8 @@ def graph_encodings(
     """
     result = EncodingSet(version="1.0.0")
     for node in model.graph.node:
+        if not node.input:
+            continue  # malformed: the backend refuses the graph; there is no encoding to read
         if node.op_type == "DequantizeLinear" and node.input[0] in constants:
             name, kind = node.input[0].removesuffix(QUANTIZED_SUFFIX), "param"
         elif node.op_type == "QuantizeLinear" and node.input[0] not in constants:

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from quiver.backends import Backend, FinalizedGraph, get_backend
-from quiver.errors import ContextStateError, DuplicateGraphError, TensorUpdateError, UnknownGraphError
+from quiver.errors import (
+    ContextStateError,
+    DuplicateGraphError,
+    EncodingsError,
+    TensorUpdateError,
+    UnknownGraphError,
+)
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.ir.edit import initializers_as_inputs
@@ -292,7 +298,13 @@ class Context:
             return numpy_helper.to_array(inline[tensor]) if tensor in inline else None
 
         constants = {*current, *entry.weights, *inline}
-        return graph_encodings(skeleton, constants, value_of)
+        try:
+            return graph_encodings(skeleton, constants, value_of)
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a damaged skeleton
+            raise EncodingsError(
+                f"graph {name!r}: its quantization parameters cannot be read ({type(exc).__name__}: {exc}); "
+                "the context is damaged: rebuild it"
+            ) from None
 
     def wait_until_ready(self) -> None:
         """Blocks until the live graphs' background preparation (e.g. weight packing) is done."""
