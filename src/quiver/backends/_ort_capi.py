@@ -20,6 +20,7 @@ import numpy as np
 import onnxruntime
 
 from quiver.errors import BackendError
+from quiver.ir.nibbles import pack_nibbles, unpack_nibbles
 
 _API_VERSION = 20  # ORT >= 1.20; every function used here predates it
 
@@ -68,18 +69,9 @@ _BY_DTYPE = {np.dtype(v): k for k, v in {**_ELEMENT_TYPES, **_NIBBLE_TYPES}.item
 
 
 def _packed_nibbles(array: np.ndarray) -> np.ndarray:
-    """4-bit values (one per byte) packed two per byte, low nibble first, as ORT stores INT4/UINT4."""
-    values = array.reshape(-1).view(np.uint8) & 0x0F
-    if values.size % 2:
-        values = np.append(values, np.uint8(0))
-    return (values[0::2] | (values[1::2] << 4)).astype(np.uint8)
-
-
-def _unpacked_nibbles(packed: np.ndarray, count: int, dtype: Any) -> np.ndarray:
-    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(-1)[:count]
-    if np.dtype(dtype) == np.dtype(ml_dtypes.int4):
-        return ((values.astype(np.int8) ^ 8) - 8).astype(dtype)  # sign-extend the nibble
-    return values.astype(dtype)
+    """4-bit values (one per byte, ml_dtypes) packed two per byte, as ORT stores INT4/UINT4."""
+    values = array.reshape(-1).view(np.uint8)
+    return pack_nibbles(np.append(values, np.uint8(0)) if values.size % 2 else values)
 
 
 class CApiUnavailableError(BackendError):
@@ -262,7 +254,8 @@ def _to_numpy(value: int) -> np.ndarray:
         packed = np.empty((values + 1) // 2, np.uint8)
         if packed.nbytes:
             ctypes.memmove(packed.ctypes.data, capi._out(capi.GetTensorMutableData, value), packed.nbytes)
-        return _unpacked_nibbles(packed, values, _NIBBLE_TYPES[element.value]).reshape(tuple(dims))
+        dtype = _NIBBLE_TYPES[element.value]
+        return unpack_nibbles(packed, values, dtype is ml_dtypes.int4).astype(dtype).reshape(tuple(dims))
     dtype = _ELEMENT_TYPES.get(element.value)
     if dtype is None:
         raise BackendError(f"the cpu backend cannot return ONNX element type {element.value}")

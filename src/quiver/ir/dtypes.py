@@ -40,8 +40,9 @@ _IO_ONLY: dict[str, tuple[int, np.dtype]] = {
     "uint4": (TensorProto.UINT4, np.dtype(ml_dtypes.uint4)),
     "string": (TensorProto.STRING, np.dtype(object)),
 }
-_IO_BY_ONNX = {onnx_type: name for name, (onnx_type, _) in _IO_ONLY.items()}
-IO_DTYPE_NAMES = DTYPE_NAMES | frozenset(_IO_ONLY)
+_ANY = {**_TABLE, **_IO_ONLY}
+_ANY_BY_ONNX = {onnx_type: name for name, (onnx_type, _) in _ANY.items()}
+IO_DTYPE_NAMES = frozenset(_ANY)
 
 
 def as_io_array(array: np.ndarray, name: str) -> np.ndarray:
@@ -71,15 +72,15 @@ def name_of_onnx(elem_type: int) -> str:
 
 def io_name_of_onnx(elem_type: int) -> str:
     """The Quiver dtype name of a graph input's or output's element type (weights' types and I/O-only ones)."""
-    return _IO_BY_ONNX[elem_type] if elem_type in _IO_BY_ONNX else name_of_onnx(elem_type)
+    return _ANY_BY_ONNX[elem_type] if elem_type in _ANY_BY_ONNX else name_of_onnx(elem_type)  # raises
 
 
 def numpy_of(name: str) -> np.dtype:
-    return _TABLE[name][1] if name in _TABLE else _IO_ONLY[name][1]
+    return _ANY[name][1]
 
 
 def onnx_of(name: str) -> int:
-    return _TABLE[name][0] if name in _TABLE else _IO_ONLY[name][0]
+    return _ANY[name][0]
 
 
 def itemsize(name: str) -> int:

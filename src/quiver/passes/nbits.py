@@ -15,6 +15,8 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor
 
+from quiver.ir import nibbles
+from quiver.ir.nibbles import pack_nibbles
 from quiver.ir.ops import MS_DOMAIN
 
 _FOUR_BIT = {onnx.TensorProto.INT4: 8, onnx.TensorProto.UINT4: 0}  # shift that makes q unsigned
@@ -39,16 +41,7 @@ def unpack_nibbles(tensor: onnx.TensorProto) -> np.ndarray:
     """
     count = int(np.prod(tensor.dims, dtype=np.int64))
     packed = np.frombuffer(tensor.raw_data, np.uint8)
-    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(-1)[:count]
-    if tensor.data_type == onnx.TensorProto.INT4:
-        return ((values.astype(np.int8) ^ 8) - 8).reshape(tuple(tensor.dims))  # sign-extend the nibble
-    return values.reshape(tuple(tensor.dims))
-
-
-def pack_nibbles(values: np.ndarray) -> np.ndarray:
-    """Unsigned 4-bit values (last axis even) two per byte, the first in the low nibble."""
-    values = values.astype(np.uint8)
-    return (values[..., 0::2] & 0x0F) | ((values[..., 1::2] & 0x0F) << 4)
+    return nibbles.unpack_nibbles(packed, count, tensor.data_type == onnx.TensorProto.INT4).reshape(tuple(tensor.dims))
 
 
 def _attributes(node: onnx.NodeProto) -> dict[str, int]:

@@ -14,6 +14,7 @@ import numpy as np
 from quiver.errors import ChecksumMismatchError, SectionMismatchError, TensorUpdateError
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
+from quiver.runtime import fork
 
 Values = dict[str, np.ndarray]
 
@@ -118,6 +119,9 @@ class _VerifiedSections:
         self._sections: OrderedDict[tuple[int, ...], SectionFile] = OrderedDict()
         self._lock = threading.Lock()
 
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # never one that a thread the child does not have was holding
+
     def get(self, path: Path) -> SectionFile:
         identity: tuple[int, ...] = ()
         try:
@@ -140,7 +144,7 @@ class _VerifiedSections:
 
 
 _FROM_PATHS = _VerifiedSections()
-os.register_at_fork(after_in_child=lambda: setattr(_FROM_PATHS, "_lock", threading.Lock()))
+fork.reset_after_fork(_FROM_PATHS)
 
 
 def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str]) -> dict[str, Values]:
