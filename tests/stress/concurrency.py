@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -256,12 +258,20 @@ print("parent", "ok" if all_match() else "wrong", flush=True)
 def fork_after_execute(context_path: Path, timeout: float = 60.0) -> dict[str, Any]:
     """A server process executes a context (its packing thread still running), then forks: the child runs
     every graph and exits normally, and the parent goes on."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_SERVER, str(context_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: a hung child is killed with it
+    )
     try:
-        result = subprocess.run(
-            [sys.executable, "-c", _FORKING_SERVER, str(context_path)], capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as exc:
-        return {"hung": True, "output": str(exc.stdout)}
+        stdout, stderr = server.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        stdout, _ = server.communicate()
+        return {"hung": True, "output": stdout}
+    result = subprocess.CompletedProcess(server.args, server.returncode, stdout, stderr)
     lines = result.stdout.splitlines()
     return {
         "hung": False,

@@ -160,6 +160,37 @@ class _Api:
         self._self_check()
         self.env = self._out(self.CreateEnv, 3, b"quiver")  # ORT_LOGGING_LEVEL_ERROR
         self.cpu_memory = self._out(self.CreateCpuMemoryInfo, 1, 0)  # OrtArenaAllocator, OrtMemTypeDefault
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Makes one tiny packed session, so the library's one-time initialisation (C++ function-local
+        statics: kernel registries, MLAS) happens here, under the lock fork waits for. Otherwise a
+        packing thread could be inside it when the process forks, and the child would wait forever on
+        the half-done initialisation (seen with ORT 1.24, whose C API is a library of its own)."""
+        from quiver.ir.proto import ModelProto, TensorProto
+
+        model = ModelProto(ir_version=8)
+        model.opset_import.add(domain="", version=17)
+        graph = model.graph
+        graph.name = "warm_up"
+        graph.node.add(op_type="MatMul", input=["x", "w"], output=["y"])
+        weight = graph.initializer.add(name="w", data_type=TensorProto.FLOAT, dims=[4, 4])
+        weight.raw_data = bytes(64)
+        for value, name in ((graph.input.add(), "x"), (graph.output.add(), "y")):
+            value.name = name
+            value.type.tensor_type.elem_type = TensorProto.FLOAT
+            for dim in (1, 4):
+                value.type.tensor_type.shape.dim.add().dim_value = dim
+        data = model.SerializeToString()
+        container = self._out(self.CreatePrepackedWeightsContainer)
+        options = self._out(self.CreateSessionOptions)
+        try:
+            self.check(self.SetSessionLogSeverityLevel(options, _LOG_FATAL))
+            session = self._out(self.CreateSessionFromArrayWithContainer, self.env, data, len(data), options, container)
+            self.ReleaseSession(session)
+        finally:
+            self.ReleaseSessionOptions(options)
+            self.ReleasePrepackedWeightsContainer(container)
 
     def _self_check(self) -> None:
         """A wrong table index would call the wrong function; prove two of them before trusting any."""
