@@ -139,3 +139,15 @@ class EncodingsError(QuiverError):
 
 class QuantizationError(QuiverError):
     """A model, option or calibration input that quantization cannot use."""
+
+
+class GenerationError(QuiverError):
+    """Text generation (`quiver.t2t`): a model folder, a dialog config, a prompt or a sampling value."""
+
+
+class ModelFolderError(GenerationError):
+    """A folder that is not a causal language model Quiver can export (config, weights, tokenizer)."""
+
+
+class DialogConfigError(GenerationError):
+    """A Genie dialog config that is malformed or names files that are missing."""

@@ -314,6 +314,7 @@ class Session:
         self._container = container  # must outlive the session
         self._weights = {name: _Tensor(array) for name, array in weights.items()}  # must outlive the session
         self._bound: dict[str, _Tensor] = {}
+        self._outputs: dict[str, _Tensor] = {}
         # (the bound dict last run, its encoded names, its wrappers): a caller that passes the same dict
         # again (strength folding does, until something changes) skips re-listing dozens of inputs. The
         # wrappers, not bare handles: a run in flight keeps them alive while another run replaces them.
@@ -355,26 +356,46 @@ class Session:
         return tensor
 
     def run(
-        self, output_names: Sequence[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
+        self,
+        output_names: Sequence[str],
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray],
     ) -> list[np.ndarray]:
         capi = self._api
         listed = self._bound_list
         if listed is None or listed[0] is not bound:
             tensors = [self._bound_tensor(n, v) for n, v in bound.items()]
             listed = self._bound_list = (bound, [n.encode() for n in bound], tensors)
-        fed = [_Tensor(np.asarray(v)) for v in feeds.values()]
+        # a feed that is also an output buffer (a KV cache) gets the very OrtValue the output gets: ORT
+        # sees one buffer (GroupQueryAttention then appends in place)
+        given = {name: self._out_tensor(name, array) for name, array in out.items()}
+        shared = {id(t.array): t for t in given.values()}
+        fed = [shared.get(id(v)) or _Tensor(np.asarray(v)) for v in feeds.values()]
         count = len(listed[1]) + len(fed)
         input_names = (ctypes.c_char_p * count)(*listed[1], *(n.encode() for n in feeds))
         input_values = (_P * count)(*(t.handle for t in listed[2]), *(t.handle for t in fed))
         names = (ctypes.c_char_p * len(output_names))(*(n.encode() for n in output_names))
-        outputs = (_P * len(output_names))()
+        outputs = (_P * len(output_names))(*(given[n].handle if n in given else None for n in output_names))
         capi.check(capi.Run(self.handle, None, input_names, input_values, count, names, len(output_names), outputs))
-        try:
-            return [_to_numpy(int(v or 0)) for v in outputs]
-        finally:
-            for v in outputs:
-                if v:
-                    capi.ReleaseValue(v)
+        results = []
+        for name, value in zip(output_names, outputs):
+            if name in given:
+                results.append(out[name])
+            else:
+                try:
+                    results.append(_to_numpy(int(value or 0)))
+                finally:
+                    if value:
+                        capi.ReleaseValue(value)
+        return results
+
+    def _out_tensor(self, name: str, array: np.ndarray) -> _Tensor:
+        """The OrtValue over a caller's output buffer, kept while the same array object comes back."""
+        tensor = self._outputs.get(name)
+        if tensor is None or tensor.array is not array:
+            tensor = self._outputs[name] = _Tensor(array)
+        return tensor
 
     def __del__(self) -> None:
         if getattr(self, "handle", None):

@@ -32,11 +32,19 @@ class FinalizedGraph:
 class Executable(Protocol):
     """A graph prepared by a backend."""
 
-    def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
         """Outputs in the graph's output order; feeds were validated by the runtime.
 
         `bound` holds inputs that stay the same array objects from run to run (updateable tensors, LoRA
         strengths): a backend may keep what it wraps them in until a different object arrives.
+        `out` holds caller-owned arrays (checked: writable, C-contiguous, the output's dtype and shape)
+        that receive those outputs; they are returned in place of new arrays. An output array may be an
+        input array too (a KV cache updated in place): backends that can, write into it directly.
         """
         ...
 

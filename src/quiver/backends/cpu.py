@@ -180,9 +180,30 @@ class _PythonApiSession:
         self._session = ort.InferenceSession(weights.model, options, providers=["CPUExecutionProvider"])
 
     def run(
-        self, output_names: list[str], feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
+        self,
+        output_names: list[str],
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray],
     ) -> list[np.ndarray]:
-        return list(self._session.run(output_names, {**bound, **feeds}))
+        if not out:
+            return list(self._session.run(output_names, {**bound, **feeds}))
+        binding = self._session.io_binding()
+        buffers = {id(array) for array in out.values()}
+        for name, array in {**bound, **feeds}.items():
+            if id(array) in buffers:  # also an output buffer (a KV cache): the same memory, not a copy
+                binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+            else:
+                binding.bind_cpu_input(name, array)
+        for name in output_names:
+            if name in out:
+                array = out[name]
+                binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+            else:
+                binding.bind_output(name, "cpu")
+        self._session.run_with_iobinding(binding)
+        results = binding.copy_outputs_to_cpu()  # in the order bound: output_names
+        return [out[name] if name in out else result for name, result in zip(output_names, results)]
 
     def end_profiling(self) -> str:
         return str(self._session.end_profiling())
@@ -274,7 +295,12 @@ class CpuExecutable:
         del stand_in
         _return_freed_memory()
 
-    def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
         session = self._session
         if session is None:
             raise BackendError("this executable was released; prepare the graph again")
@@ -282,7 +308,7 @@ class CpuExecutable:
         if self._strengths is not None:
             feeds, bound = self._strengths.apply(feeds, bound)
         try:
-            outputs = session.run(self._output_names, feeds, bound)
+            outputs = session.run(self._output_names, feeds, bound, out or {})
         except BackendError:
             raise
         except Exception as exc:

@@ -52,6 +52,66 @@ def _ms_fused_matmul(self: OpRun, a: np.ndarray, b: np.ndarray, **attributes: An
     return ((product if alpha in (None, 1.0) else product * alpha).astype(a.dtype),)
 
 
+def _ms_skip_simplified_layer_norm(
+    self: OpRun, x: np.ndarray, skip: np.ndarray, gamma: np.ndarray, bias: np.ndarray | None = None, **attributes: Any
+) -> tuple[np.ndarray, ...]:
+    """ORT's SkipSimplifiedLayerNormalization: RMSNorm(x + skip (+ bias)) · gamma, and the sum (output 3)."""
+    total = x + skip + (bias if bias is not None else 0)
+    eps = float(attributes.get("epsilon") or 1e-12)
+    inv = 1.0 / np.sqrt(np.mean(np.square(total, dtype=np.float32), axis=-1, keepdims=True) + eps)
+    return (total * inv * gamma).astype(x.dtype), inv * 0, inv, total.astype(x.dtype)
+
+
+def _rotate(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary positions, half-split (rotary_interleaved=0): x [heads, seq, dim] at `positions` [seq]."""
+    half = x.shape[-1] // 2
+    c, s = cos[positions][None], sin[positions][None]
+    first, second = x[..., :half], x[..., half:]
+    return np.concatenate([first * c - second * s, second * c + first * s], axis=-1)
+
+
+def _ms_group_query_attention(
+    self: OpRun,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    past_key: np.ndarray,
+    past_value: np.ndarray,
+    seqlens_k: np.ndarray,
+    total_sequence_length: np.ndarray,
+    cos_cache: np.ndarray | None = None,
+    sin_cache: np.ndarray | None = None,
+    *_: Any,
+    **attributes: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ORT's GroupQueryAttention for unpacked q/k/v and a past/present buffer of the cache's full length:
+    the new keys and values go at positions [total - seq, total), each query attends causally to what
+    precedes it. Rotary positions (do_rotary) count from the start of the cache."""
+    heads, kv_heads = int(attributes["num_heads"]), int(attributes["kv_num_heads"])
+    batch, seq, _ = query.shape
+    dim = query.shape[-1] // heads
+    scale = attributes.get("scale") or dim**-0.5
+    present_key, present_value = past_key.copy(), past_value.copy()
+    output = np.empty_like(query)
+    for b in range(batch):
+        total = int(seqlens_k[b]) + 1
+        positions = np.arange(total - seq, total)
+        q = query[b].reshape(seq, heads, dim).transpose(1, 0, 2)
+        k = key[b].reshape(seq, kv_heads, dim).transpose(1, 0, 2)
+        if attributes.get("do_rotary") and cos_cache is not None and sin_cache is not None:
+            q, k = _rotate(q, positions, cos_cache, sin_cache), _rotate(k, positions, cos_cache, sin_cache)
+        present_key[b, :, total - seq : total] = k
+        present_value[b, :, total - seq : total] = value[b].reshape(seq, kv_heads, dim).transpose(1, 0, 2)
+        keys = np.repeat(present_key[b, :, :total], heads // kv_heads, axis=0)
+        values = np.repeat(present_value[b, :, :total], heads // kv_heads, axis=0)
+        scores = (q @ keys.transpose(0, 2, 1)) * scale
+        scores = np.where(np.arange(total)[None, None] <= positions[None, :, None], scores, -np.inf)
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        output[b] = (weights @ values).transpose(1, 0, 2).reshape(seq, heads * dim)
+    return output.astype(query.dtype), present_key, present_value
+
+
 # onnx.reference finds an operator by its class name: these two are named after the op they implement.
 # A schema-less class gets the attributes of onnx's newest (De)QuantizeLinear (precision, output_dtype,
 # block_size...); the com.microsoft ops have only axis (and saturate for float 8).
@@ -92,6 +152,10 @@ _MS_OPS: list[Any] = [
     DequantizeLinear,
     type("MatMulNBits", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_matmul_nbits}),
     type("FusedMatMul", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_fused_matmul}),
+    type("GroupQueryAttention", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_group_query_attention}),
+    type(
+        "SkipSimplifiedLayerNormalization", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_skip_simplified_layer_norm}
+    ),
 ]
 
 
@@ -145,14 +209,24 @@ class ReferenceExecutable:
         except Exception as exc:
             raise BackendError(f"reference backend cannot prepare graph {graph.name!r}: {exc}") from None
 
-    def run(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
         if _ONNX_CUSTOM_TYPES:
             feeds = {name: _as_onnx_custom(value) for name, value in feeds.items()}
         try:
             results = self._evaluator.run(self._output_names, {**self._weights, **(bound or {}), **feeds})
         except Exception as exc:
             raise BackendError(f"reference backend failed: {type(exc).__name__}: {exc}") from None
-        return [_as_declared(np.asarray(r), name) for r, name in zip(results, self._output_types)]
+        arrays = [_as_declared(np.asarray(r), kind) for r, kind in zip(results, self._output_types)]
+        for i, name in enumerate(self._output_names):
+            if out and name in out:  # every input was read already: writing into one now is safe
+                np.copyto(out[name], arrays[i])
+                arrays[i] = out[name]
+        return arrays
 
     @property
     def private_bytes(self) -> int:

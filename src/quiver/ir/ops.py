@@ -28,8 +28,19 @@ ReduceL2 ReduceSumSquare ReduceLogSumExp Mean Sum NonZero
 )
 
 MS_DOMAIN = "com.microsoft"
-# MatMulNBits and FusedMatMul: Quiver writes them itself (passes/nbits.py, passes/transposed_weights.py).
-MICROSOFT_OPS = frozenset({"DequantizeLinear", "FusedMatMul", "Gelu", "MatMulNBits", "QuantizeLinear"})
+# MatMulNBits and FusedMatMul: Quiver writes them itself (passes/nbits.py, passes/transposed_weights.py);
+# the LLM operators, its text-generation graphs (quiver.t2t.graph), as onnxruntime-genai's builder does.
+MICROSOFT_OPS = frozenset(
+    {
+        "DequantizeLinear",
+        "FusedMatMul",
+        "Gelu",
+        "GroupQueryAttention",
+        "MatMulNBits",
+        "QuantizeLinear",
+        "SkipSimplifiedLayerNormalization",
+    }
+)
 
 SUPPORTED: dict[str, frozenset[str]] = {
     "": QNN_EP_OPS | EXPORT_OPS,

@@ -72,8 +72,9 @@ def _alpha(value: Any, use_case: str, source: Path) -> float:
     return alpha
 
 
-def load_lora_config(path: str | Path) -> LoraProject:
-    """Reads the YAML of DESIGN.md; relative paths are relative to the YAML's folder."""
+def read_adapters_and_use_cases(path: str | Path) -> tuple[dict[str, Any], dict[str, Path], list[UseCase]]:
+    """The YAML's top level, its adapters (name -> PEFT folder) and use cases, checked; no base model needed
+    (`quiver t2t export` builds the base from a transformers folder)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(read_text(path, limit=16 << 20, what="LoRA config"))
@@ -109,6 +110,14 @@ def load_lora_config(path: str | Path) -> LoraProject:
             raise AdapterError(f"{path}: use case {entry['name']!r} has {len(names)} adapters but {len(alphas)} alphas")
         model = folder / str(entry["model_name"]) if entry.get("model_name") else None
         use_cases.append(UseCase(str(entry["name"]), names, alphas, model))
+    return raw, adapters, use_cases
+
+
+def load_lora_config(path: str | Path) -> LoraProject:
+    """Reads the YAML of DESIGN.md; relative paths are relative to the YAML's folder."""
+    path = Path(path)
+    folder = path.parent
+    raw, adapters, use_cases = read_adapters_and_use_cases(path)
     bases = [u for u in use_cases if not u.adapters and u.model is not None]
     if not bases:
         raise AdapterError(f"{path}: no base use case (adapter_names: [] with a model_name) gives the base model")

@@ -263,11 +263,17 @@ class Context:
         entry = store.file.graphs[name]
         return GraphState({t: store.weight_view(entry.weights[t]) for t in entry.updateable})
 
-    def _run(self, name: str, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def _run(
+        self,
+        name: str,
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray] | None = None,
+    ) -> list[np.ndarray]:
         store = self._require_store()
         store.file.check_unchanged()  # a file written in place under a live mapping: refuse, don't crash
         with store.running(name, lambda: self._finalized_graph(store, name)) as executable:
-            return executable.run(feeds, bound)
+            return executable.run(feeds, bound, out) if out else executable.run(feeds, bound)
 
     @staticmethod
     def _finalized_graph(store: Store, name: str) -> FinalizedGraph:

@@ -49,6 +49,24 @@ def validate_feeds(
     return arrays
 
 
+def validate_outputs(graph_name: str, outputs: tuple[TensorInfo, ...], out: Mapping[str, np.ndarray]) -> None:
+    """Output buffers must be writable, C-contiguous numpy arrays of the output's dtype and (fixed) shape."""
+    expected = {o.name: o for o in outputs}
+    for name, array in out.items():
+        info = expected.get(name)
+        if info is None:
+            raise FeedNameError(f"graph {graph_name!r} has no output {name!r}; its outputs are {sorted(expected)}")
+        if not isinstance(array, np.ndarray) or not array.flags.writeable or not array.flags.c_contiguous:
+            raise FeedDTypeError(f"graph {graph_name!r}: the buffer for {name!r} must be a writable C-contiguous array")
+        if array.dtype != info.numpy_dtype:
+            raise FeedDTypeError(f"graph {graph_name!r}: output {name!r} is {info.dtype}; its buffer is {array.dtype}")
+        if info.shape is None or any(not isinstance(d, int) for d in info.shape) or tuple(info.shape) != array.shape:
+            raise FeedShapeError(
+                f"graph {graph_name!r}: output {name!r} has shape {list(info.shape or [])}; its buffer is "
+                f"{list(array.shape)} (buffers are for outputs of a fixed shape)"
+            )
+
+
 class Graph:
     """One graph of a context (QNN graph handle): describes its tensors and executes on the context's backend."""
 
@@ -72,12 +90,21 @@ class Graph:
         if alpha is not None and alpha.shape is not None and len(alpha.shape) == 1 and isinstance(alpha.shape[0], int):
             self._zero_adapter = (alpha.name, np.zeros(alpha.shape[0], np.float32))
 
-    def execute(self, feeds: Mapping[str, object]) -> dict[str, np.ndarray]:
+    def execute(
+        self, feeds: Mapping[str, object], out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
         """Runs the graph (QnnGraph_execute); prepares it on first use. The run sees the tensors and
-        strengths in use when it starts, whatever is applied meanwhile."""
-        return self.execute_with(feeds, self._context._state(self.name))
+        strengths in use when it starts, whatever is applied meanwhile.
 
-    def execute_with(self, feeds: Mapping[str, object], state: GraphState) -> dict[str, np.ndarray]:
+        `out` maps output names to arrays of yours that receive them (QNN's client-allocated output
+        buffers): no new arrays, and one may be a feed too, such as a KV cache the graph appends to in
+        place (the cpu backend hands ORT one buffer for both).
+        """
+        return self.execute_with(feeds, self._context._state(self.name), out)
+
+    def execute_with(
+        self, feeds: Mapping[str, object], state: GraphState, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
         """Runs the graph on a given state (`Context.state_with_sections`): per-run adapters."""
         lora = state.lora
         # the strengths a caller does not feed: the state's, or the zero adapter's
@@ -92,7 +119,9 @@ class Graph:
         bound: Mapping[str, np.ndarray] = state.values
         if strengths is not None:
             bound = {**bound, strengths[0]: arrays.pop(strengths[0])}
-        results = self._context._run(self.name, arrays, bound)
+        if out:
+            validate_outputs(self.name, self.outputs, out)
+        results = self._context._run(self.name, arrays, bound, out)
         return {info.name: result for info, result in zip(self.outputs, results)}
 
     def set_lora_strength(self, adapter: str, value: float) -> None:

@@ -784,6 +784,9 @@ def ort_wrap(context_path: Path, output_dir: Path) -> None:
         console.print(str(path))
 
 
+from quiver.tools import t2t_cli as _t2t_cli  # noqa: E402,F401  (registers `quiver t2t`; it imports this module)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: one-line errors on stderr, exit 1 for Quiver errors, 2 for usage errors."""
     try:

@@ -1,0 +1,344 @@
+"""Genie's dialog: generates text from a prefill + decode context, switching LoRA adapters between queries.
+
+The KV cache is one pair of [1, kv_heads, context, head_dim] buffers per layer, allocated once. Each
+step feeds them as the graph's past and binds them as its present outputs (`Graph.execute(out=...)`),
+so ORT's GroupQueryAttention appends the step's keys and values in place: no per-token copy or
+allocation. A prompt longer than the prefill window is fed in chunks. The last generated token is fed
+at the start of the next query, so a dialog continues where it stopped (Genie's multi-turn dialog).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from quiver.backends.cpu import CpuBackend
+from quiver.errors import GenerationError
+from quiver.runtime import fork
+from quiver.runtime.context import Context
+from quiver.t2t.config import DialogConfig, read_dialog_config
+from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
+from quiver.t2t.sampling import Sampler, Sampling
+from quiver.t2t.tokenizer import TextTokenizer
+
+_PAST, _PRESENT = "past_key_values.", "present."
+
+
+def _fixed(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
+    """A tensor's shape when every dimension is a number, else ()."""
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return ()
+    return tuple(int(d) for d in shape if isinstance(d, int))
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str
+    stop_reason: str  # "eos", "stop-sequence", "max-new-tokens", "context-full" or "aborted"
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+@dataclass(frozen=True)
+class DialogState:
+    """What `save()` keeps: the tokens so far, their cache entries, and the adapter in use."""
+
+    history: tuple[int, ...]
+    pending: tuple[int, ...]
+    cache: dict[str, np.ndarray]
+    adapter: str | None
+    strengths: dict[str, float] = field(default_factory=dict)
+
+
+class Dialog:
+    """A text-generation dialog over one context (Genie's GenieDialog)."""
+
+    def __init__(self, config: DialogConfig) -> None:
+        self.config = config
+        self.tokenizer = TextTokenizer(config.tokenizer)
+        backend = (
+            CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False)
+            if config.backend == "cpu"
+            else "reference"
+        )
+        self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
+        try:
+            self._prefill = self._context.graph(config.prefill_graph)
+            self._decode = self._context.graph(config.decode_graph)
+        except Exception:
+            self._context.close()
+            raise
+        shapes = {i.name: _fixed(i.shape) for i in self._decode.inputs if i.name.startswith(_PAST)}
+        logits_shape = next((_fixed(o.shape) for o in self._decode.outputs if o.name == LOGITS), ())
+        if not shapes or not logits_shape or not all(len(s) == 4 for s in shapes.values()):
+            self._context.close()
+            raise GenerationError(
+                f"{config.ctx_bins[0]} is not a text-generation context (no KV cache inputs or logits in graph "
+                f"{config.decode_graph!r}); make it with `quiver t2t export`"
+            )
+        self.capacity = next(iter(shapes.values()))[2]
+        if config.context_size > self.capacity:
+            self._context.close()
+            raise GenerationError(
+                f"{config.path}: context.size {config.context_size} exceeds the {self.capacity} positions of the "
+                "context binary's KV cache; lower it or export with a larger --context-size"
+            )
+        self._cache = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        self._logits = np.zeros(logits_shape, np.float32)
+        self._out = {LOGITS: self._logits} | {_PRESENT + n[len(_PAST) :]: a for n, a in self._cache.items()}
+        self._history: list[int] = []  # tokens whose keys and values are in the cache
+        self._pending: list[int] = []  # generated, not yet fed (the next query starts with them)
+        self._adapter: str | None = None
+        self._lock = threading.Lock()  # one query at a time
+        self._abort = threading.Event()
+        fork.reset_after_fork(self)
+        # Prepare (and pack) both graphs now, as Genie does when a dialog is created: a query then
+        # measures generation, not session creation.
+        self._step(self._prefill, [0])
+        self._step(self._decode, [0])
+        self._history = []
+
+    @classmethod
+    def from_config(cls, path: str | Path) -> Dialog:
+        return cls(read_dialog_config(path))
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._abort = threading.Event()
+
+    # --- generation -------------------------------------------------------------------------------
+    def query(
+        self,
+        prompt: str,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int = 0,
+        greedy: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        on_token: Callable[[str], object] | None = None,
+        stop: Sequence[str] = (),
+    ) -> QueryResult:
+        """Generates a reply to `prompt` (raw text: apply the model's chat template first if it has one)."""
+        return self.token_query(
+            self.tokenizer.encode(prompt),
+            max_new_tokens,
+            min_new_tokens,
+            greedy,
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            seed,
+            on_token,
+            stop,
+        )
+
+    def token_query(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int | None = None,
+        min_new_tokens: int = 0,
+        greedy: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        on_token: Callable[[str], object] | None = None,
+        stop: Sequence[str] = (),
+    ) -> QueryResult:
+        """Generates from token ids (Genie's GenieDialog_tokenQuery)."""
+        defaults = self.config.sampler
+        sampling = Sampling(
+            greedy=defaults.greedy if greedy is None else greedy,
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_k=defaults.top_k if top_k is None else top_k,
+            top_p=defaults.top_p if top_p is None else top_p,
+            repetition_penalty=repetition_penalty,
+            seed=defaults.seed if seed is None else seed,
+        )
+        prompt = [int(i) for i in ids]
+        vocab = int(self._logits.shape[-1])
+        if not prompt or not all(0 <= i < vocab for i in prompt):
+            raise GenerationError(f"a query needs token ids in [0, {vocab}); got {len(prompt)} ids")
+        limit = self.config.context_size
+        if max_new_tokens is None:
+            max_new_tokens = limit
+        if max_new_tokens < 1 or not 0 <= min_new_tokens <= max_new_tokens:
+            raise GenerationError(
+                f"max_new_tokens {max_new_tokens} must be >= 1 and >= min_new_tokens {min_new_tokens}"
+            )
+        with self._lock:
+            self._abort.clear()
+            fed = self._pending + prompt
+            if len(self._history) + len(fed) >= limit:
+                raise GenerationError(
+                    f"the prompt ({len(prompt)} tokens) does not fit the context: {limit} positions, "
+                    f"{len(self._history)} in use; shorten it, reset() the dialog or export a larger context"
+                )
+            return self._generate(prompt, fed, Sampler(sampling), max_new_tokens, min_new_tokens, on_token, stop)
+
+    def _generate(
+        self,
+        prompt: list[int],
+        fed: list[int],
+        sampler: Sampler,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        on_token: Callable[[str], object] | None,
+        stop: Sequence[str],
+    ) -> QueryResult:
+        start = time.perf_counter()
+        window = self.config.prefill_window
+        for begin in range(0, len(fed), window):
+            self._step(self._prefill, fed[begin : begin + window])
+        self._pending = []
+        prefilled = time.perf_counter()
+        eos = set(self.config.eos_tokens)
+        seen = list(self._history)
+        new: list[int] = []
+        stream = self.tokenizer.stream()
+        text, reason = "", "max-new-tokens"
+        while True:
+            logits = self._logits.reshape(-1)
+            if len(new) < min_new_tokens and eos:
+                logits = logits.copy()
+                logits[list(eos)] = -np.inf
+            token = sampler.next_token(logits, seen)
+            new.append(token)
+            seen.append(token)
+            if token in eos:
+                reason = "eos"
+                break
+            piece = stream.push(token)
+            if piece:
+                text += piece
+                if on_token is not None:
+                    on_token(piece)
+                hit = min((i for s in stop if s and (i := text.find(s)) >= 0), default=-1)
+                if hit >= 0:
+                    text, reason = text[:hit], "stop-sequence"
+                    self._pending = [token]
+                    break
+            if len(new) >= max_new_tokens:
+                self._pending = [token]
+                break
+            if len(self._history) + 1 >= self.config.context_size:
+                reason = "context-full"
+                break
+            if self._abort.is_set():
+                reason = "aborted"
+                self._pending = [token]
+                break
+            self._step(self._decode, [token])
+        finished = time.perf_counter()
+        decoded = max(len(new) - 1, 0)
+        return QueryResult(
+            prompt_ids=prompt,
+            new_ids=new,
+            text=text,
+            stop_reason=reason,
+            prefill_tok_s=len(fed) / max(prefilled - start, 1e-9),
+            decode_tok_s=decoded / (finished - prefilled) if decoded else 0.0,
+        )
+
+    def _step(self, graph: object, ids: list[int]) -> None:
+        """Feeds tokens: their keys and values land in the cache, the logits of the last in `_logits`."""
+        total = len(self._history) + len(ids)
+        feeds = {
+            INPUT_IDS: np.array([ids], np.int64),
+            SEQLENS_K: np.array([total - 1], np.int32),
+            TOTAL_LENGTH: np.array(total, np.int32),
+            **self._cache,
+        }
+        graph.execute(feeds, out=self._out)  # type: ignore[attr-defined]
+        self._history.extend(ids)
+
+    # --- state --------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forgets the conversation (the cache is overwritten as it fills again; nothing to clear)."""
+        with self._lock:
+            self._history, self._pending = [], []
+
+    def abort(self) -> None:
+        """Stops a query running in another thread after its current step (Genie's signal)."""
+        self._abort.set()
+
+    def save(self) -> DialogState:
+        """The dialog so far (Genie's GenieDialog_save): its tokens, their cache entries, its adapter."""
+        with self._lock:
+            used = len(self._history)
+            return DialogState(
+                tuple(self._history),
+                tuple(self._pending),
+                {name: array[:, :, :used].copy() for name, array in self._cache.items()},
+                self._adapter,
+                dict(self._decode.lora_strengths),
+            )
+
+    def restore(self, state: DialogState) -> None:
+        """Returns to a saved state (Genie's GenieDialog_restore), its adapter and strengths included."""
+        if set(state.cache) != set(self._cache) or len(state.history) > self.capacity:
+            raise GenerationError("this saved state belongs to another model; restore it on the dialog that saved it")
+        with self._lock:
+            if state.adapter is not None:
+                self._apply(state.adapter)
+                for name, value in state.strengths.items():
+                    self._set_strength(name, value)
+            used = len(state.history)
+            for name, array in state.cache.items():
+                self._cache[name][:, :, :used] = array
+            self._history, self._pending = list(state.history), list(state.pending)
+
+    # --- adapters -----------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.config.adapters)
+
+    def apply_lora(self, name: str) -> None:
+        """Applies an adapter's sections (Genie's applyLora); the next query starts a new conversation."""
+        with self._lock:
+            self._apply(name)
+            self._history, self._pending = [], []
+
+    def _apply(self, name: str) -> None:
+        adapter = self.config.adapters.get(name)
+        if adapter is None:
+            raise GenerationError(f"no LoRA adapter {name!r} in {self.config.path}; it has {self.adapters or 'none'}")
+        for section in adapter.bin_sections:
+            self._context.apply_binary_section(None, section)
+        self._adapter = name
+
+    def set_lora_strength(self, name: str, value: float) -> None:
+        """Sets the strength of one adapter (an entry of the alpha tensor); resets the conversation."""
+        with self._lock:
+            self._set_strength(name, value)
+            self._history, self._pending = [], []
+
+    def _set_strength(self, name: str, value: float) -> None:
+        if self._adapter is None:
+            raise GenerationError("no adapter applied: apply_lora(name) first, then set its strengths")
+        known = self._decode.lora_strengths
+        if name not in known:
+            raise GenerationError(f"the applied adapter has no strength {name!r}; it has {sorted(known)}")
+        for graph in (self._prefill, self._decode):
+            graph.set_lora_strength(name, float(value))
+
+    def close(self) -> None:
+        self._context.close()
+
+    def __enter__(self) -> Dialog:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

@@ -1,0 +1,187 @@
+"""`quiver t2t export`: a transformers causal-LM folder (and PEFT adapters) -> prefill + decode context.
+
+Writes into OUT: `model.qctx` (graphs "prefill" and "decode", one copy of every weight), one super
+section per adapter (`<name>.qsec`, updating both graphs), `tokenizer.json` and `genie_config.json`.
+Reads safetensors directly and builds the graph itself (`quiver.t2t.graph`): no torch needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from quiver.errors import AdapterError, ModelFolderError
+from quiver.formats.files import read_regular
+from quiver.formats.writer import write_atomically, write_text_atomically
+from quiver.lora.attach import find_attach_points
+from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
+from quiver.lora.peft import PeftAdapter, load_peft_adapter
+from quiver.lora.prepare import UseCase
+from quiver.runtime.context import Context
+from quiver.t2t.config import (
+    DECODE_GRAPH,
+    DEFAULT_PREFILL_WINDOW,
+    PREFILL_GRAPH,
+    DialogConfig,
+    LoraAdapterConfig,
+    SamplerConfig,
+    dialog_config_document,
+)
+from quiver.t2t.graph import INPUT_IDS, build_decoder
+from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config
+
+DEFAULT_CONTEXT_SIZE = 2048
+CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    context_size: int = DEFAULT_CONTEXT_SIZE
+    prefill_window: int = DEFAULT_PREFILL_WINDOW
+    weight_bits: int | None = None  # 4 or 8: MatMul weights quantized blockwise (ORT's MatMulNBits)
+    block_size: int = 32
+    n_threads: int = 0
+
+
+def _sampler_defaults(folder: Path) -> SamplerConfig:
+    """generation_config.json's sampling settings, where the model ships them."""
+    path = folder / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        raw = {}
+    defaults = SamplerConfig()
+    return SamplerConfig(
+        seed=defaults.seed,
+        temperature=float(raw.get("temperature", defaults.temperature) or defaults.temperature),
+        top_k=int(raw.get("top_k", defaults.top_k) or 0),
+        top_p=float(raw.get("top_p", defaults.top_p) or 1.0),
+        greedy=not raw.get("do_sample", True),
+    )
+
+
+def _eos_tokens(folder: Path, config: DecoderConfig) -> tuple[int, ...]:
+    """Every end-of-sequence id the model names (config.json and generation_config.json), in order."""
+    ids = list(config.eos_token_ids)
+    path = folder / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        raw = {}
+    extra = raw.get("eos_token_id")
+    for value in extra if isinstance(extra, list) else [extra]:
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    if not ids:
+        raise ModelFolderError(f"{folder}: no eos_token_id in config.json or generation_config.json")
+    return tuple(ids)
+
+
+def export(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    adapters: Mapping[str, str | Path] | None = None,
+    use_cases: Sequence[UseCase] | None = None,
+    options: ExportOptions = ExportOptions(),
+    on_step: Callable[[str], object] = lambda _: None,
+) -> DialogConfig:
+    """Exports the model and a section per use case (default: each adapter alone, at strength 1); returns
+    the dialog config it wrote. Use cases without adapters need no section: the context runs as the base."""
+    folder, out = Path(model_dir), Path(out_dir)
+    config = read_config(folder)
+    tokenizer = folder / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise ModelFolderError(f"{folder} has no tokenizer.json (save the tokenizer with a fast tokenizer)")
+    size = min(options.context_size, config.max_positions)
+    if size < 2 or options.prefill_window < 1:
+        raise ModelFolderError(
+            f"context size {options.context_size} and prefill window {options.prefill_window} must be >= 2 and >= 1"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    on_step("reading weights and building the graph")
+    weights = SafetensorsWeights(folder)
+    model = build_decoder(config, weights.get, size)
+    loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
+    cases = (
+        [UseCase(n, [n], [1.0], None) for n in loaded] if use_cases is None else [u for u in use_cases if u.adapters]
+    )
+    updateable: list[str] = []
+    values: dict[str, dict[str, Any]] = {}
+    if cases:
+        on_step("attaching the LoRA adapters")
+        model, updateable, values = _with_lora(model, loaded, cases)
+    if options.weight_bits is not None:
+        from quiver.t2t.quantize import quantize_weights
+
+        on_step(f"quantizing weights to {options.weight_bits} bits")
+        model = quantize_weights(model, options.weight_bits, options.block_size, exclude=set(updateable))
+    on_step("writing the context (prefill and decode share every weight)")
+    context = Context.create("reference", workdir=out)
+    try:
+        context.add_graph(PREFILL_GRAPH, model, updateable=updateable)
+        context.add_graph(DECODE_GRAPH, model, input_shapes={INPUT_IDS: [1, 1]}, updateable=updateable)
+        context.finalize()
+        context.save(out / CONTEXT_FILE)
+        sections = {}
+        for case in cases:
+            on_step(f"writing the section of use case {case.name}")
+            context.update_context_tensors(values[case.name])
+            context.finalize()
+            alphas = [case.alphas[case.adapters.index(a)] if a in case.adapters else 0.0 for a in loaded]
+            metadata = {
+                "lora": {
+                    "use_case": case.name,
+                    "alpha_input": ALPHA_INPUT,
+                    "adapters": list(loaded),
+                    "alphas": alphas,
+                    "active": case.adapters,
+                }
+            }
+            name = case.name
+            sections[name] = out / f"{name}.qsec"
+            write_atomically(sections[name], context.get_binary_section(None, metadata))
+    finally:
+        context.close()
+    if tokenizer.resolve() != (out / TOKENIZER_FILE).resolve():
+        write_atomically(out / TOKENIZER_FILE, read_regular(tokenizer))
+    dialog = DialogConfig(
+        path=out / CONFIG_FILE,
+        context_size=size,
+        n_vocab=config.vocab,
+        bos_token=config.bos_token_id,
+        eos_tokens=_eos_tokens(folder, config),
+        pad_token=config.pad_token_id,
+        sampler=_sampler_defaults(folder),
+        tokenizer=out / TOKENIZER_FILE,
+        n_threads=options.n_threads,
+        backend="cpu",
+        ctx_bins=(out / CONTEXT_FILE,),
+        alpha_tensor=ALPHA_INPUT if cases else None,
+        adapters={c.name: LoraAdapterConfig(c.name, tuple(c.adapters), (sections[c.name],)) for c in cases},
+        prefill_window=options.prefill_window,
+    )
+    write_text_atomically(dialog.path, json.dumps(dialog_config_document(dialog, out), indent=2) + "\n")
+    return dialog
+
+
+def _with_lora(
+    model: onnx.ModelProto, adapters: Mapping[str, PeftAdapter], use_cases: Sequence[UseCase]
+) -> tuple[onnx.ModelProto, list[str], dict[str, dict[str, Any]]]:
+    """The graph with LoRA branches wide enough for every use case, and each use case's tensor values."""
+    modules = sorted({m for adapter in adapters.values() for m in adapter.modules})
+    points, missing = find_attach_points(model, modules)
+    if missing:
+        raise AdapterError(
+            f"adapter modules {missing[:3]} are not projections of this model (q/k/v/o_proj, gate/up/down_proj); "
+            "is the adapter for another model?"
+        )
+    order = list(adapters)
+    cases = {case.name: case.adapters for case in use_cases}
+    lora_model, slots = create_lora_graph(model, points, slot_ranks(adapters, cases), len(order))
+    values = {name: use_case_values(slots, adapters, active, order) for name, active in cases.items()}
+    return lora_model, updateable_tensors(slots), values

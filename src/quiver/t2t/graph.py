@@ -1,0 +1,174 @@
+"""Builds the decoder graph Quiver generates with: ORT's fused LLM operators over a fixed-size KV cache.
+
+One ONNX graph serves as both the prefill graph (any number of new tokens) and the decode graph (one
+token): `quiver t2t export` adds it twice with different input shapes, and the context stores its
+weights once. Per layer: RMSNorm (`SimplifiedLayerNormalization`, fused with the residual add as
+`SkipSimplifiedLayerNormalization`), q/k/v projections, `com.microsoft::GroupQueryAttention` (rotary
+positions inside it; past and present key/value are one [1, kv_heads, context, head_dim] buffer the
+runner binds as both input and output, so a step writes its new entries in place), SiLU-gated MLP.
+Only the last position reaches the final norm and the LM head: logits are [1, 1, vocab].
+
+Projection weights keep their transformers names (`model.layers.N.self_attn.q_proj.weight`, stored
+[in, out] for MatMul), so PEFT adapters find their attach points by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from quiver.ir.ops import MS_DOMAIN
+from quiver.t2t.hf import DecoderConfig, rotary_tables
+
+INPUT_IDS = "input_ids"
+SEQLENS_K = "seqlens_k"  # [1] int32: tokens in the cache after this step, minus one (GQA's convention)
+TOTAL_LENGTH = "total_sequence_length"  # [] int32: tokens in the cache after this step
+LOGITS = "logits"
+OPSET = 21
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present.{layer}.key", f"present.{layer}.value"
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], name: str, domain: str = "", **attrs: Any) -> str:
+        output = f"{name}/output_0"
+        self.nodes.append(helper.make_node(op, inputs, [output], name=name, domain=domain, **attrs))
+        return output
+
+    def rms_norm(self, x: str, name: str, weight: Callable[[str], np.ndarray], scope: str, eps: float) -> str:
+        """RMSNorm from ONNX operators (the first norm, and the final one on the last position only): ORT's
+        own `SimplifiedLayerNormalization` lives in the ONNX domain without an ONNX schema."""
+        squared = self.node("Mul", [x, x], f"{scope}/Square")
+        mean = self.node(
+            "ReduceMean", [squared, self.weight(f"{scope}/axes", np.array([-1], np.int64))], f"{scope}/Mean", keepdims=1
+        )
+        shifted = self.node("Add", [mean, self.weight(f"{scope}/epsilon", np.array(eps, np.float32))], f"{scope}/Add")
+        root = self.node("Sqrt", [shifted], f"{scope}/Sqrt")
+        scaled = self.node("Div", [x, root], f"{scope}/Div")
+        return self.node("Mul", [scaled, self.weight(name, weight(name))], f"{scope}/Mul")
+
+    def skip_norm(self, residual: str, delta: str, weight: str, name: str, eps: float) -> tuple[str, str]:
+        """RMSNorm(residual + delta) and the sum itself (the next residual); the optional statistics unused."""
+        normed, total = f"{name}/output_0", f"{name}/output_3"
+        self.nodes.append(
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                [residual, delta, weight],
+                [normed, "", "", total],
+                name=name,
+                domain=MS_DOMAIN,
+                epsilon=eps,
+            )
+        )
+        return normed, total
+
+
+def build_decoder(config: DecoderConfig, weight: Callable[[str], np.ndarray], context_size: int) -> onnx.ModelProto:
+    """The decoder as one ONNX graph; `weight(name)` returns a transformers tensor as float32."""
+    b = _Builder()
+    eps = config.rms_eps
+    cos, sin = rotary_tables(config, context_size)
+    b.weight("cos_cache", cos)
+    b.weight("sin_cache", sin)
+    embed = b.weight("model.embed_tokens.weight", weight("model.embed_tokens.weight"))
+    hidden = b.node("Gather", [embed, INPUT_IDS], "/model/embed_tokens/Gather")
+    residual = hidden
+    normed = b.rms_norm(hidden, "model.layers.0.input_layernorm.weight", weight, "/model/layers.0/input_layernorm", eps)
+    delta = ""
+
+    def linear(x: str, module: str, bias: bool = False) -> str:
+        w = b.weight(f"{module}.weight", weight(f"{module}.weight").T)
+        scope = "/" + module.replace(".", "/")
+        y = b.node("MatMul", [x, w], f"{scope}/MatMul")
+        if bias:
+            y = b.node("Add", [y, b.weight(f"{module}.bias", weight(f"{module}.bias"))], f"{scope}/Add")
+        return y
+
+    for layer in range(config.layers):
+        prefix = f"model.layers.{layer}"
+        scope = f"/model/layers.{layer}"
+        if layer > 0:
+            w = b.weight(f"{prefix}.input_layernorm.weight", weight(f"{prefix}.input_layernorm.weight"))
+            normed, residual = b.skip_norm(residual, delta, w, f"{scope}/input_layernorm", eps)
+        q = linear(normed, f"{prefix}.self_attn.q_proj", config.qkv_bias)
+        k = linear(normed, f"{prefix}.self_attn.k_proj", config.qkv_bias)
+        v = linear(normed, f"{prefix}.self_attn.v_proj", config.qkv_bias)
+        past_key, past_value = past_names(layer)
+        attention = f"{scope}/self_attn/GroupQueryAttention"
+        b.nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                [q, k, v, past_key, past_value, SEQLENS_K, TOTAL_LENGTH, "cos_cache", "sin_cache"],
+                [f"{attention}/output_0", *present_names(layer)],
+                name=attention,
+                domain=MS_DOMAIN,
+                num_heads=config.heads,
+                kv_num_heads=config.kv_heads,
+                scale=float(config.head_dim**-0.5),
+                do_rotary=1,
+                rotary_interleaved=0,
+                local_window_size=-1,
+            )
+        )
+        attended = linear(f"{attention}/output_0", f"{prefix}.self_attn.o_proj")
+        w = b.weight(f"{prefix}.post_attention_layernorm.weight", weight(f"{prefix}.post_attention_layernorm.weight"))
+        normed, residual = b.skip_norm(residual, attended, w, f"{scope}/post_attention_layernorm", eps)
+        gate = linear(normed, f"{prefix}.mlp.gate_proj")
+        up = linear(normed, f"{prefix}.mlp.up_proj")
+        sigmoid = b.node("Sigmoid", [gate], f"{scope}/mlp/act_fn/Sigmoid")
+        activated = b.node("Mul", [gate, sigmoid], f"{scope}/mlp/act_fn/Mul")
+        product = b.node("Mul", [activated, up], f"{scope}/mlp/Mul")
+        delta = linear(product, f"{prefix}.mlp.down_proj")
+
+    total = b.node("Add", [residual, delta], "/model/residual/Add")
+    last = b.node(
+        "Slice",
+        [
+            total,
+            b.weight("last_start", np.array([-1], np.int64)),
+            b.weight("last_end", np.array([2**62], np.int64)),
+            b.weight("last_axis", np.array([1], np.int64)),
+        ],
+        "/model/last_position/Slice",
+    )
+    final = b.rms_norm(last, "model.norm.weight", weight, "/model/norm", eps)
+    # The LM head multiplies by [vocab, hidden] as stored (transB): a tied head reuses the embedding itself
+    head = embed if config.tie_embeddings else b.weight("lm_head.weight", weight("lm_head.weight"))
+    b.nodes.append(
+        helper.make_node(
+            "FusedMatMul", [final, head], [LOGITS], name="/lm_head/FusedMatMul", domain=MS_DOMAIN, transB=1, alpha=1.0
+        )
+    )
+
+    kv_shape = [1, config.kv_heads, context_size, config.head_dim]
+    inputs = [
+        helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, "sequence"]),
+        helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [1]),
+        helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
+    ]
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, 1, config.vocab])]
+    for layer in range(config.layers):
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in past_names(layer)]
+        outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in present_names(layer)]
+    graph = helper.make_graph(b.nodes, "decoder", inputs, outputs, b.initializers)
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)], ir_version=10
+    )

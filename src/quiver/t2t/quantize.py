@@ -1,0 +1,35 @@
+"""Weight-only quantization of an LLM graph: MatMul weights to 4 or 8 bits per block (ORT's MatMulNBits).
+
+ONNX Runtime's own quantizer does the work (`MatMulNBitsQuantizer`, symmetric blocks); the LoRA branches
+(updateable tensors) and the tied LM head stay in float.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+import onnx
+
+from quiver.errors import QuantizationError
+
+
+def quantize_weights(
+    model: onnx.ModelProto, bits: int, block_size: int, exclude: Collection[str] = ()
+) -> onnx.ModelProto:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
+        raise QuantizationError(
+            f"weights quantize to 4 or 8 bits in blocks of a power of two >= 16, not {bits} / {block_size}"
+        )
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per-node INFO
+    skipped = [n.name for n in model.graph.node if n.op_type == "MatMul" and set(n.input) & set(exclude)]
+    try:
+        quantizer = MatMulNBitsQuantizer(
+            model, bits=bits, block_size=block_size, is_symmetric=True, nodes_to_exclude=skipped
+        )
+        quantizer.process()
+    except Exception as exc:  # ORT's quantizer raises plain exceptions
+        raise QuantizationError(f"ONNX Runtime's weight quantizer failed: {exc}") from None
+    return quantizer.model.model

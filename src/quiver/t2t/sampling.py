@@ -1,0 +1,78 @@
+"""Choosing the next token, in transformers' order: repetition penalty → temperature → top-k → top-p."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from quiver.errors import GenerationError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One query's sampling settings; `greedy` (or temperature 0) takes the most likely token."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature {self.temperature} must be >= 0"),
+            (self.top_k >= 0, f"top-k {self.top_k} must be >= 0 (0 turns it off)"),
+            (0 < self.top_p <= 1, f"top-p {self.top_p} must be in (0, 1]"),
+            (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                f"repetition penalty {self.repetition_penalty} must be > 0",
+            ),
+        ]
+        for holds, message in checks:
+            if not holds:
+                raise GenerationError(f"sampling: {message}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+class Sampler:
+    """Picks tokens for one query; a seeded generator makes sampling repeatable."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.sampling = sampling
+        self._random = np.random.default_rng(sampling.seed)
+
+    def next_token(self, logits: np.ndarray, seen: Sequence[int]) -> int:
+        s = self.sampling
+        scores = np.asarray(logits, np.float32).reshape(-1)
+        if s.repetition_penalty != 1.0 and len(seen):
+            scores = scores.copy()
+            ids = np.unique(np.asarray(seen, np.int64))
+            chosen = scores[ids]
+            scores[ids] = np.where(chosen < 0, chosen * s.repetition_penalty, chosen / s.repetition_penalty)
+        if s.is_greedy:
+            return int(np.argmax(scores))
+        scores = scores / np.float32(s.temperature)
+        if 0 < s.top_k < scores.size:
+            kth = np.partition(scores, -s.top_k)[-s.top_k]
+            scores = np.where(scores < kth, -np.inf, scores)
+        if s.top_p < 1.0:
+            order = np.argsort(scores)  # ascending, as transformers' TopPLogitsWarper
+            probabilities = _softmax(scores[order])
+            removed = np.cumsum(probabilities) <= 1 - s.top_p
+            removed[-1] = False  # the most likely token always stays
+            scores = scores.copy()
+            scores[order[removed]] = -np.inf
+        probabilities = _softmax(scores)
+        return int(self._random.choice(probabilities.size, p=probabilities))
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = np.exp((scores - scores.max()).astype(np.float64))
+    return shifted / shifted.sum()

@@ -1,0 +1,53 @@
+"""The dialog's tokenizer (Hugging Face `tokenizers`, tokenizer.json) and streaming decode.
+
+A token may end inside a UTF-8 character (byte-level BPE splits emoji and CJK over several tokens):
+streamed text holds such bytes back until the character is whole, so what is printed never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from quiver.errors import DialogConfigError
+
+
+class TextTokenizer:
+    def __init__(self, path: Path) -> None:
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises its own Exception subclass
+            raise DialogConfigError(f"{path}: not a tokenizer.json the tokenizers library reads ({exc})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def stream(self) -> TextStream:
+        return TextStream(self)
+
+
+class TextStream:
+    """Turns tokens into text pieces as they come: each piece is final (no partial characters).
+
+    Decodes a short window (the tokens since the last piece and the one before), as text-generation
+    servers do: decoding a window on its own would lose a leading space some tokenizers attach."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: the token before the unprinted ones
+        self._read = 0  # tokens already printed
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        before = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        after = self._tokenizer.decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):  # incomplete character: wait for more bytes
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]

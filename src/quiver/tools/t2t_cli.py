@@ -1,0 +1,188 @@
+"""`quiver t2t export|run`: text generation from the command line, as Genie's genie-t2t-run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from quiver.formats.files import read_text
+from quiver.tools.cli import _emit_json, _mb, _status, cli, console
+
+
+@cli.group()
+def t2t() -> None:
+    """Text generation: export an LLM with its adapters, then generate (Genie's role)."""
+
+
+def _named_path(value: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise click.BadParameter(f"{value!r}: give NAME=PEFT_DIR")
+    return name, Path(path)
+
+
+@t2t.command("export")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A transformers causal-LM folder: config.json, *.safetensors, tokenizer.json.",
+)
+@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PEFT_DIR", help="An adapter; one use case each.")
+@click.option(
+    "--lora-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A LoRA YAML (adapters and use cases, as `quiver lora prepare` reads) instead of --lora.",
+)
+@click.option("--weight-bitwidth", type=click.Choice(["4", "8"]), help="Quantize MatMul weights (MatMulNBits).")
+@click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
+@click.option("--context-size", type=int, default=2048, show_default=True, help="KV cache positions.")
+@click.option("--prefill-window", type=int, default=128, show_default=True, help="Prompt tokens per prefill step.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+def t2t_export(
+    model_dir: Path,
+    output_dir: Path,
+    loras: tuple[str, ...],
+    lora_config: Path | None,
+    weight_bitwidth: str | None,
+    block_size: int,
+    context_size: int,
+    prefill_window: int,
+    as_json: bool,
+) -> None:
+    """A prefill + decode context sharing every weight, a section per use case, and genie_config.json."""
+    from quiver.lora.prepare import read_adapters_and_use_cases
+    from quiver.t2t.export import ExportOptions, export
+
+    adapters: dict[str, Path] = dict(_named_path(v) for v in loras)
+    use_cases = None
+    if lora_config is not None:
+        if adapters:
+            raise click.BadParameter("give --lora or --lora-config, not both")
+        _, adapters, use_cases = read_adapters_and_use_cases(lora_config)
+    options = ExportOptions(
+        context_size=context_size,
+        prefill_window=prefill_window,
+        weight_bits=int(weight_bitwidth) if weight_bitwidth else None,
+        block_size=block_size,
+    )
+    with _status("exporting") as status:
+        dialog = export(model_dir, output_dir, adapters, use_cases, options, on_step=lambda s: status.update(s))
+    files = [
+        dialog.ctx_bins[0],
+        *(p for a in dialog.adapters.values() for p in a.bin_sections),
+        dialog.tokenizer,
+        dialog.path,
+    ]
+    if as_json:
+        _emit_json({"config": str(dialog.path), "files": {str(p): p.stat().st_size for p in files}})
+        return
+    table = Table(title=f"{dialog.path}")
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    for path in files:
+        table.add_row(path.name, _mb(path.stat().st_size))
+    console.print(table)
+
+
+def _lora_choice(value: str) -> tuple[str, list[tuple[str, float]]]:
+    """`NAME[,ALPHA_NAME,VALUE...]` as genie-t2t-run takes it."""
+    name, *rest = value.split(",")
+    if not name or len(rest) % 2:
+        raise click.BadParameter(f"{value!r}: give NAME or NAME,ALPHA_NAME,VALUE[,ALPHA_NAME,VALUE...]")
+    try:
+        pairs = [(rest[i], float(rest[i + 1])) for i in range(0, len(rest), 2)]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: strengths are numbers") from None
+    return name, pairs
+
+
+@t2t.command("run")
+@click.option(
+    "-c",
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A Genie dialog config (genie_config.json).",
+)
+@click.option("-p", "--prompt", help="The prompt (raw text: apply the model's chat template yourself).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path), help="Read the prompt from a file.")
+@click.option("-l", "--lora", "lora", metavar="NAME[,ALPHA_NAME,VALUE...]", help="Apply an adapter, set strengths.")
+@click.option("--greedy", is_flag=True, help="Take the most likely token each step.")
+@click.option("--temp", "temperature", type=float, help="Sampling temperature (0: greedy).")
+@click.option("--top-k", type=int)
+@click.option("--top-p", type=float)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int)
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--min-new-tokens", type=int, default=0, show_default=True)
+@click.option("--stop", multiple=True, help="Stop when the text contains this (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def t2t_run(
+    config_path: Path,
+    prompt: str | None,
+    prompt_file: Path | None,
+    lora: str | None,
+    greedy: bool,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    repetition_penalty: float,
+    seed: int | None,
+    max_new_tokens: int,
+    min_new_tokens: int,
+    stop: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Generate text, streamed as it comes (genie-t2t-run)."""
+    from quiver.t2t.dialog import Dialog
+
+    if (prompt is None) == (prompt_file is None):
+        raise click.BadParameter("give -p PROMPT or --prompt-file F")
+    text = prompt if prompt is not None else read_text(prompt_file, what="prompt file")  # type: ignore[arg-type]
+    with Dialog.from_config(config_path) as dialog:
+        if lora is not None:
+            name, strengths = _lora_choice(lora)
+            dialog.apply_lora(name)
+            for alpha, value in strengths:
+                dialog.set_lora_strength(alpha, value)
+
+        def stream(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        result = dialog.query(
+            text,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            greedy=True if greedy else None,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            on_token=None if as_json else stream,
+            stop=stop,
+        )
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "prompt_ids": result.prompt_ids,
+                    "new_ids": result.new_ids,
+                    "text": result.text,
+                    "stop_reason": result.stop_reason,
+                    "prefill_tok_s": round(result.prefill_tok_s, 2),
+                    "decode_tok_s": round(result.decode_tok_s, 2),
+                }
+            )
+        )
+    else:
+        sys.stdout.write("\n")
