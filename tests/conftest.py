@@ -43,24 +43,35 @@ def input_ids() -> np.ndarray:
     return sample_input_ids(SMALL, batch=2, seq=12, seed=3)
 
 
-@pytest.fixture(scope="session")
-def real_models() -> Path:
-    """The real-model corpus (tests/real/make_models.py): exported once per machine and cached.
+def _corpus(variable: str, kind: str) -> Path:
+    """A real-model corpus: exported once per machine and cached.
 
-    QUIVER_REAL_MODELS names the folder (CI sets it); otherwise ci/make-real-models exports it into the
-    cache on first use, which installs torch into a venv of its own and takes a few minutes.
+    The variable names the folder (CI sets it); otherwise ci/make-real-models exports it into the cache
+    on first use, which installs torch into a venv of its own and takes a few minutes.
     """
     import os
     import subprocess
 
-    folder = os.environ.get("QUIVER_REAL_MODELS")
+    folder = os.environ.get(variable)
     if not folder:
         script = Path(__file__).resolve().parents[1] / "ci" / "make-real-models"
-        result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+        result = subprocess.run(["bash", str(script), kind], capture_output=True, text=True)
         if result.returncode != 0:
             pytest.fail(f"exporting the real-model corpus failed:\n{result.stderr[-3000:]}")
         folder = result.stdout.strip().splitlines()[-1]
     path = Path(folder)
     if not (path / "versions.json").is_file():
-        pytest.fail(f"no real-model corpus in {path}: run `bash ci/make-real-models`")
+        pytest.fail(f"no real-model corpus in {path}: run `bash ci/make-real-models {kind}`")
     return path
+
+
+@pytest.fixture(scope="session")
+def real_models() -> Path:
+    """tests/real/make_models.py's corpus: torch.onnx exports of real encoders and a decoder."""
+    return _corpus("QUIVER_REAL_MODELS", "models")
+
+
+@pytest.fixture(scope="session")
+def real_llms() -> Path:
+    """tests/real/make_llms.py's corpus: transformers folders, PEFT adapters and their generations."""
+    return _corpus("QUIVER_REAL_LLMS", "llms")

@@ -106,6 +106,8 @@ class Graph:
         self, feeds: Mapping[str, object], state: GraphState, out: Mapping[str, np.ndarray] | None = None
     ) -> dict[str, np.ndarray]:
         """Runs the graph on a given state (`Context.state_with_sections`): per-run adapters."""
+        if out:
+            validate_outputs(self.name, self.outputs, out)
         lora = state.lora
         # the strengths a caller does not feed: the state's, or the zero adapter's
         strengths = (lora.alpha_input, lora.alphas) if lora is not None else self._zero_adapter
@@ -119,8 +121,6 @@ class Graph:
         bound: Mapping[str, np.ndarray] = state.values
         if strengths is not None:
             bound = {**bound, strengths[0]: arrays.pop(strengths[0])}
-        if out:
-            validate_outputs(self.name, self.outputs, out)
         results = self._context._run(self.name, arrays, bound, out)
         return {info.name: result for info, result in zip(self.outputs, results)}
 
