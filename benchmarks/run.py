@@ -31,6 +31,7 @@ from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 from real_models import measure_real_models  # noqa: E402
+from t2t import measure_t2t  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 SEQ = 128
@@ -259,7 +260,7 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
-SECTIONS = ("family", "real_models", "lora_sections", "quantization", "ort_api")
+SECTIONS = ("family", "real_models", "lora_sections", "quantization", "ort_api", "t2t")
 
 
 def main() -> None:
@@ -323,6 +324,10 @@ def main() -> None:
             ort_ids = folder / "ort_ids.npy"
             np.save(ort_ids, sample_input_ids(BENCH, batch=1, seq=SEQ))
             report["ort_api"] = measure_ort_api(folder, ort_ids, args.repeats)
+        if "t2t" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("text generation ...", file=sys.stderr)
+            report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=3)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -20,7 +20,7 @@ from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.graph import past_names, present_names
 from quiver.t2t.sampling import Sampler, Sampling
 from quiver.t2t.tokenizer import TextTokenizer
-from tests.tiny_llm import KV_HEADS, HEAD_DIM, LAYERS, TEXT, forward, tiny_adapter, tiny_decoder
+from tests.tiny_llm import HEAD_DIM, KV_HEADS, LAYERS, TEXT, forward, tiny_adapter, tiny_decoder
 
 PROMPT = "the quick brown fox"
 CONTEXT = 64
@@ -43,8 +43,13 @@ def _make(root: Path, architecture: str, adapters: bool) -> Tiny:
     weights = tiny_decoder(folder, architecture)
     deltas = {}
     if adapters:
-        deltas["all"] = tiny_adapter(root / "all", weights, 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                "up_proj", "down_proj"], seed=1)  # fmt: skip
+        deltas["all"] = tiny_adapter(
+            root / "all",
+            weights,
+            4,
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            seed=1,
+        )
         deltas["qv"] = tiny_adapter(root / "qv", weights, 2, ["q_proj", "v_proj"], seed=2)
     export(folder, root / "out", {n: root / n for n in deltas}, options=ExportOptions(context_size=CONTEXT))
     return Tiny(folder, root / "out", weights, deltas)
@@ -84,12 +89,18 @@ def test_greedy_generation_follows_the_numpy_forward_pass(model: str, request: p
 
 def test_prefill_and_decode_logits_match_the_numpy_forward_pass(llama: Tiny) -> None:
     with quiver.Context.from_binary(llama.out / "model.qctx") as context:
-        cache = {n: np.zeros((1, KV_HEADS, CONTEXT, HEAD_DIM), np.float32) for i in range(LAYERS) for n in past_names(i)}
+        cache = {
+            n: np.zeros((1, KV_HEADS, CONTEXT, HEAD_DIM), np.float32) for i in range(LAYERS) for n in past_names(i)
+        }
         out = {present_names(i)[j]: cache[past_names(i)[j]] for i in range(LAYERS) for j in (0, 1)}
         ids = [5, 17, 42, 8]
         for graph, chunk, total in (("prefill", ids[:3], 3), ("decode", ids[3:], 4)):
-            feeds = {"input_ids": np.array([chunk], np.int64), "seqlens_k": np.array([total - 1], np.int32),
-                     "total_sequence_length": np.array(total, np.int32), **cache}  # fmt: skip
+            feeds = {
+                "input_ids": np.array([chunk], np.int64),
+                "seqlens_k": np.array([total - 1], np.int32),
+                "total_sequence_length": np.array(total, np.int32),
+                **cache,
+            }
             result = context.graph(graph).execute(feeds, out=out)
             np.testing.assert_allclose(result["logits"][0, 0], forward(llama.weights, ids[:total]), atol=2e-4)
             assert all(result[name] is array for name, array in out.items())  # written in place, not copied
@@ -163,7 +174,9 @@ def test_sampler_applies_penalty_then_temperature_top_k_and_top_p() -> None:
     # penalty 4 divides token 0's positive logit: 0.5 < 1.0
     assert Sampler(Sampling(greedy=True, repetition_penalty=4.0)).next_token(logits, [0]) == 1
     # top-k 2: only tokens 0 and 1, whatever the temperature
-    picks = {Sampler(Sampling(greedy=False, temperature=50.0, top_k=2, seed=s)).next_token(logits, []) for s in range(60)}
+    picks = {
+        Sampler(Sampling(greedy=False, temperature=50.0, top_k=2, seed=s)).next_token(logits, []) for s in range(60)
+    }
     assert picks == {0, 1}
     # top-p 0.5 keeps the most likely token alone (its probability is 0.64)
     picks = {Sampler(Sampling(greedy=False, top_p=0.5, seed=s)).next_token(logits, []) for s in range(30)}
@@ -308,11 +321,36 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_streams_text_and_prints_json(llama: Tiny) -> None:
-    streamed = _cli("t2t", "run", "-c", str(llama.config), "-p", PROMPT, "--greedy", "--max-new-tokens", "6",
-                    "--min-new-tokens", "6")  # fmt: skip
+    streamed = _cli(
+        "t2t",
+        "run",
+        "-c",
+        str(llama.config),
+        "-p",
+        PROMPT,
+        "--greedy",
+        "--max-new-tokens",
+        "6",
+        "--min-new-tokens",
+        "6",
+    )
     assert streamed.returncode == 0, streamed.stderr
-    result = _cli("t2t", "run", "-c", str(llama.config), "-p", PROMPT, "--greedy", "--max-new-tokens", "6",
-                  "--min-new-tokens", "6", "--json", "-l", "all,all,0.0")  # fmt: skip
+    result = _cli(
+        "t2t",
+        "run",
+        "-c",
+        str(llama.config),
+        "-p",
+        PROMPT,
+        "--greedy",
+        "--max-new-tokens",
+        "6",
+        "--min-new-tokens",
+        "6",
+        "--json",
+        "-l",
+        "all,all,0.0",
+    )
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert set(document) >= {"prompt_ids", "new_ids", "text", "prefill_tok_s", "decode_tok_s"}
@@ -334,3 +372,12 @@ def test_cli_errors_are_one_line(llama: Tiny, args: list[str], message: str) -> 
 def test_cli_export_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
     result = _cli("t2t", "export", "--model", str(tmp_path), "-o", str(tmp_path / "out"))
     assert result.returncode == 1 and "no config.json" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_readme_example_runs(llama: Tiny) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Text generation") : readme.index("## Quantization")]
+    block = section[section.index("```py\n") + 6 :]
+    block = block[: block.index("```")]
+    code = block.replace("smollm2/genie_config.json", str(llama.config)).replace('"chat"', '"all"')
+    exec(compile(code, "README.md", "exec"), {})

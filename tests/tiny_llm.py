@@ -138,7 +138,9 @@ def forward(weights: dict[str, np.ndarray], ids: list[int], adapter: dict[str, n
     return last @ head.T.astype(np.float64)
 
 
-def tiny_adapter(folder: Path, weights: dict[str, np.ndarray], rank: int, targets: list[str], seed: int) -> dict[str, np.ndarray]:
+def tiny_adapter(
+    folder: Path, weights: dict[str, np.ndarray], rank: int, targets: list[str], seed: int
+) -> dict[str, np.ndarray]:
     """A PEFT LoRA folder for the tiny model; returns ΔW per `<module>.weight` (scaling included)."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)

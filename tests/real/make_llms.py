@@ -12,6 +12,8 @@ Needs torch, transformers, gguf and peft (see `ci/real-models.txt`) and the weig
 * `adapter_all/`, `adapter_qv/`: PEFT LoRA adapters of that model (seeded weights): rank 8 on every
   projection, and rank 4 on q/v only;
 * `qwen2/`: the Qwen2 architecture (q/k/v biases) with SmolLM2's first 8 layers and seeded biases;
+* `genai_fp32/`, `genai_int4/`: onnxruntime-genai's model builder run on `smollm2/` (for the benchmarks:
+  the same weights, side by side);
 * `expected.json`: per prompt, the prompt's ids and `generate(do_sample=False)`'s first 32 new tokens for
   the base, each adapter (PEFT's model), the adapter at half strength, and the Qwen2 model.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,15 +82,25 @@ def _adapter(base: torch.nn.Module, out: Path, rank: int, targets: list[str], se
 def _qwen2(smollm2: torch.nn.Module, out: Path) -> Qwen2ForCausalLM:
     source = smollm2.config
     config = Qwen2Config(
-        vocab_size=source.vocab_size, hidden_size=source.hidden_size, intermediate_size=source.intermediate_size,
-        num_hidden_layers=QWEN_LAYERS, num_attention_heads=source.num_attention_heads,
-        num_key_value_heads=source.num_key_value_heads, max_position_embeddings=source.max_position_embeddings,
-        rms_norm_eps=source.rms_norm_eps, rope_theta=100000.0, tie_word_embeddings=True,
-        bos_token_id=source.bos_token_id, eos_token_id=source.eos_token_id,
-    )  # fmt: skip
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=QWEN_LAYERS,
+        num_attention_heads=source.num_attention_heads,
+        num_key_value_heads=source.num_key_value_heads,
+        max_position_embeddings=source.max_position_embeddings,
+        rms_norm_eps=source.rms_norm_eps,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=source.bos_token_id,
+        eos_token_id=source.eos_token_id,
+    )
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
-    state = {k: v for k, v in smollm2.state_dict().items() if not k.startswith("model.layers.") or
-             int(k.split(".")[2]) < QWEN_LAYERS}  # fmt: skip
+    state = {
+        k: v
+        for k, v in smollm2.state_dict().items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < QWEN_LAYERS
+    }
     missing = model.load_state_dict(state, strict=False).missing_keys
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -121,6 +134,26 @@ def main() -> None:
                 module.scaling = {k: v * 0.5 for k, v in module.scaling.items()}
         expected[f"{name}@0.5"] = [_greedy(model, ids) for ids in prompts]
     (out / "expected.json").write_text(json.dumps(expected))
+    for precision in ("fp32", "int4"):  # onnxruntime-genai's own export of the same weights
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "onnxruntime_genai.models.builder",
+                "-i",
+                str(out / "smollm2"),
+                "-o",
+                str(out / f"genai_{precision}"),
+                "-p",
+                precision,
+                "-e",
+                "cpu",
+                "-c",
+                str(out / "genai_cache"),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     (out / "versions.json").write_text(json.dumps({"torch": torch.__version__}))
 
 

