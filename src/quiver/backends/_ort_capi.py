@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER = 169
 _ADD_EXTERNAL_INITIALIZERS = 210
 
 _LOG_FATAL = 4
+_BOUND_WRAPPERS = 8192
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
 _STATUS = ctypes.c_void_p
@@ -313,7 +315,10 @@ class Session:
         self._api = capi = api()
         self._container = container  # must outlive the session
         self._weights = {name: _Tensor(array) for name, array in weights.items()}  # must outlive the session
-        self._bound: dict[str, _Tensor] = {}
+        # OrtValues of bound arrays by identity (each wrapper keeps its array alive, so an id is never
+        # reused while listed): switching back to a section applied before wraps nothing again
+        self._bound: OrderedDict[int, _Tensor] = OrderedDict()
+        self._bound_lock = threading.Lock()  # runs on several threads share the cache
         self._outputs: dict[str, _Tensor] = {}
         # (the bound dict last run, its encoded names, its wrappers): a caller that passes the same dict
         # again (strength folding does, until something changes) skips re-listing dozens of inputs. The
@@ -346,13 +351,23 @@ class Session:
         finally:
             capi.ReleaseSessionOptions(options)
 
-    def _bound_tensor(self, name: str, array: np.ndarray) -> _Tensor:
-        """The OrtValue made for this very array object last time, or a new one (which is kept)."""
-        tensor = self._bound.get(name)
-        if tensor is None or tensor.array is not array:
-            # Wrapping costs a few ctypes calls per tensor: with dozens of LoRA tensors, a noticeable
-            # part of a run. A different object (a section applied) replaces the cached wrapper.
-            tensor = self._bound[name] = _Tensor(array)
+    def _bound_tensor(self, array: np.ndarray) -> _Tensor:
+        """The OrtValue made for this very array object before, or a new one (which is kept).
+
+        Wrapping costs a few ctypes calls per tensor: with hundreds of LoRA tensors, a noticeable part
+        of the first run after a switch. The oldest wrappers go once there are many more than one
+        run's worth (a few sections' tensors stay wrapped).
+        """
+        with self._bound_lock:
+            tensor = self._bound.get(id(array))
+            if tensor is not None and tensor.array is array:
+                self._bound.move_to_end(id(array))
+                return tensor
+        tensor = _Tensor(array)
+        with self._bound_lock:
+            self._bound[id(array)] = tensor
+            while len(self._bound) > _BOUND_WRAPPERS:
+                self._bound.popitem(last=False)
         return tensor
 
     def run(
@@ -365,7 +380,7 @@ class Session:
         capi = self._api
         listed = self._bound_list
         if listed is None or listed[0] is not bound:
-            tensors = [self._bound_tensor(n, v) for n, v in bound.items()]
+            tensors = [self._bound_tensor(v) for v in bound.values()]
             listed = self._bound_list = (bound, [n.encode() for n in bound], tensors)
         # a feed that is also an output buffer (a KV cache) gets the very OrtValue the output gets: ORT
         # sees one buffer (GroupQueryAttention then appends in place)

@@ -10,6 +10,8 @@ as written.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ from quiver.errors import BackendError
 from quiver.ir.proto import ModelProto, NodeProto, TensorProto, ValueInfoProto
 
 _FOLDED_SUFFIX = ".scaled_by_strength"
+_RECENT = 8  # adapter/strength combinations whose scaled weights are kept
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,12 @@ class StrengthFolding:
         self._constants = constants  # index vectors that are initializers, not updateable
         self._dropped = dropped  # inputs no node of the rewritten graph reads
         self._watched = list(dict.fromkeys(n for f in folds for n in (f.weight, f.index, f.strengths)))
-        # (key, what the key's identities refer to (kept alive, so the ids stay theirs), the bound values
-        # for the rewritten graph): replaced as a whole, so concurrent runs each use a consistent set.
-        self._cache: tuple[tuple[object, ...], list[np.ndarray], dict[str, np.ndarray]] | None = None
+        self._strength_inputs = {f.strengths for f in folds}
+        # key -> (what the key's identities refer to (kept alive, so the ids stay theirs), the bound values
+        # for the rewritten graph), the few most recent: switching back to an adapter scales nothing
+        # again. Entries are replaced whole, so concurrent runs each use a consistent set.
+        self._cache: OrderedDict[tuple[object, ...], tuple[list[np.ndarray], dict[str, np.ndarray]]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def apply(
         self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray]
@@ -56,9 +62,13 @@ class StrengthFolding:
         """
         held = [*bound.values()]
         fed = tuple(feeds[n].tobytes() for n in self._watched if n in feeds)
-        key = (*bound, *map(id, held), *fed)
-        cache = self._cache
-        if cache is None or cache[0] != key:
+        # strengths by value (each applied section brings a new vector), everything else by identity
+        key = (*bound, *(v.tobytes() if n in self._strength_inputs else id(v) for n, v in bound.items()), *fed)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+        if entry is None:
             values = {**bound, **feeds}
             try:
                 scaled = {fold.folded: self._scaled(fold, values) for fold in self._folds}
@@ -66,9 +76,12 @@ class StrengthFolding:
                 raise BackendError(
                     "a LoRA adapter index points past the strengths vector; the section does not fit this graph"
                 ) from None
-            kept = {n: v for n, v in bound.items() if n not in self._dropped}
-            cache = self._cache = (key, held, kept | scaled)
-        return {n: v for n, v in feeds.items() if n not in self._dropped}, cache[2]
+            entry = (held, {n: v for n, v in bound.items() if n not in self._dropped} | scaled)
+            with self._lock:
+                self._cache[key] = entry
+                while len(self._cache) > _RECENT:
+                    self._cache.popitem(last=False)
+        return {n: v for n, v in feeds.items() if n not in self._dropped}, entry[1]
 
     def _scaled(self, fold: _Fold, values: Mapping[str, np.ndarray]) -> np.ndarray:
         weight = values[fold.weight]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -147,14 +148,42 @@ _FROM_PATHS = _VerifiedSections()
 fork.reset_after_fork(_FROM_PATHS)
 
 
+class _BoundSections:
+    """What binding a section to a context's graph gave, kept with the section: switching back to an
+    adapter applied before then costs no checks and no zero-extension (a copy) of its tensors, and
+    the backend sees the same arrays again (it keeps what it wrapped them in)."""
+
+    def __init__(self) -> None:
+        self._bound: weakref.WeakKeyDictionary[SectionFile, dict[tuple[str, str], Values]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def get(self, file: ContextFile, section: SectionFile, graph: str) -> Values | None:
+        with self._lock:
+            return self._bound.get(section, {}).get((file.header_sha256, graph))
+
+    def put(self, file: ContextFile, section: SectionFile, graph: str, values: Values) -> None:
+        with self._lock:
+            self._bound.setdefault(section, {})[(file.header_sha256, graph)] = values
+
+
+_BOUND = _BoundSections()
+fork.reset_after_fork(_BOUND)
+
+
 def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str]) -> dict[str, Values]:
     """Views of the section's tensors per graph, after checking they fit; nothing changes if they do not."""
+    targets = list(graphs)
+    known = {graph: _BOUND.get(file, section, graph) for graph in targets}
+    if all(values is not None for values in known.values()):
+        return {graph: values for graph, values in known.items() if values is not None}
     if section.context_id != file.header_sha256:
         raise SectionMismatchError(
             f"{section.source} was made for another context ({section.context_id[:12]}…), not this one "
             f"({file.header_sha256[:12]}…); apply it to the context it was made from"
         )
-    targets = list(graphs)
     bound: dict[str, Values] = {}
     for graph in targets:
         if graph not in section.graphs:
@@ -177,6 +206,8 @@ def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str])
                     f"needs {weight.dtype}{list(weight.shape)}"
                 )
             bound[graph][name] = _zero_extended(section.weight_array(index), weight.shape)
+    for graph, values in bound.items():
+        _BOUND.put(file, section, graph, values)
     return bound
 
 
