@@ -30,12 +30,17 @@ CONTEXT = 1024
 _WORKER = r"""
 import json, sys, time
 import numpy as np
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
 engine, path, mode = sys.argv[1:4]
 rng = np.random.default_rng(0)
 prompts = {n: [1] + [int(i) for i in rng.integers(100, 40000, n - 1)] for n in (128, 512)}
 result = {}
 if engine == "genai":
     import onnxruntime_genai as og
+    start_rss = status("VmRSS")
     model = og.Model(path)
     def generate(ids, new):
         params = og.GeneratorParams(model)
@@ -54,7 +59,8 @@ else:
     from quiver.backends import _ort_capi
     from quiver.t2t.config import read_dialog_config
     from quiver.t2t.dialog import Dialog
-    import dataclasses
+    import dataclasses, tokenizers
+    start_rss = status("VmRSS")
     config = read_dialog_config(path)
     if mode == "one-graph":
         config = dataclasses.replace(config, decode_graph=config.prefill_graph)
@@ -85,8 +91,8 @@ for n, ids in prompts.items():
     result[str(n)] = {"prefill_tok_s": prefill, "decode_tok_s": decode}
     if engine == "quiver":
         result[str(n)]["python_ms_per_step"] = python[0]
-import resource
-result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+result["rss_growth_mb"] = status("VmRSS") - start_rss  # while generating: weights, cache, sessions
+result["peak_rss_growth_mb"] = status("VmHWM") - start_rss
 print(json.dumps(result))
 """
 
@@ -114,7 +120,8 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for n in map(str, PROMPTS):
         summary[n] = {k: statistics.median(r[n][k] for r in runs) for k in runs[0][n]}
-    summary["max_rss_mb"] = statistics.median(r["max_rss_mb"] for r in runs)
+    for key in ("rss_growth_mb", "peak_rss_growth_mb"):
+        summary[key] = statistics.median(r[key] for r in runs)
     return summary
 
 
@@ -208,7 +215,8 @@ def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
         "context_bytes": (folder / "fp32" / "model.qctx").stat().st_size,
         "weights_bytes": weights,
         "kv_cache_bytes": kv_bytes,
-        "max_rss_mb": {label: r["max_rss_mb"] for label, r in results.items()},
+        "rss_growth_mb": {label: r["rss_growth_mb"] for label, r in results.items()},
+        "peak_rss_growth_mb": {label: r["peak_rss_growth_mb"] for label, r in results.items()},
         "greedy_agreement_of_32": {
             "quiver fp32": _agreement(configs["fp32"], expected),
             "quiver int4": _agreement(configs["int4"], expected),

@@ -119,8 +119,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_with_the_same_result(llama: Tiny) 
     assert results[0] == _numpy_greedy(llama.weights, TextTokenizer(config.tokenizer).encode(prompt), 6)
 
 
-def test_the_reference_backend_generates_the_same_tokens(llama: Tiny) -> None:
-    config = read_dialog_config(llama.config)
+@pytest.mark.parametrize("model", ["llama", "qwen"])  # q/k/v apart (adapters on them), and packed
+def test_the_reference_backend_generates_the_same_tokens(model: str, request: pytest.FixtureRequest) -> None:
+    config = read_dialog_config(request.getfixturevalue(model).config)
     outputs = []
     for backend in ("cpu", "reference"):
         with Dialog(dataclasses.replace(config, backend=backend, prefill_window=4)) as dialog:

@@ -320,6 +320,8 @@ class Session:
         self._bound: OrderedDict[int, _Tensor] = OrderedDict()
         self._bound_lock = threading.Lock()  # runs on several threads share the cache
         self._outputs: dict[str, _Tensor] = {}
+        self._names: tuple[tuple[str, ...], list[bytes]] | None = None
+        self._output_names: tuple[tuple[str, ...], Any] | None = None
         # (the bound dict last run, its encoded names, its wrappers): a caller that passes the same dict
         # again (strength folding does, until something changes) skips re-listing dozens of inputs. The
         # wrappers, not bare handles: a run in flight keeps them alive while another run replaces them.
@@ -388,9 +390,9 @@ class Session:
         shared = {id(t.array): t for t in given.values()}
         fed = [shared.get(id(v)) or _Tensor(np.asarray(v)) for v in feeds.values()]
         count = len(listed[1]) + len(fed)
-        input_names = (ctypes.c_char_p * count)(*listed[1], *(n.encode() for n in feeds))
+        input_names = (ctypes.c_char_p * count)(*listed[1], *self._encoded(tuple(feeds)))
         input_values = (_P * count)(*(t.handle for t in listed[2]), *(t.handle for t in fed))
-        names = (ctypes.c_char_p * len(output_names))(*(n.encode() for n in output_names))
+        names = self._output_array(tuple(output_names))
         outputs = (_P * len(output_names))(*(given[n].handle if n in given else None for n in output_names))
         capi.check(capi.Run(self.handle, None, input_names, input_values, count, names, len(output_names), outputs))
         results = []
@@ -404,6 +406,19 @@ class Session:
                     if value:
                         capi.ReleaseValue(value)
         return results
+
+    def _encoded(self, names: tuple[str, ...]) -> list[bytes]:
+        """The names as C strings; the same feeds run after run are encoded once."""
+        cached = self._names
+        if cached is None or cached[0] != names:
+            cached = self._names = (names, [n.encode() for n in names])
+        return cached[1]
+
+    def _output_array(self, names: tuple[str, ...]) -> Any:
+        cached = self._output_names
+        if cached is None or cached[0] != names:
+            cached = self._output_names = (names, (ctypes.c_char_p * len(names))(*(n.encode() for n in names)))
+        return cached[1]
 
     def _out_tensor(self, name: str, array: np.ndarray) -> _Tensor:
         """The OrtValue over a caller's output buffer, kept while the same array object comes back."""

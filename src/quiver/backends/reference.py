@@ -88,11 +88,14 @@ def _ms_group_query_attention(
     the new keys and values go at positions [total - seq, total), each query attends causally to what
     precedes it. Rotary positions (do_rotary) count from the start of the cache."""
     heads, kv_heads = int(attributes["num_heads"]), int(attributes["kv_num_heads"])
-    batch, seq, _ = query.shape
+    batch, seq, width = query.shape
+    if key is None or value is None or key.size == 0:  # packed: q, k and v side by side in `query`
+        dim = width // (heads + 2 * kv_heads)
+        query, key, value = np.split(query, [heads * dim, (heads + kv_heads) * dim], axis=-1)
     dim = query.shape[-1] // heads
     scale = attributes.get("scale") or dim**-0.5
     present_key, present_value = past_key.copy(), past_value.copy()
-    output = np.empty_like(query)
+    output = np.empty((batch, seq, heads * dim), query.dtype)
     for b in range(batch):
         total = int(seqlens_k[b]) + 1
         positions = np.arange(total - seq, total)
@@ -197,6 +200,16 @@ def _as_declared(result: np.ndarray, name: str) -> np.ndarray:
     return result
 
 
+def _unused_outputs_named(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Optional outputs left unnamed ("") get names of their own: onnx.reference stores every output
+    under its name, so a value stored as "" would be read by the next node whose optional input is ""."""
+    for i, node in enumerate(model.graph.node):
+        for j, name in enumerate(node.output):
+            if not name:
+                node.output[j] = f"quiver::unused/{i}/{j}"
+    return model
+
+
 class ReferenceExecutable:
     def __init__(self, graph: FinalizedGraph) -> None:
         self._weights = graph.weights
@@ -204,7 +217,8 @@ class ReferenceExecutable:
         self._output_types = [o.dtype for o in graph.outputs]
         try:
             self._evaluator = ReferenceEvaluator(
-                initializers_as_inputs(graph.model, graph.weights.keys()), new_ops=_MS_OPS + _FIXED_OPS
+                _unused_outputs_named(initializers_as_inputs(graph.model, graph.weights.keys())),
+                new_ops=_MS_OPS + _FIXED_OPS,
             )
         except Exception as exc:
             raise BackendError(f"reference backend cannot prepare graph {graph.name!r}: {exc}") from None

@@ -103,10 +103,12 @@ def export(
             f"context size {options.context_size} and prefill window {options.prefill_window} must be >= 2 and >= 1"
         )
     out.mkdir(parents=True, exist_ok=True)
+    loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
     on_step("reading weights and building the graph")
     weights = SafetensorsWeights(folder)
-    model = build_decoder(config, weights.get, size)
-    loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
+    # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding) unless adapters attach to them
+    adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
+    model = build_decoder(config, weights.get, size, fuse_qkv=not adapted & {"q_proj", "k_proj", "v_proj"})
     cases = (
         [UseCase(n, [n], [1.0], None) for n in loaded] if use_cases is None else [u for u in use_cases if u.adapters]
     )

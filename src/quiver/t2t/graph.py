@@ -81,8 +81,14 @@ class _Builder:
         return normed, total
 
 
-def build_decoder(config: DecoderConfig, weight: Callable[[str], np.ndarray], context_size: int) -> onnx.ModelProto:
-    """The decoder as one ONNX graph; `weight(name)` returns a transformers tensor as float32."""
+def build_decoder(
+    config: DecoderConfig, weight: Callable[[str], np.ndarray], context_size: int, fuse_qkv: bool = False
+) -> onnx.ModelProto:
+    """The decoder as one ONNX graph; `weight(name)` returns a transformers tensor as float32.
+
+    `fuse_qkv`: one MatMul by the q, k and v weights side by side, fed to attention packed (as
+    onnxruntime-genai does); without it each projection keeps a MatMul of its own, where adapters attach.
+    """
     b = _Builder()
     eps = config.rms_eps
     cos, sin = rotary_tables(config, context_size)
@@ -108,9 +114,21 @@ def build_decoder(config: DecoderConfig, weight: Callable[[str], np.ndarray], co
         if layer > 0:
             w = b.weight(f"{prefix}.input_layernorm.weight", weight(f"{prefix}.input_layernorm.weight"))
             normed, residual = b.skip_norm(residual, delta, w, f"{scope}/input_layernorm", eps)
-        q = linear(normed, f"{prefix}.self_attn.q_proj", config.qkv_bias)
-        k = linear(normed, f"{prefix}.self_attn.k_proj", config.qkv_bias)
-        v = linear(normed, f"{prefix}.self_attn.v_proj", config.qkv_bias)
+        if fuse_qkv:
+            names = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
+            stacked = np.concatenate([weight(f"{n}.weight") for n in names], axis=0)
+            w = b.weight(f"{prefix}.self_attn.qkv_proj.weight", stacked.T)
+            q = b.node("MatMul", [normed, w], f"{scope}/self_attn/qkv_proj/MatMul")
+            if config.qkv_bias:
+                bias = np.concatenate([weight(f"{n}.bias") for n in names])
+                q = b.node(
+                    "Add", [q, b.weight(f"{prefix}.self_attn.qkv_proj.bias", bias)], f"{scope}/self_attn/qkv_proj/Add"
+                )
+            k = v = ""
+        else:
+            q = linear(normed, f"{prefix}.self_attn.q_proj", config.qkv_bias)
+            k = linear(normed, f"{prefix}.self_attn.k_proj", config.qkv_bias)
+            v = linear(normed, f"{prefix}.self_attn.v_proj", config.qkv_bias)
         past_key, past_value = past_names(layer)
         attention = f"{scope}/self_attn/GroupQueryAttention"
         b.nodes.append(
