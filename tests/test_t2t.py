@@ -382,3 +382,17 @@ def test_the_readme_example_runs(llama: Tiny) -> None:
     block = block[: block.index("```")]
     code = block.replace("smollm2/genie_config.json", str(llama.config)).replace('"chat"', '"all"')
     exec(compile(code, "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weight_quantized_exports_stay_close_to_float(llama: Tiny, tmp_path: Path, bits: int) -> None:
+    config = export(llama.folder, tmp_path, options=ExportOptions(context_size=CONTEXT, weight_bits=bits)).path
+    ids = [5, 17, 42, 8, 99]
+    with Dialog.from_config(config) as dialog:
+        ops = {n.op_type for n in dialog._context._require_store().info("decode").skeleton.graph.node}
+        dialog.token_query(ids, max_new_tokens=1)
+        logits = dialog._logits.reshape(-1).astype(np.float64)
+    assert "MatMulNBits" in ops and "MatMul" not in ops  # the LM head too (at 8 bits)
+    want = forward(llama.weights, ids)
+    cosine = logits @ want / np.linalg.norm(logits) / np.linalg.norm(want)
+    assert cosine > (0.99 if bits == 8 else 0.9), cosine

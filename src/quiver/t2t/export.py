@@ -32,7 +32,7 @@ from quiver.t2t.config import (
     SamplerConfig,
     dialog_config_document,
 )
-from quiver.t2t.graph import INPUT_IDS, build_decoder
+from quiver.t2t.graph import INPUT_IDS, LM_HEAD_NODE, build_decoder
 from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config
 
 DEFAULT_CONTEXT_SIZE = 2048
@@ -108,7 +108,10 @@ def export(
     weights = SafetensorsWeights(folder)
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding) unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
-    model = build_decoder(config, weights.get, size, fuse_qkv=not adapted & {"q_proj", "k_proj", "v_proj"})
+    quantized = options.weight_bits is not None
+    model = build_decoder(
+        config, weights.get, size, fuse_qkv=not adapted & {"q_proj", "k_proj", "v_proj"}, head_as_matmul=quantized
+    )
     cases = (
         [UseCase(n, [n], [1.0], None) for n in loaded] if use_cases is None else [u for u in use_cases if u.adapters]
     )
@@ -121,7 +124,9 @@ def export(
         from quiver.t2t.quantize import quantize_weights
 
         on_step(f"quantizing weights to {options.weight_bits} bits")
-        model = quantize_weights(model, options.weight_bits, options.block_size, exclude=set(updateable))
+        model = quantize_weights(
+            model, options.weight_bits, options.block_size, exclude=set(updateable), head=LM_HEAD_NODE
+        )
     on_step("writing the context (prefill and decode share every weight)")
     context = Context.create("reference", workdir=out)
     try:

@@ -28,6 +28,7 @@ INPUT_IDS = "input_ids"
 SEQLENS_K = "seqlens_k"  # [1] int32: tokens in the cache after this step, minus one (GQA's convention)
 TOTAL_LENGTH = "total_sequence_length"  # [] int32: tokens in the cache after this step
 LOGITS = "logits"
+LM_HEAD, LM_HEAD_NODE = "lm_head.weight", "/lm_head/MatMul"
 OPSET = 21
 
 
@@ -82,12 +83,18 @@ class _Builder:
 
 
 def build_decoder(
-    config: DecoderConfig, weight: Callable[[str], np.ndarray], context_size: int, fuse_qkv: bool = False
+    config: DecoderConfig,
+    weight: Callable[[str], np.ndarray],
+    context_size: int,
+    fuse_qkv: bool = False,
+    head_as_matmul: bool = False,
 ) -> onnx.ModelProto:
     """The decoder as one ONNX graph; `weight(name)` returns a transformers tensor as float32.
 
     `fuse_qkv`: one MatMul by the q, k and v weights side by side, fed to attention packed (as
     onnxruntime-genai does); without it each projection keeps a MatMul of its own, where adapters attach.
+    `head_as_matmul`: the LM head as a MatMul by its own [hidden, vocab] copy (`LM_HEAD`), which weight
+    quantization can turn into MatMulNBits; otherwise a tied head multiplies by the embedding itself.
     """
     b = _Builder()
     eps = config.rms_eps
@@ -168,13 +175,17 @@ def build_decoder(
         "/model/last_position/Slice",
     )
     final = b.rms_norm(last, "model.norm.weight", weight, "/model/norm", eps)
-    # The LM head multiplies by [vocab, hidden] as stored (transB): a tied head reuses the embedding itself
-    head = embed if config.tie_embeddings else b.weight("lm_head.weight", weight("lm_head.weight"))
-    b.nodes.append(
-        helper.make_node(
-            "FusedMatMul", [final, head], [LOGITS], name="/lm_head/FusedMatMul", domain=MS_DOMAIN, transB=1, alpha=1.0
+    head_weight = "model.embed_tokens.weight" if config.tie_embeddings else LM_HEAD
+    if head_as_matmul:
+        head = b.weight(LM_HEAD, weight(head_weight).T)
+        b.nodes.append(helper.make_node("MatMul", [final, head], [LOGITS], name=LM_HEAD_NODE))
+    else:  # [vocab, hidden] as stored (transB): a tied head reuses the embedding itself, no copy
+        head = embed if config.tie_embeddings else b.weight(LM_HEAD, weight(LM_HEAD))
+        b.nodes.append(
+            helper.make_node(
+                "FusedMatMul", [final, head], [LOGITS], name=LM_HEAD_NODE, domain=MS_DOMAIN, transB=1, alpha=1.0
+            )
         )
-    )
 
     kv_shape = [1, config.kv_heads, context_size, config.head_dim]
     inputs = [
