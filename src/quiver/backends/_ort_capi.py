@@ -9,6 +9,7 @@ The wheel ships `libonnxruntime.so` with the C API; function-table indices are O
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import threading
 from collections import OrderedDict
@@ -249,6 +250,7 @@ class _Tensor:
     def __init__(self, array: np.ndarray) -> None:
         self._api = api()
         self.array = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        self.shape = array.shape
         element = _BY_DTYPE.get(self.array.dtype)
         if element is None:
             raise BackendError(f"the cpu backend does not exchange {self.array.dtype} tensors")
@@ -258,7 +260,7 @@ class _Tensor:
         self.handle = self._api._out(
             self._api.CreateTensorWithDataAsOrtValue,
             self._api.cpu_memory,
-            data.ctypes.data_as(_P) if data.nbytes else _P(1),
+            data.__array_interface__["data"][0] if data.nbytes else 1,  # (ndarray.ctypes is slow to make)
             data.nbytes,
             shape,
             self.array.ndim,
@@ -299,6 +301,28 @@ def _to_numpy(value: int) -> np.ndarray:
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class _RunPlan:
+    """The C arrays of one kind of run: names, the handles of everything but the fresh feeds, outputs."""
+
+    out: Mapping[str, np.ndarray]  # the output buffers it was made for (kept alive: ids stay theirs)
+    out_names: tuple[str, ...]
+    out_ids: tuple[int, ...]
+    output_key: tuple[str, ...]
+    feed_names: tuple[str, ...]
+    in_place: list[tuple[int, int]]  # (position among the feeds, id of the output buffer fed there)
+    listed: tuple[Mapping[str, np.ndarray], list[bytes], list[_Tensor]]  # the bound values listed
+    keep: list[_Tensor]  # the output buffers' OrtValues, alive while the plan is
+    count: int
+    names: Any
+    inputs: Any
+    fresh: list[str]  # feeds that are not output buffers, at these positions of `inputs`
+    fresh_positions: list[int]
+    wrapped: list[_Tensor | None]  # the last OrtValue made for each of them
+    output_names: Any
+    outputs: Any
+
+
 class Session:
     """An ORT session made through the C API, its shared weights bound by AddInitializer and packed once."""
 
@@ -320,8 +344,7 @@ class Session:
         self._bound: OrderedDict[int, _Tensor] = OrderedDict()
         self._bound_lock = threading.Lock()  # runs on several threads share the cache
         self._outputs: dict[str, _Tensor] = {}
-        self._names: tuple[tuple[str, ...], list[bytes]] | None = None
-        self._output_names: tuple[tuple[str, ...], Any] | None = None
+        self._plan: _RunPlan | None = None
         # (the bound dict last run, its encoded names, its wrappers): a caller that passes the same dict
         # again (strength folding does, until something changes) skips re-listing dozens of inputs. The
         # wrappers, not bare handles: a run in flight keeps them alive while another run replaces them.
@@ -380,24 +403,29 @@ class Session:
         out: Mapping[str, np.ndarray],
     ) -> list[np.ndarray]:
         capi = self._api
-        listed = self._bound_list
-        if listed is None or listed[0] is not bound:
-            tensors = [self._bound_tensor(v) for v in bound.values()]
-            listed = self._bound_list = (bound, [n.encode() for n in bound], tensors)
-        # a feed that is also an output buffer (a KV cache) gets the very OrtValue the output gets: ORT
-        # sees one buffer (GroupQueryAttention then appends in place)
-        given = {name: self._out_tensor(name, array) for name, array in out.items()}
-        shared = {id(t.array): t for t in given.values()}
-        fed = [shared.get(id(v)) or _Tensor(np.asarray(v)) for v in feeds.values()]
-        count = len(listed[1]) + len(fed)
-        input_names = (ctypes.c_char_p * count)(*listed[1], *self._encoded(tuple(feeds)))
-        input_values = (_P * count)(*(t.handle for t in listed[2]), *(t.handle for t in fed))
-        names = self._output_array(tuple(output_names))
-        outputs = (_P * len(output_names))(*(given[n].handle if n in given else None for n in output_names))
-        capi.check(capi.Run(self.handle, None, input_names, input_values, count, names, len(output_names), outputs))
+        plan = self._plan_for(tuple(output_names), feeds, bound, out)
+        # per run: copies of the planned arrays (runs on several threads share the plan), with the
+        # handles of feeds that are not output buffers filled in; such a feed given as the same array
+        # object as last run (a caller's persistent token buffer) keeps its OrtValue: it wraps the
+        # array's memory, not a copy of its values
+        inputs = (_P * plan.count)()
+        ctypes.memmove(inputs, plan.inputs, ctypes.sizeof(inputs))
+        fed = []
+        for slot, (name, position) in enumerate(zip(plan.fresh, plan.fresh_positions)):
+            array = feeds[name]
+            tensor = plan.wrapped[slot]
+            if tensor is None or tensor.array is not array or tensor.shape != array.shape:
+                tensor = plan.wrapped[slot] = _Tensor(np.asarray(array))
+            fed.append(tensor)
+            inputs[position] = tensor.handle
+        outputs = (_P * len(output_names))()
+        ctypes.memmove(outputs, plan.outputs, ctypes.sizeof(outputs))
+        capi.check(
+            capi.Run(self.handle, None, plan.names, inputs, plan.count, plan.output_names, len(outputs), outputs)
+        )
         results = []
         for name, value in zip(output_names, outputs):
-            if name in given:
+            if name in out:
                 results.append(out[name])
             else:
                 try:
@@ -407,18 +435,63 @@ class Session:
                         capi.ReleaseValue(value)
         return results
 
-    def _encoded(self, names: tuple[str, ...]) -> list[bytes]:
-        """The names as C strings; the same feeds run after run are encoded once."""
-        cached = self._names
-        if cached is None or cached[0] != names:
-            cached = self._names = (names, [n.encode() for n in names])
-        return cached[1]
-
-    def _output_array(self, names: tuple[str, ...]) -> Any:
-        cached = self._output_names
-        if cached is None or cached[0] != names:
-            cached = self._output_names = (names, (ctypes.c_char_p * len(names))(*(n.encode() for n in names)))
-        return cached[1]
+    def _plan_for(
+        self,
+        output_names: tuple[str, ...],
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray],
+    ) -> _RunPlan:
+        """The C arrays of a run, built once for the same feed names, bound values and output buffers
+        (every step of a generation): per step only the small fresh feeds are wrapped."""
+        listed = self._bound_list
+        if listed is None or listed[0] is not bound:
+            tensors = [self._bound_tensor(v) for v in bound.values()]
+            listed = self._bound_list = (bound, [n.encode() for n in bound], tensors)
+        plan = self._plan
+        if (
+            plan is not None
+            and plan.listed is listed
+            and plan.out_ids == tuple(map(id, out.values()))
+            and plan.out_names == tuple(out)
+            and plan.output_key == output_names
+            and plan.feed_names == tuple(feeds)
+        ):
+            ids = tuple(map(id, feeds.values()))
+            if all(ids[i] == expected for i, expected in plan.in_place):
+                return plan
+        buffers = {id(array) for array in out.values()}
+        given = {name: self._out_tensor(name, array) for name, array in out.items()}
+        by_id = {id(t.array): t for t in given.values()}
+        in_place = [(i, id(array)) for i, array in enumerate(feeds.values()) if id(array) in buffers]
+        names = [*listed[1], *(n.encode() for n in feeds)]
+        handles: list[int | None] = [t.handle for t in listed[2]]
+        fresh, positions = [], []
+        for position, array in enumerate(feeds.values(), start=len(handles)):
+            tensor = by_id.get(id(array))
+            handles.append(tensor.handle if tensor is not None else None)
+            if tensor is None:
+                fresh.append(names[position].decode())
+                positions.append(position)
+        plan = self._plan = _RunPlan(
+            out=dict(out),
+            out_names=tuple(out),
+            out_ids=tuple(map(id, out.values())),
+            output_key=output_names,
+            feed_names=tuple(feeds),
+            in_place=in_place,
+            listed=listed,
+            keep=list(given.values()),
+            count=len(names),
+            names=(ctypes.c_char_p * len(names))(*names),
+            inputs=(_P * len(handles))(*handles),
+            fresh=fresh,
+            fresh_positions=positions,
+            wrapped=[None] * len(fresh),
+            output_names=(ctypes.c_char_p * len(output_names))(*(n.encode() for n in output_names)),
+            outputs=(_P * len(output_names))(*(given[n].handle if n in given else None for n in output_names)),
+        )
+        return plan
 
     def _out_tensor(self, name: str, array: np.ndarray) -> _Tensor:
         """The OrtValue over a caller's output buffer, kept while the same array object comes back."""

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import onnxruntime as ort
@@ -46,6 +47,7 @@ _SHARED_INTEGER_PACKING = tuple(int(p) for p in ort.__version__.split(".")[:2]) 
 # packing saves their RSS and costs no speed)
 _PREPACKED_OPS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "FusedMatMul")}
 _C_API_ONLY_IO = {"bfloat16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz", "int4", "uint4"}
+_NOTHING: Mapping[str, np.ndarray] = MappingProxyType({})
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -307,11 +309,11 @@ class CpuExecutable:
         session = self._session
         if session is None:
             raise BackendError("this executable was released; prepare the graph again")
-        bound = bound or {}
+        bound = _NOTHING if bound is None else bound  # the same object run after run: sessions key on it
         if self._strengths is not None:
             feeds, bound = self._strengths.apply(feeds, bound)
         try:
-            outputs = session.run(self._output_names, feeds, bound, out or {})
+            outputs = session.run(self._output_names, feeds, bound, _NOTHING if out is None else out)
         except BackendError:
             raise
         except Exception as exc:

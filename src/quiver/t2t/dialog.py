@@ -93,6 +93,7 @@ class Dialog:
         self._cache = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         self._logits = np.zeros(logits_shape, np.float32)
         self._out = {LOGITS: self._logits} | {_PRESENT + n[len(_PAST) :]: a for n, a in self._cache.items()}
+        self._token_feeds = (np.zeros((1, 1), np.int64), np.zeros(1, np.int32), np.zeros((), np.int32))
         self._history: list[int] = []  # tokens whose keys and values are in the cache
         self._pending: list[int] = []  # generated, not yet fed (the next query starts with them)
         self._adapter: str | None = None
@@ -255,12 +256,16 @@ class Dialog:
     def _step(self, graph: object, ids: list[int]) -> None:
         """Feeds tokens: their keys and values land in the cache, the logits of the last in `_logits`."""
         total = len(self._history) + len(ids)
-        feeds = {
-            INPUT_IDS: np.array([ids], np.int64),
-            SEQLENS_K: np.array([total - 1], np.int32),
-            TOTAL_LENGTH: np.array(total, np.int32),
-            **self._cache,
-        }
+        if len(ids) == 1:  # a decode step: the same small arrays each time (the backend keeps their wrappers)
+            token, seqlens, length = self._token_feeds
+            token[0, 0], seqlens[0], length[()] = ids[0], total - 1, total
+        else:
+            token, seqlens, length = (
+                np.array([ids], np.int64),
+                np.array([total - 1], np.int32),
+                np.array(total, np.int32),
+            )
+        feeds = {INPUT_IDS: token, SEQLENS_K: seqlens, TOTAL_LENGTH: length, **self._cache}
         graph.execute(feeds, out=self._out)  # type: ignore[attr-defined]
         self._history.extend(ids)
 
