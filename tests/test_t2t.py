@@ -396,3 +396,24 @@ def test_weight_quantized_exports_stay_close_to_float(llama: Tiny, tmp_path: Pat
     want = forward(llama.weights, ids)
     cosine = logits @ want / np.linalg.norm(logits) / np.linalg.norm(want)
     assert cosine > (0.99 if bits == 8 else 0.9), cosine
+
+
+def test_a_lora_yaml_gives_use_cases_of_several_adapters(llama: Tiny, tmp_path: Path) -> None:
+    root = llama.folder.parent
+    (tmp_path / "lora.yaml").write_text(
+        f"adapter:\n  - name: all\n    lora_config: {root / 'all'}\n  - name: qv\n    lora_config: {root / 'qv'}\n"
+        "use-case:\n  - name: base\n    adapter_names: []\n  - name: both\n    adapter_names: [all, qv]\n"
+        "    adapter_alphas: [0.5, 1.0]\n"
+    )
+    result = _cli("t2t", "export", "--model", str(llama.folder), "-o", str(tmp_path / "out"), "--lora-config",
+                  str(tmp_path / "lora.yaml"), "--context-size", str(CONTEXT), "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = read_dialog_config(tmp_path / "out" / "genie_config.json")
+    assert list(config.adapters) == ["both"] and config.adapters["both"].alphas == ("all", "qv")
+    combined = {k: 0.5 * llama.deltas["all"].get(k, 0) + llama.deltas["qv"].get(k, 0) for k in llama.deltas["all"]}
+    with Dialog(config) as dialog:
+        ids = dialog.tokenizer.encode(PROMPT)
+        dialog.apply_lora("both")
+        assert dialog.token_query(ids, max_new_tokens=6, min_new_tokens=6, greedy=True).new_ids == _numpy_greedy(
+            llama.weights, ids, 6, combined
+        )
