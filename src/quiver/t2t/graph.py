@@ -55,9 +55,9 @@ class _Builder:
         return output
 
     def rms_norm(self, x: str, name: str, weight: Callable[[str], np.ndarray], scope: str, eps: float) -> str:
-        """RMSNorm from ONNX operators (the first norm, and the final one on the last position only): ORT's
-        own `SimplifiedLayerNormalization` lives in the ONNX domain without an ONNX schema."""
-        squared = self.node("Mul", [x, x], f"{scope}/Square")
+        """RMSNorm from ONNX operators (the first layer's, which has no residual to add), in the form ORT
+        fuses into its `SimplifiedLayerNormalization` (which has no ONNX schema for a model to name)."""
+        squared = self.node("Pow", [x, self.weight(f"{scope}/two", np.array(2.0, np.float32))], f"{scope}/Pow")
         mean = self.node(
             "ReduceMean", [squared, self.weight(f"{scope}/axes", np.array([-1], np.int64))], f"{scope}/Mean", keepdims=1
         )
@@ -163,18 +163,16 @@ def build_decoder(
         product = b.node("Mul", [activated, up], f"{scope}/mlp/Mul")
         delta = linear(product, f"{prefix}.mlp.down_proj")
 
-    total = b.node("Add", [residual, delta], "/model/residual/Add")
-    last = b.node(
-        "Slice",
-        [
-            total,
-            b.weight("last_start", np.array([-1], np.int64)),
-            b.weight("last_end", np.array([2**62], np.int64)),
-            b.weight("last_axis", np.array([1], np.int64)),
-        ],
-        "/model/last_position/Slice",
-    )
-    final = b.rms_norm(last, "model.norm.weight", weight, "/model/norm", eps)
+    bounds = [
+        b.weight(n, np.array([v], np.int64)) for n, v in (("last_start", -1), ("last_end", 2**62), ("last_axis", 1))
+    ]
+
+    def last_position(x: str, name: str) -> str:
+        return b.node("Slice", [x, *bounds], f"/model/last_position/{name}")
+
+    # only the last position goes on: the final norm (with the last residual add) and the LM head
+    norm = b.weight("model.norm.weight", weight("model.norm.weight"))
+    final, _ = b.skip_norm(last_position(residual, "residual"), last_position(delta, "delta"), norm, "/model/norm", eps)
     head_weight = "model.embed_tokens.weight" if config.tie_embeddings else LM_HEAD
     if head_as_matmul:
         head = b.weight(LM_HEAD, weight(head_weight).T)
