@@ -327,7 +327,7 @@ def main() -> None:
         if "t2t" in sections:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("text generation ...", file=sys.stderr)
-            report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=3)
+            report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=5)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

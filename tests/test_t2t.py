@@ -322,36 +322,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_streams_text_and_prints_json(llama: Tiny) -> None:
-    streamed = _cli(
-        "t2t",
-        "run",
-        "-c",
-        str(llama.config),
-        "-p",
-        PROMPT,
-        "--greedy",
-        "--max-new-tokens",
-        "6",
-        "--min-new-tokens",
-        "6",
-    )
+    greedy = ["t2t", "run", "-c", str(llama.config), "-p", PROMPT, "--greedy", "--max-new-tokens", "6"]
+    streamed = _cli(*greedy, "--min-new-tokens", "6")
     assert streamed.returncode == 0, streamed.stderr
-    result = _cli(
-        "t2t",
-        "run",
-        "-c",
-        str(llama.config),
-        "-p",
-        PROMPT,
-        "--greedy",
-        "--max-new-tokens",
-        "6",
-        "--min-new-tokens",
-        "6",
-        "--json",
-        "-l",
-        "all,all,0.0",
-    )
+    result = _cli(*greedy, "--min-new-tokens", "6", "--json", "-l", "all,all,0.0")
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert set(document) >= {"prompt_ids", "new_ids", "text", "prefill_tok_s", "decode_tok_s"}

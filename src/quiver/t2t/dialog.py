@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class Dialog:
     # --- generation -------------------------------------------------------------------------------
     def query(
         self,
-        prompt: str,
+        prompt: str | Sequence[int],
         max_new_tokens: int | None = None,
         min_new_tokens: int = 0,
         greedy: bool | None = None,
@@ -129,36 +130,13 @@ class Dialog:
         on_token: Callable[[str], object] | None = None,
         stop: Sequence[str] = (),
     ) -> QueryResult:
-        """Generates a reply to `prompt` (raw text: apply the model's chat template first if it has one)."""
-        return self.token_query(
-            self.tokenizer.encode(prompt),
-            max_new_tokens,
-            min_new_tokens,
-            greedy,
-            temperature,
-            top_k,
-            top_p,
-            repetition_penalty,
-            seed,
-            on_token,
-            stop,
-        )
+        """Generates a reply to `prompt`: raw text (apply the model's chat template first if it has one)
+        or token ids.
 
-    def token_query(
-        self,
-        ids: Sequence[int],
-        max_new_tokens: int | None = None,
-        min_new_tokens: int = 0,
-        greedy: bool | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        on_token: Callable[[str], object] | None = None,
-        stop: Sequence[str] = (),
-    ) -> QueryResult:
-        """Generates from token ids (Genie's GenieDialog_tokenQuery)."""
+        Sampling options left as None take the config's `sampler` values; `min_new_tokens` keeps eos
+        tokens out until that many were generated; `on_token` receives the text as it is decided.
+        """
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         defaults = self.config.sampler
         sampling = Sampling(
             greedy=defaults.greedy if greedy is None else greedy,
@@ -168,10 +146,10 @@ class Dialog:
             repetition_penalty=repetition_penalty,
             seed=defaults.seed if seed is None else seed,
         )
-        prompt = [int(i) for i in ids]
+        prompt_ids = [int(i) for i in ids]
         vocab = int(self._logits.shape[-1])
-        if not prompt or not all(0 <= i < vocab for i in prompt):
-            raise GenerationError(f"a query needs token ids in [0, {vocab}); got {len(prompt)} ids")
+        if not prompt_ids or not all(0 <= i < vocab for i in prompt_ids):
+            raise GenerationError(f"a query needs token ids in [0, {vocab}); got {len(prompt_ids)} ids")
         limit = self.config.context_size
         if max_new_tokens is None:
             max_new_tokens = limit
@@ -181,13 +159,13 @@ class Dialog:
             )
         with self._lock:
             self._abort.clear()
-            fed = self._pending + prompt
+            fed = self._pending + prompt_ids
             if len(self._history) + len(fed) >= limit:
                 raise GenerationError(
-                    f"the prompt ({len(prompt)} tokens) does not fit the context: {limit} positions, "
+                    f"the prompt ({len(prompt_ids)} tokens) does not fit the context: {limit} positions, "
                     f"{len(self._history)} in use; shorten it, reset() the dialog or export a larger context"
                 )
-            return self._generate(prompt, fed, Sampler(sampling), max_new_tokens, min_new_tokens, on_token, stop)
+            return self._generate(prompt_ids, fed, Sampler(sampling), max_new_tokens, min_new_tokens, on_token, stop)
 
     def _generate(
         self,
@@ -268,6 +246,10 @@ class Dialog:
         feeds = {INPUT_IDS: token, SEQLENS_K: seqlens, TOTAL_LENGTH: length, **self._cache}
         graph.execute(feeds, out=self._out)  # type: ignore[attr-defined]
         self._history.extend(ids)
+
+    def token_query(self, ids: Sequence[int], **options: Any) -> QueryResult:
+        """Generates from token ids (Genie's GenieDialog_tokenQuery); the options are `query`'s."""
+        return self.query(list(ids), **options)
 
     # --- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
