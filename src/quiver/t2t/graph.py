@@ -2,8 +2,8 @@
 
 One ONNX graph serves as both the prefill graph (any number of new tokens) and the decode graph (one
 token): `quiver t2t export` adds it twice with different input shapes, and the context stores its
-weights once. Per layer: RMSNorm (`SimplifiedLayerNormalization`, fused with the residual add as
-`SkipSimplifiedLayerNormalization`), q/k/v projections, `com.microsoft::GroupQueryAttention` (rotary
+weights once. Per layer: RMSNorm fused with the residual add (`SkipSimplifiedLayerNormalization`),
+q/k/v projections (one MatMul when no adapter needs them apart), `com.microsoft::GroupQueryAttention` (rotary
 positions inside it; past and present key/value are one [1, kv_heads, context, head_dim] buffer the
 runner binds as both input and output, so a step writes its new entries in place), SiLU-gated MLP.
 Only the last position reaches the final norm and the LM head: logits are [1, 1, vocab].
