@@ -391,3 +391,32 @@ def test_a_lora_yaml_gives_use_cases_of_several_adapters(llama: Tiny, tmp_path: 
         assert dialog.token_query(ids, max_new_tokens=6, min_new_tokens=6, greedy=True).new_ids == _numpy_greedy(
             llama.weights, ids, 6, combined
         )
+
+
+def test_generation_stops_at_any_eos_token(llama: Tiny) -> None:
+    config = read_dialog_config(llama.config)
+    with Dialog(config) as dialog:
+        free = dialog.query(PROMPT, max_new_tokens=4, min_new_tokens=4, greedy=True)
+    with Dialog(dataclasses.replace(config, eos_tokens=(1, free.new_ids[2]))) as dialog:
+        stopped = dialog.query(PROMPT, max_new_tokens=4, greedy=True)
+        dialog.reset()
+        held = dialog.query(PROMPT, max_new_tokens=4, min_new_tokens=4, greedy=True)
+    assert stopped.stop_reason == "eos" and stopped.new_ids == free.new_ids[:3]
+    assert held.new_ids != free.new_ids  # min_new_tokens kept the eos token out: another token came instead
+    assert stopped.text == dialog.tokenizer.decode(free.new_ids[:2])  # the eos token is not text
+
+
+def test_queries_from_several_threads_take_turns(llama: Tiny) -> None:
+    results: list[int] = []
+    with Dialog.from_config(llama.config) as dialog:
+
+        def ask() -> None:
+            results.append(len(dialog.query("a", max_new_tokens=3, min_new_tokens=3, greedy=True).new_ids))
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == [3, 3, 3, 3]
+        assert len(dialog.save().history) == 4 * (len(dialog.tokenizer.encode("a")) + 3) - 1  # one conversation
