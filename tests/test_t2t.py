@@ -420,3 +420,27 @@ def test_queries_from_several_threads_take_turns(llama: Tiny) -> None:
             thread.join()
         assert results == [3, 3, 3, 3]
         assert len(dialog.save().history) == 4 * (len(dialog.tokenizer.encode("a")) + 3) - 1  # one conversation
+
+
+def test_the_models_generation_config_gives_the_sampler_defaults(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    tiny_decoder(folder)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": [1, 7]})
+    )
+    config = export(folder, tmp_path / "out", options=ExportOptions(context_size=CONTEXT))
+    assert config.sampler.greedy is False and config.sampler.temperature == 0.6 and config.sampler.top_k == 20
+    assert config.sampler.top_p == 0.9 and config.eos_tokens == (1, 7)
+    (folder / "generation_config.json").write_text("{oops")
+    with pytest.raises(quiver.ModelFolderError, match="generation_config.json"):
+        export(folder, tmp_path / "out")
+
+
+def test_a_temperature_samples_even_when_the_config_is_greedy(llama: Tiny) -> None:
+    with Dialog.from_config(llama.config) as dialog:
+        assert dialog.config.sampler.greedy  # the tiny model ships no generation_config.json
+        greedy = dialog.query(PROMPT, max_new_tokens=12)
+        sampled = [
+            (dialog.reset(), dialog.query(PROMPT, max_new_tokens=12, temperature=3.0, seed=s))[1] for s in range(3)
+        ]
+    assert any(r.new_ids != greedy.new_ids for r in sampled)

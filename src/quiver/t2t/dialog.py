@@ -133,13 +133,16 @@ class Dialog:
         """Generates a reply to `prompt`: raw text (apply the model's chat template first if it has one)
         or token ids.
 
-        Sampling options left as None take the config's `sampler` values; `min_new_tokens` keeps eos
-        tokens out until that many were generated; `on_token` receives the text as it is decided.
+        Sampling options left as None take the config's `sampler` values; giving a temperature, top-k
+        or top-p without `greedy` samples. `min_new_tokens` keeps eos tokens out until that many were
+        generated; `on_token` receives the text as it is decided.
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         defaults = self.config.sampler
+        if greedy is None:
+            greedy = defaults.greedy and temperature is None and top_k is None and top_p is None
         sampling = Sampling(
-            greedy=defaults.greedy if greedy is None else greedy,
+            greedy=greedy,
             temperature=defaults.temperature if temperature is None else temperature,
             top_k=defaults.top_k if top_k is None else top_k,
             top_p=defaults.top_p if top_p is None else top_p,

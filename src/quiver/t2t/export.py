@@ -15,8 +15,8 @@ from typing import Any
 
 import onnx
 
-from quiver.errors import AdapterError, ModelFolderError
-from quiver.formats.files import read_regular
+from quiver.errors import AdapterError, FileAccessError, ModelFolderError
+from quiver.formats.files import read_regular, read_text
 from quiver.formats.writer import write_atomically, write_text_atomically
 from quiver.lora.attach import find_attach_points
 from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
@@ -48,34 +48,39 @@ class ExportOptions:
     n_threads: int = 0
 
 
-def _sampler_defaults(folder: Path) -> SamplerConfig:
-    """generation_config.json's sampling settings, where the model ships them."""
+def _generation_config(folder: Path) -> dict[str, Any]:
+    """generation_config.json (sampling defaults, extra eos ids) where the model ships one, else {}."""
     path = folder / "generation_config.json"
     try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        raw = {}
+        raw = json.loads(read_text(path, limit=1 << 20, what="generation_config.json")) if path.is_file() else {}
+    except (FileAccessError, ValueError, RecursionError) as exc:
+        raise ModelFolderError(f"{path}: not readable JSON ({exc})") from None
+    return raw if isinstance(raw, dict) else {}
+
+
+def _number(raw: dict[str, Any], key: str, default: float) -> float:
+    value = raw.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else default
+
+
+def _sampler_defaults(generation: dict[str, Any]) -> SamplerConfig:
+    """The model's own sampling settings, where it ships them (greedy unless it samples)."""
     defaults = SamplerConfig()
     return SamplerConfig(
         seed=defaults.seed,
-        temperature=float(raw.get("temperature", defaults.temperature) or defaults.temperature),
-        top_k=int(raw.get("top_k", defaults.top_k) or 0),
-        top_p=float(raw.get("top_p", defaults.top_p) or 1.0),
-        greedy=not raw.get("do_sample", True),
+        temperature=_number(generation, "temperature", defaults.temperature),
+        top_k=int(_number(generation, "top_k", 0)),
+        top_p=min(_number(generation, "top_p", 1.0), 1.0),
+        greedy=generation.get("do_sample") is not True,
     )
 
 
-def _eos_tokens(folder: Path, config: DecoderConfig) -> tuple[int, ...]:
+def _eos_tokens(folder: Path, config: DecoderConfig, generation: dict[str, Any]) -> tuple[int, ...]:
     """Every end-of-sequence id the model names (config.json and generation_config.json), in order."""
     ids = list(config.eos_token_ids)
-    path = folder / "generation_config.json"
-    try:
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        raw = {}
-    extra = raw.get("eos_token_id")
+    extra = generation.get("eos_token_id")
     for value in extra if isinstance(extra, list) else [extra]:
-        if isinstance(value, int) and value not in ids:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids:
             ids.append(value)
     if not ids:
         raise ModelFolderError(f"{folder}: no eos_token_id in config.json or generation_config.json")
@@ -94,6 +99,7 @@ def export(
     the dialog config it wrote. Use cases without adapters need no section: the context runs as the base."""
     folder, out = Path(model_dir), Path(out_dir)
     config = read_config(folder)
+    generation = _generation_config(folder)
     tokenizer = folder / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise ModelFolderError(f"{folder} has no tokenizer.json (save the tokenizer with a fast tokenizer)")
@@ -161,9 +167,9 @@ def export(
         context_size=size,
         n_vocab=config.vocab,
         bos_token=config.bos_token_id,
-        eos_tokens=_eos_tokens(folder, config),
+        eos_tokens=_eos_tokens(folder, config, generation),
         pad_token=config.pad_token_id,
-        sampler=_sampler_defaults(folder),
+        sampler=_sampler_defaults(generation),
         tokenizer=out / TOKENIZER_FILE,
         n_threads=options.n_threads,
         backend="cpu",
