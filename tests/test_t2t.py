@@ -444,3 +444,24 @@ def test_a_temperature_samples_even_when_the_config_is_greedy(llama: Tiny) -> No
             (dialog.reset(), dialog.query(PROMPT, max_new_tokens=12, temperature=3.0, seed=s))[1] for s in range(3)
         ]
     assert any(r.new_ids != greedy.new_ids for r in sampled)
+
+
+def test_output_buffers_on_sessions_of_the_python_api(llama: Tiny) -> None:
+    from quiver.backends.cpu import CpuBackend
+
+    # prepack=False: every session comes from ORT's Python API (IOBinding); logits are not bound here
+    with quiver.Context.from_binary(llama.out / "model.qctx", backend=CpuBackend(prepack=False)) as context:
+        cache = {
+            n: np.zeros((1, KV_HEADS, CONTEXT, HEAD_DIM), np.float32) for i in range(LAYERS) for n in past_names(i)
+        }
+        out = {present_names(i)[j]: cache[past_names(i)[j]] for i in range(LAYERS) for j in (0, 1)}
+        ids = [5, 17, 42]
+        feeds = {"input_ids": np.array([ids], np.int64), "seqlens_k": np.array([2], np.int32),
+                 "total_sequence_length": np.array(3, np.int32), **cache}  # fmt: skip
+        result = context.graph("prefill").execute(feeds, out=out)
+    np.testing.assert_allclose(result["logits"][0, 0], forward(llama.weights, ids), atol=2e-4)
+    assert all(result[name] is array for name, array in out.items())
+    assert (
+        np.count_nonzero(cache["past_key_values.1.value"][0, :, :3])
+        and not cache["past_key_values.1.value"][0, :, 3:].any()
+    )

@@ -212,8 +212,10 @@ class _PythonApiSession:
             else:
                 binding.bind_output(name, "cpu")
         self._session.run_with_iobinding(binding)
-        results = binding.copy_outputs_to_cpu()  # in the order bound: output_names
-        return [out[name] if name in out else result for name, result in zip(output_names, results)]
+        # in the order bound: output_names; the caller's buffers already hold theirs (copy_outputs_to_cpu
+        # would copy every output, a whole KV cache included)
+        values = binding.get_outputs()
+        return [out[name] if name in out else value.numpy() for name, value in zip(output_names, values)]
 
     def end_profiling(self) -> str:
         return str(self._session.end_profiling())
