@@ -38,6 +38,13 @@ def test_a_short_campaign_ends_every_input_in_a_typed_error_a_verify_failure_or_
     assert set(report["by_mutation"]) >= {"header_value", "skeleton", "lora_metadata", "truncate", "data_bytes"}
 
 
+def test_a_layer_norm_whose_bias_is_named_empty_does_not_crash_onnx_runtime(seeds: list[harness.Seed]) -> None:
+    # input 540 of campaign seed 851: a quantized graph's LayerNormalization with bias "" made ORT
+    # 1.24-1.32 crash (SIGSEGV) while creating the session; the cpu backend now leaves the "" out
+    (result,) = harness.campaign(seeds, 1, jobs=1, first=540, base_seed=851)
+    assert result.mutations == ["skeleton"] and result.outcome in harness.ACCEPTED, result
+
+
 def test_the_oracle_counts_an_untyped_error_and_a_crash_as_failures(seeds: list[harness.Seed]) -> None:
     seed = seeds[0]
     assert harness.oracle(seed, "context", seed.context) == "same"

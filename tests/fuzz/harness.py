@@ -453,6 +453,8 @@ def campaign(seeds: list[Seed], count: int, jobs: int, first: int = 0, base_seed
                 _child(seed, kind, data, write)
             os.close(write)
             running[pid] = (read, Result(index, seed.name, kind, mutations, ""))
+        if not running:
+            break  # the inputs ran out just as the last child was collected
         pid, status = os.wait()
         read, result = running.pop(pid)
         ready, _, _ = select.select([read], [], [], 0)
