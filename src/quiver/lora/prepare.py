@@ -183,16 +183,51 @@ def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter]) -> Lora
     """`quiver lora create`: map, then one max-rank LoRA graph for every use case."""
     _check_use_case_models(project)
     base = onnx.load(str(project.base_model))  # with its weights: the created graph carries them
-    points, missing = map_attach_points(project, adapters, base)
+    return lora_graph(
+        base,
+        {name: adapters[name] for name in project.adapters},
+        project.use_cases,
+        project.base_model.stem,
+        project.attach_map,
+        remedy="export with torch.onnx (dynamo) or give attach_point_onnx_mapping (module -> node name)",
+    )
+
+
+def lora_graph(
+    base: onnx.ModelProto,
+    adapters: Mapping[str, PeftAdapter],
+    use_cases: Sequence[UseCase],
+    name: str,
+    attach_map: Mapping[str, str] | None = None,
+    remedy: str = "",
+) -> LoraGraph:
+    """One max-rank LoRA graph for every use case over `base` (adapters in the order given); `remedy`
+    ends the error when an adapted module has no attach point."""
+    modules = sorted({m for adapter in adapters.values() for m in adapter.modules})
+    points, missing = find_attach_points(base, modules, attach_map)
     if missing:
-        raise AdapterError(
-            f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; export with torch.onnx "
-            "(dynamo) or give attach_point_onnx_mapping (module -> node name)"
-        )
-    order = list(project.adapters)
-    cases = {u.name: u.adapters for u in project.use_cases}
-    model, slots = create_lora_graph(base, points, slot_ranks(adapters, cases), len(order))
-    return LoraGraph(model, slots, order, project.base_model.stem)
+        raise AdapterError(f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; {remedy}")
+    cases = {u.name: u.adapters for u in use_cases}
+    model, slots = create_lora_graph(base, points, slot_ranks(adapters, cases), len(adapters))
+    return LoraGraph(model, slots, list(adapters), name)
+
+
+def full_alphas(use_case: UseCase, adapter_order: Sequence[str]) -> list[float]:
+    """The use case's strength for every adapter of the graph, in its order (0 for those it leaves out)."""
+    return [use_case.alphas[use_case.adapters.index(a)] if a in use_case.adapters else 0.0 for a in adapter_order]
+
+
+def section_metadata(use_case: UseCase, adapter_order: Sequence[str]) -> dict[str, Any]:
+    """The `lora` metadata of a use case's section: applying it sets these strengths (Genie's defaults)."""
+    return {
+        "lora": {
+            "use_case": use_case.name,
+            "alpha_input": ALPHA_INPUT,
+            "adapters": list(adapter_order),
+            "alphas": full_alphas(use_case, adapter_order),
+            "active": use_case.adapters,
+        }
+    }
 
 
 def import_use_cases(
@@ -202,10 +237,7 @@ def import_use_cases(
     result = {}
     for use_case in project.use_cases:
         values = use_case_values(graph.slots, adapters, use_case.adapters, graph.adapter_order)
-        alphas = [
-            use_case.alphas[use_case.adapters.index(a)] if a in use_case.adapters else 0.0 for a in graph.adapter_order
-        ]
-        result[use_case.name] = (values, alphas)
+        result[use_case.name] = (values, full_alphas(use_case, graph.adapter_order))
     return result
 
 
@@ -264,19 +296,11 @@ def prepare(
     cases = {u.name: u for u in project.use_cases}
     if quantization is not None:
         manifest["quantized"] = {"updateable_tensors": len(updateable)}
-    for name, (_, alphas) in imported.items():
+    for name in imported:
         on_step(f"writing the section of use case {name}")
         context.graph(graph.name).update_tensors(values[name])
         context.finalize()
-        metadata: dict[str, Any] = {
-            "lora": {
-                "use_case": name,
-                "alpha_input": ALPHA_INPUT,
-                "adapters": graph.adapter_order,
-                "alphas": alphas,
-                "active": cases[name].adapters,
-            }
-        }
+        metadata = section_metadata(cases[name], graph.adapter_order)
         if name in encodings:
             metadata["encodings"] = encodings[name]  # its adapter weights' and the changed activations
         # replaced, never rewritten: a process that applied the old file keeps what it checked

@@ -13,15 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import onnx
-
-from quiver.errors import AdapterError, FileAccessError, ModelFolderError
+from quiver.errors import FileAccessError, ModelFolderError
 from quiver.formats.files import read_regular, read_text
 from quiver.formats.writer import write_atomically, write_text_atomically
-from quiver.lora.attach import find_attach_points
-from quiver.lora.create import ALPHA_INPUT, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
-from quiver.lora.peft import PeftAdapter, load_peft_adapter
-from quiver.lora.prepare import UseCase
+from quiver.lora.create import ALPHA_INPUT, use_case_values
+from quiver.lora.peft import load_peft_adapter
+from quiver.lora.prepare import UseCase, lora_graph, section_metadata
 from quiver.runtime.context import Context
 from quiver.t2t.config import (
     DECODE_GRAPH,
@@ -33,10 +30,13 @@ from quiver.t2t.config import (
     dialog_config_document,
 )
 from quiver.t2t.graph import INPUT_IDS, LM_HEAD_NODE, build_decoder
-from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config
+from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config, token_ids
 
 DEFAULT_CONTEXT_SIZE = 2048
 CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
+_FOREIGN_ADAPTER = (
+    "they are not projections of this model (q/k/v/o_proj, gate/up/down_proj): is the adapter for another model?"
+)
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,10 @@ def _sampler_defaults(generation: dict[str, Any]) -> SamplerConfig:
 
 def _eos_tokens(folder: Path, config: DecoderConfig, generation: dict[str, Any]) -> tuple[int, ...]:
     """Every end-of-sequence id the model names (config.json and generation_config.json), in order."""
-    ids = list(config.eos_token_ids)
-    extra = generation.get("eos_token_id")
-    for value in extra if isinstance(extra, list) else [extra]:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0 and value not in ids:
-            ids.append(value)
+    ids = tuple(dict.fromkeys(config.eos_token_ids + token_ids(generation.get("eos_token_id"))))
     if not ids:
         raise ModelFolderError(f"{folder}: no eos_token_id in config.json or generation_config.json")
-    return tuple(ids)
+    return ids
 
 
 def export(
@@ -125,7 +121,9 @@ def export(
     values: dict[str, dict[str, Any]] = {}
     if cases:
         on_step("attaching the LoRA adapters")
-        model, updateable, values = _with_lora(model, loaded, cases)
+        graph = lora_graph(model, loaded, cases, PREFILL_GRAPH, remedy=_FOREIGN_ADAPTER)
+        model, updateable = graph.model, graph.updateable
+        values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if options.weight_bits is not None:
         from quiver.t2t.quantize import quantize_weights
 
@@ -145,19 +143,9 @@ def export(
             on_step(f"writing the section of use case {case.name}")
             context.update_context_tensors(values[case.name])
             context.finalize()
-            alphas = [case.alphas[case.adapters.index(a)] if a in case.adapters else 0.0 for a in loaded]
-            metadata = {
-                "lora": {
-                    "use_case": case.name,
-                    "alpha_input": ALPHA_INPUT,
-                    "adapters": list(loaded),
-                    "alphas": alphas,
-                    "active": case.adapters,
-                }
-            }
-            name = case.name
-            sections[name] = out / f"{name}.qsec"
-            write_atomically(sections[name], context.get_binary_section(None, metadata))
+            sections[case.name] = out / f"{case.name}.qsec"
+            metadata = section_metadata(case, list(loaded))
+            write_atomically(sections[case.name], context.get_binary_section(None, metadata))
     finally:
         context.close()
     if tokenizer.resolve() != (out / TOKENIZER_FILE).resolve():
@@ -180,21 +168,3 @@ def export(
     )
     write_text_atomically(dialog.path, json.dumps(dialog_config_document(dialog, out), indent=2) + "\n")
     return dialog
-
-
-def _with_lora(
-    model: onnx.ModelProto, adapters: Mapping[str, PeftAdapter], use_cases: Sequence[UseCase]
-) -> tuple[onnx.ModelProto, list[str], dict[str, dict[str, Any]]]:
-    """The graph with LoRA branches wide enough for every use case, and each use case's tensor values."""
-    modules = sorted({m for adapter in adapters.values() for m in adapter.modules})
-    points, missing = find_attach_points(model, modules)
-    if missing:
-        raise AdapterError(
-            f"adapter modules {missing[:3]} are not projections of this model (q/k/v/o_proj, gate/up/down_proj); "
-            "is the adapter for another model?"
-        )
-    order = list(adapters)
-    cases = {case.name: case.adapters for case in use_cases}
-    lora_model, slots = create_lora_graph(model, points, slot_ranks(adapters, cases), len(order))
-    values = {name: use_case_values(slots, adapters, active, order) for name, active in cases.items()}
-    return lora_model, updateable_tensors(slots), values

@@ -59,7 +59,8 @@ def _int(raw: dict[str, Any], key: str, source: Path, default: int | None = None
     return value
 
 
-def _token_ids(value: Any) -> tuple[int, ...]:
+def token_ids(value: Any) -> tuple[int, ...]:
+    """The token ids of a config value (an id or a list of them); anything else is left out."""
     values = value if isinstance(value, list) else [value]
     return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
@@ -116,9 +117,9 @@ def read_config(folder: Path) -> DecoderConfig:
         max_positions=_int(raw, "max_position_embeddings", source, 4096),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=bool(raw.get("attention_bias", ARCHITECTURES[architecture]["qkv_bias"])),
-        bos_token_id=next(iter(_token_ids(raw.get("bos_token_id"))), None),
-        eos_token_ids=_token_ids(raw.get("eos_token_id")),
-        pad_token_id=next(iter(_token_ids(raw.get("pad_token_id"))), None),
+        bos_token_id=next(iter(token_ids(raw.get("bos_token_id"))), None),
+        eos_token_ids=token_ids(raw.get("eos_token_id")),
+        pad_token_id=next(iter(token_ids(raw.get("pad_token_id"))), None),
     )
 
 
