@@ -465,3 +465,26 @@ def test_output_buffers_on_sessions_of_the_python_api(llama: Tiny) -> None:
         np.count_nonzero(cache["past_key_values.1.value"][0, :, :3])
         and not cache["past_key_values.1.value"][0, :, 3:].any()
     )
+
+
+_FORKED_DIALOG = """
+import os, sys
+from quiver.t2t.dialog import Dialog
+dialog = Dialog.from_config(sys.argv[1])
+first = dialog.query("the quick brown fox", max_new_tokens=6, min_new_tokens=6, greedy=True).new_ids
+dialog.reset()
+pid = os.fork()
+again = dialog.query("the quick brown fox", max_new_tokens=6, min_new_tokens=6, greedy=True).new_ids
+if pid == 0:
+    os._exit(0 if again == first else 1)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), "parent", int(again == first))
+"""
+
+
+def test_a_dialog_keeps_generating_in_a_forked_child(llama: Tiny) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _FORKED_DIALOG, str(llama.config)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["child", "0", "parent", "1"]
