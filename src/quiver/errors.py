@@ -151,3 +151,19 @@ class ModelFolderError(GenerationError):
 
 class DialogConfigError(GenerationError):
     """A Genie dialog config that is malformed or names files that are missing."""
+
+
+class TuningError(QuiverError):
+    """Tuning cannot proceed: bad options or inputs, a cache it cannot use, no tunable backend."""
+
+
+class TargetServerError(TuningError):
+    """A target server refused a request or could not be reached; `kind` is its typed error name."""
+
+    def __init__(self, message: str, kind: str = "unreachable") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class TuningWarning(UserWarning):
+    """A tuned context has no configuration for this device: its graphs run with the defaults."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from quiver.errors import UnknownBackendError
@@ -13,6 +14,27 @@ if TYPE_CHECKING:  # the interface module stays light: importing it must not loa
     import onnx
 
     from quiver.ir.tensors import TensorInfo
+
+
+KnobValue = bool | int | str
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One parameter a backend lets tuning choose per graph: its values, the first being the default.
+
+    A knob that `exact` is set for changes results (not only their rounding): `exact` is its value that
+    computes most exactly, which tuning uses as the accuracy reference.
+    """
+
+    name: str
+    values: tuple[KnobValue, ...]
+    help: str = ""
+    exact: KnobValue | None = None
+
+    @property
+    def default(self) -> KnobValue:
+        return self.values[0]
 
 
 @dataclass(frozen=True)
@@ -27,6 +49,8 @@ class FinalizedGraph:
     # True when the weights view a read-only file mapping: their pages may be dropped and are read back
     # from the file on use. Never true for weights in private memory (dropping would lose them).
     file_backed: bool = False
+    # A tuned configuration (knob name -> value) chosen for this device; knobs not named keep defaults.
+    tuning: Mapping[str, KnobValue] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class Executable(Protocol):
@@ -64,6 +88,27 @@ class Backend(Protocol):
     name: str
 
     def prepare(self, graph: FinalizedGraph) -> Executable: ...
+
+
+class TunableBackend(Backend, Protocol):
+    """A backend tuning can work with (the contract a gpu backend fills with its kernels' parameters)."""
+
+    def tunable_parameters(self, graph: FinalizedGraph) -> tuple[Knob, ...]:
+        """The knobs that may move this graph's latency here; `graph.tuning` is honoured by `prepare`."""
+        ...
+
+    def device_fingerprint(self) -> dict[str, str]:
+        """What measured speed depends on (backend, runtime build, processor): equal fingerprints, one tier."""
+        ...
+
+    @property
+    def knob_space_version(self) -> int:
+        """Changes whenever the knobs' meaning does: cached results for another version are measured again."""
+        ...
+
+
+def is_tunable(backend: Backend) -> bool:
+    return all(hasattr(backend, n) for n in ("tunable_parameters", "device_fingerprint", "knob_space_version"))
 
 
 _REGISTRY: dict[str, Callable[[], Backend]] = {}

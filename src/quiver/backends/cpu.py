@@ -22,7 +22,15 @@ import numpy as np
 import onnxruntime as ort
 
 from quiver.backends import _ort_capi
-from quiver.backends.base import FinalizedGraph
+from quiver.backends.base import FinalizedGraph, Knob
+from quiver.backends.cpu_settings import (
+    DEFAULT_ACCURACY_LEVEL,
+    KNOB_SPACE_VERSION,
+    OPTIMIZATION_LEVELS,
+    SessionSettings,
+    device_fingerprint,
+    knobs,
+)
 from quiver.backends.lora_strengths import fold_lora_strengths
 from quiver.errors import BackendError
 from quiver.ir.proto import AttributeProto, ModelProto, TensorProto, ValueInfoProto
@@ -31,12 +39,8 @@ from quiver.ir.proto import AttributeProto, ModelProto, TensorProto, ValueInfoPr
 # data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
 _PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
 
-# ORT's MatMulNBits kernel (Quiver's 4-bit weights; ORT >= 1.32 also fuses DequantizeLinear + MatMul of
-# 8-bit weights into it) computes at an accuracy level: 0 multiplies in float32, 4 (ORT's default for its
-# fusion) rounds activations to int8 per block: about 2x faster on a CPU, sentence-embedding cosine 0.9980
-# instead of 0.9984 on a16w8 MiniLM. Level 4 runs only on prepacked weights, so a graph with such
-# MatMuls gets no unpacked stand-in session (it would compute in float32: another answer).
-DEFAULT_ACCURACY_LEVEL = 4
+# Level 4 of ORT's MatMulNBits (see DEFAULT_ACCURACY_LEVEL) runs only on prepacked weights, so a graph
+# with such MatMuls gets no unpacked stand-in session (it would compute in float32: another answer).
 _INTEGER_MATMUL_OPS = {"MatMulNBits", "DequantizeLinear"}
 # Before 1.32, ORT's MatMulNBits cannot keep its packed weights in a shared container (session creation
 # fails): such graphs then pack their own copies, through the Python API.
@@ -62,6 +66,10 @@ def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
         if (node.domain.replace("ai.onnx", ""), node.op_type) in _PREPACKED_OPS and len(node.input) > 1
     }
     return [graph.weights[n] for n in sorted(names) if n in graph.weights]
+
+
+def _has_integer_matmuls(model: ModelProto) -> bool:
+    return any(n.op_type in _INTEGER_MATMUL_OPS for n in model.graph.node)
 
 
 def _with_accuracy_level(model: ModelProto, level: int) -> ModelProto:
@@ -180,13 +188,13 @@ class _PythonApiSession:
     `prepack=False`.
     """
 
-    def __init__(self, weights: SessionWeights, backend: CpuBackend, prepack: bool) -> None:
+    def __init__(self, weights: SessionWeights, backend: CpuBackend, settings: SessionSettings, prepack: bool) -> None:
         options = ort.SessionOptions()
-        options.intra_op_num_threads = backend.intra_op_num_threads
-        options.graph_optimization_level = backend.graph_optimization_level
+        options.intra_op_num_threads = settings.intra_op_num_threads
+        options.graph_optimization_level = settings.ort_level
         options.log_severity_level = 4  # fatal only: a failing run raises with ORT's message
-        entries = backend.config(prepack)
-        if backend.prepack and not prepack:
+        entries = _config(settings, prepack)
+        if settings.prepack and not prepack:
             # A stand-in until the packed session is ready: its threads should not spin after a run and
             # keep the packing thread off the cores, and it gets no memory arena: the arena's first
             # chunks cost its first run ~4 ms on MiniLM (measured), and the stand-in runs only a few times.
@@ -240,10 +248,15 @@ class _PythonApiSession:
 _Session = _ort_capi.Session | _PythonApiSession
 
 
+def _config(settings: SessionSettings, prepack: bool) -> dict[str, str]:
+    return {"session.model_external_initializers_file_folder_path": _PLACEHOLDER_FOLDER, **settings.config(prepack)}
+
+
 def _create_session(
     graph: FinalizedGraph,
     weights: SessionWeights,
     backend: CpuBackend,
+    settings: SessionSettings,
     packed: bool,
     shareable: bool = True,
     c_api_only: bool = False,
@@ -262,9 +275,9 @@ def _create_session(
                     weights.shared,
                     weights.readable,
                     backend.container(),
-                    backend.config(prepack=packed),
-                    backend.intra_op_num_threads,
-                    int(backend.graph_optimization_level),
+                    _config(settings, prepack=packed),
+                    settings.intra_op_num_threads,
+                    int(settings.ort_level),
                 )
             except _ort_capi.CApiUnavailableError:
                 if c_api_only:
@@ -273,7 +286,7 @@ def _create_session(
                         "and this ONNX Runtime does not offer the functions Quiver needs"
                     ) from None
                 # no shared packing on this install: each graph packs its own copy
-        return _PythonApiSession(weights, backend, packed)
+        return _PythonApiSession(weights, backend, settings, packed)
     except Exception as exc:
         raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
@@ -281,15 +294,16 @@ def _create_session(
 class CpuExecutable:
     def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
         model, self._strengths = fold_lora_strengths(_without_trailing_empty_inputs(graph.model))
-        integer_matmuls = backend.accuracy_level > 0 and any(n.op_type in _INTEGER_MATMUL_OPS for n in model.graph.node)
+        self.settings = settings = backend.settings_for(graph)
+        integer_matmuls = settings.accuracy_level > 0 and _has_integer_matmuls(model)
         if integer_matmuls and any(n.op_type == "MatMulNBits" for n in model.graph.node):
-            model = _with_accuracy_level(model, backend.accuracy_level)
+            model = _with_accuracy_level(model, settings.accuracy_level)
         graph = dataclasses.replace(graph, model=model)
         self._graph = graph
         self._backend = backend
         self._output_names = [o.name for o in graph.outputs]
         # Only pages of a file mapping can be dropped: private memory would lose its contents.
-        self._packable = _packable_weights(graph) if backend.prepack else []
+        self._packable = _packable_weights(graph) if settings.prepack else []
         self._droppable = self._packable if graph.file_backed else []
         self._prepacked = sum(a.nbytes for a in self._packable)
         self._upgrade: threading.Thread | None = None
@@ -299,20 +313,28 @@ class CpuExecutable:
         # float8 and 4-bit tensors pass only through the C API (one session, packed from the start);
         # strings only through the Python API (its sessions)
         self._c_api_only = bool(io_types & _C_API_ONLY_IO) and "string" not in io_types
-        self.is_packed = backend.prepack and (not backend.lazy_prepack or integer_matmuls or self._c_api_only)
+        self.is_packed = settings.prepack and (not backend.lazy_prepack or integer_matmuls or self._c_api_only)
         self._shareable = (_SHARED_INTEGER_PACKING or not integer_matmuls) and "string" not in io_types
         self._weights = SessionWeights.of(graph)
         self._session: _Session | None = _create_session(
-            graph, self._weights, backend, packed=self.is_packed, shareable=self._shareable, c_api_only=self._c_api_only
+            graph,
+            self._weights,
+            backend,
+            settings,
+            packed=self.is_packed,
+            shareable=self._shareable,
+            c_api_only=self._c_api_only,
         )
-        self._upgrade_pending = backend.prepack and not self.is_packed
+        self._upgrade_pending = settings.prepack and not self.is_packed
         self._runs_since_drop = 0
         if self.is_packed:
             _drop_resident_pages(self._droppable)
 
     def _build_packed_session(self) -> None:
         try:
-            packed = _create_session(self._graph, self._weights, self._backend, packed=True, shareable=self._shareable)
+            packed = _create_session(
+                self._graph, self._weights, self._backend, self.settings, packed=True, shareable=self._shareable
+            )
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         with self._upgrade_lock:
@@ -405,23 +427,45 @@ class CpuBackend:
         allow_spinning: bool = True,
         profile_prefix: str | None = None,
         accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+        dynamic_block_base: int = 0,
     ) -> None:
-        self.intra_op_num_threads = intra_op_num_threads
-        self.allow_spinning = allow_spinning  # False: idle threads yield the cores at once (power saving)
+        level = next((n for n in OPTIMIZATION_LEVELS if OPTIMIZATION_LEVELS[n] == graph_optimization_level), "all")
+        self.settings = SessionSettings(
+            intra_op_num_threads, allow_spinning, dynamic_block_base, level, prepack, accuracy_level
+        )
+        # A tuned context's configuration applies to the settings left at their defaults: the user's win.
+        defaults = SessionSettings()
+        self.chosen = frozenset(
+            f.name for f in dataclasses.fields(defaults) if getattr(self.settings, f.name) != getattr(defaults, f.name)
+        )
         # Per-node profiles (ORT's JSON) of every session, written when a graph is released; profiling
         # sessions come from the Python API, packed eagerly (one session per graph).
         self.profile_prefix = profile_prefix
         self.profiles: list[str] = []
         if profile_prefix is not None:
             lazy_prepack = False
-        self.prepack = prepack
         self.lazy_prepack = lazy_prepack
-        self.graph_optimization_level = graph_optimization_level
-        if accuracy_level not in (0, 1, 2, 3, 4):
-            raise BackendError(f"accuracy_level {accuracy_level} is not one of ORT's MatMulNBits levels 0-4")
-        self.accuracy_level = accuracy_level  # see DEFAULT_ACCURACY_LEVEL
         self._container: _ort_capi.PrepackedWeights | None = None
         self._lock = threading.Lock()
+
+    # the settings of sessions made without a tuned configuration
+    intra_op_num_threads = property(lambda self: self.settings.intra_op_num_threads)
+    allow_spinning = property(lambda self: self.settings.allow_spinning)
+    prepack = property(lambda self: self.settings.prepack)
+    accuracy_level = property(lambda self: self.settings.accuracy_level)
+
+    def settings_for(self, graph: FinalizedGraph) -> SessionSettings:
+        return self.settings.tuned(graph.tuning, keep=self.chosen) if graph.tuning else self.settings
+
+    # --- tuning (see quiver.tuning) ---------------------------------------------------------------------
+    knob_space_version = KNOB_SPACE_VERSION
+
+    def tunable_parameters(self, graph: FinalizedGraph) -> tuple[Knob, ...]:
+        """The knobs tuning may turn for this graph (accuracy level only where MatMulNBits may run)."""
+        return knobs(_has_integer_matmuls(graph.model), prepacks=bool(_packable_weights(graph)))
+
+    def device_fingerprint(self) -> dict[str, str]:
+        return device_fingerprint()
 
     def container(self) -> _ort_capi.PrepackedWeights:
         """The prepacked-weights container shared by every graph prepared by this backend (one context)."""
@@ -439,17 +483,6 @@ class CpuBackend:
         if self._container is not None:
             keep_forever(self._container)
             self._container = None
-
-    def config(self, prepack: bool) -> dict[str, str]:
-        entries = {
-            "session.model_external_initializers_file_folder_path": _PLACEHOLDER_FOLDER,
-            "session.qdq_matmulnbits_accuracy_level": str(self.accuracy_level),
-        }
-        if not self.allow_spinning:
-            entries["session.intra_op.allow_spinning"] = "0"
-        if not prepack:
-            entries["session.disable_prepacking"] = "1"
-        return entries
 
     def prepare(self, graph: FinalizedGraph) -> CpuExecutable:
         for tensor in graph.model.graph.initializer:

@@ -39,6 +39,7 @@ from quiver.formats._layout import (
     align_for,
 )
 from quiver.formats.files import open_regular
+from quiver.formats.tuned import parse_identity, parse_tuning
 from quiver.ir import dtypes
 
 
@@ -430,6 +431,9 @@ class ContextFile(TensorFile):
             if entry.name in self.graphs:
                 raise _fail(f"graph name {entry.name!r} appears twice")
             self.graphs[entry.name] = entry
+        # 1.4: a tuned copy keeps the identity of the context it was tuned from (sections name it)
+        self.identity = parse_identity(header.get("identity"), self.header_sha256)
+        self.tuning = parse_tuning(header.get("tuning"), list(self.graphs))
         return [(g.offset, g.length, f"graph {g.name!r}") for g in self.graphs.values()]
 
     def _regions(self) -> list[tuple[int, int]]:

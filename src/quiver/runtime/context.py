@@ -275,6 +275,12 @@ class Context:
         with store.running(name, lambda: self._finalized_graph(store, name)) as executable:
             return executable.run(feeds, bound, out) if out else executable.run(feeds, bound)
 
+    def finalized_graph(self, name: str) -> FinalizedGraph:
+        """What the backend is given for this graph on this device (its structure, weight views and tuned
+        configuration): tools that prepare variants of it themselves, such as tuning, start here."""
+        self.graph(name)
+        return self._finalized_graph(self._require_store(), name)
+
     @staticmethod
     def _finalized_graph(store: Store, name: str) -> FinalizedGraph:
         info = store.info(name)
@@ -283,7 +289,8 @@ class Context:
         model = info.skeleton
         if entry.updateable:  # fed with each run, so replacing them never rebuilds the backend state
             model = initializers_as_inputs(model, entry.updateable)
-        return FinalizedGraph(name, model, weights, info.inputs, info.outputs, store.file.file_backed)
+        tuning = store.tuning.get(name, {})
+        return FinalizedGraph(name, model, weights, info.inputs, info.outputs, store.file.file_backed, tuning)
 
     def _encodings(self, name: str) -> EncodingSet:
         """The encodings of a graph's quantized tensors, from the values in use now (sections included)."""

@@ -130,6 +130,16 @@ class Graph:
             if self._checked_out is None or self._checked_out[0] != key or self._checked_out[1] is not out:
                 validate_outputs(self.name, self.outputs, out)
                 self._checked_out = (key, out)
+        arrays, bound = self.backend_feeds(feeds, state)
+        results = self._context._run(self.name, arrays, bound, out)
+        return {info.name: result for info, result in zip(self.outputs, results)}
+
+    def backend_feeds(
+        self, feeds: Mapping[str, object], state: GraphState | None = None
+    ) -> tuple[dict[str, np.ndarray], Mapping[str, np.ndarray]]:
+        """What a run hands the backend for these feeds: the validated feeds, and the bound tensors
+        (updateable tensors and LoRA strengths in use). Tuning measures runs with exactly these."""
+        state = self._context._state(self.name) if state is None else state
         lora = state.lora
         # the strengths a caller does not feed: the state's, or the zero adapter's
         strengths = (lora.alpha_input, lora.alphas) if lora is not None else self._zero_adapter
@@ -143,8 +153,7 @@ class Graph:
         bound: Mapping[str, np.ndarray] = state.values
         if strengths is not None:
             bound = {**bound, strengths[0]: arrays.pop(strengths[0])}
-        results = self._context._run(self.name, arrays, bound, out)
-        return {info.name: result for info, result in zip(self.outputs, results)}
+        return arrays, bound
 
     def set_lora_strength(self, adapter: str, value: float) -> None:
         """Sets one adapter's strength (Genie's setLoraStrength) after a LoRA section was applied."""

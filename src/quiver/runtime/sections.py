@@ -68,7 +68,7 @@ def write_section(
     """A section holding the current values of the graphs' updateable tensors, each distinct tensor once."""
     from quiver.formats.writer import SectionWriter  # writing is not needed to apply sections
 
-    writer = SectionWriter(file.header_sha256, metadata)
+    writer = SectionWriter(file.identity, metadata)
     try:
         for graph in graphs:
             mapping = {}
@@ -162,11 +162,11 @@ class _BoundSections:
 
     def get(self, file: ContextFile, section: SectionFile, graph: str) -> Values | None:
         with self._lock:
-            return self._bound.get(section, {}).get((file.header_sha256, graph))
+            return self._bound.get(section, {}).get((file.identity, graph))
 
     def put(self, file: ContextFile, section: SectionFile, graph: str, values: Values) -> None:
         with self._lock:
-            self._bound.setdefault(section, {})[(file.header_sha256, graph)] = values
+            self._bound.setdefault(section, {})[(file.identity, graph)] = values
 
 
 _BOUND = _BoundSections()
@@ -179,10 +179,10 @@ def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str])
     known = {graph: _BOUND.get(file, section, graph) for graph in targets}
     if all(values is not None for values in known.values()):
         return {graph: values for graph, values in known.items() if values is not None}
-    if section.context_id != file.header_sha256:
+    if section.context_id != file.identity:
         raise SectionMismatchError(
             f"{section.source} was made for another context ({section.context_id[:12]}…), not this one "
-            f"({file.header_sha256[:12]}…); apply it to the context it was made from"
+            f"({file.identity[:12]}…); apply it to the context it was made from"
         )
     bound: dict[str, Values] = {}
     for graph in targets:

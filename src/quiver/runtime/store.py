@@ -25,6 +25,7 @@ from quiver.ir import dtypes
 from quiver.ir.proto import ModelProto, TensorProto
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.runtime import fork
+from quiver.runtime.tuned import select_tuning
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Store:
         self.backend = backend
         self.file = file
         self.memory_limit_hint_mb = memory_limit_hint_mb
+        self.tuning = select_tuning(getattr(file, "tuning", ()), backend, file.source)  # per graph, for this device
         self._lock = threading.RLock()
         self._graph_locks: dict[str, threading.Lock] = {}
         self._infos: dict[str, GraphInfo] = {}
