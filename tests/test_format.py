@@ -96,7 +96,7 @@ def test_golden_preamble_layout(good: bytes) -> None:
     magic, major, minor, flags, header_offset, header_length, file_length, sha, reserved = struct.unpack(
         "<8sHHIQQQ32sQ", good[:80]
     )
-    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 3, 0, 0)
+    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 4, 0, 0)
     assert file_length == len(good) and header_offset + header_length == len(good)
     assert sha == hashlib.sha256(good[header_offset:]).digest()
     assert good[80:DATA_START] == bytes(DATA_START - 80)

@@ -39,8 +39,10 @@ from quiver.errors import (
     QuantizationError,
     QuiverError,
     SectionMismatchError,
+    TargetServerError,
     TensorUpdateError,
     TruncatedFileError,
+    TuningError,
     UnknownBackendError,
     UnknownGraphError,
     UnsupportedOperatorError,
@@ -49,6 +51,7 @@ from quiver.errors import (
 
 # name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {
+    "TuningWarning": "quiver.runtime.tuned",
     "Backend": "quiver.backends",
     "CpuBackend": "quiver.backends",
     "ReferenceBackend": "quiver.backends",
@@ -170,4 +173,7 @@ __all__ = [
     "GenerationError",
     "ModelFolderError",
     "DialogConfigError",
+    "TuningError",
+    "TargetServerError",
+    "TuningWarning",
 ]

@@ -163,7 +163,3 @@ class TargetServerError(TuningError):
     def __init__(self, message: str, kind: str = "unreachable") -> None:
         super().__init__(message)
         self.kind = kind
-
-
-class TuningWarning(UserWarning):
-    """A tuned context has no configuration for this device: its graphs run with the defaults."""

@@ -409,6 +409,12 @@ class TensorFile:
         """(what, offset, length, sha256) of every region with a checksum."""
         return [(f"weight {w.index} ({w.dtype}{list(w.shape)})", w.offset, w.length, w.sha256) for w in self.weights]
 
+    def __enter__(self: _T) -> _T:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

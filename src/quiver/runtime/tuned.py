@@ -6,8 +6,11 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from quiver.backends.base import Backend, KnobValue, is_tunable
-from quiver.errors import TuningWarning
 from quiver.formats.tuned import TuningEntry
+
+
+class TuningWarning(UserWarning):
+    """A tuned context has no configuration for this device: its graphs run with the defaults."""
 
 
 def differences(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[str]:

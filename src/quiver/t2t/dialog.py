@@ -250,6 +250,38 @@ class Dialog:
         graph.execute(feeds, out=self._out)  # type: ignore[attr-defined]
         self._history.extend(ids)
 
+    @property
+    def context(self) -> Context:
+        return self._context
+
+    def sample_feeds(self, prompt_ids: Sequence[int]) -> dict[str, list[dict[str, np.ndarray]]]:
+        """Inputs of real steps, for tuning: the prompt's first prefill window (on an empty cache) and the
+        decode step that follows the whole prompt (its cache filled by it). Resets the conversation."""
+        ids = [int(i) for i in prompt_ids]
+        window = ids[: self.config.prefill_window]
+        if len(ids) + 1 >= self.capacity or not ids:
+            raise GenerationError(f"sample prompts have 1 to {self.capacity - 2} tokens; got {len(ids)}")
+        empty = {name: np.zeros_like(array) for name, array in self._cache.items()}
+        prefill = {
+            INPUT_IDS: np.array([window], np.int64),
+            SEQLENS_K: np.array([len(window) - 1], np.int32),
+            TOTAL_LENGTH: np.array(len(window), np.int32),
+            **empty,
+        }
+        with self._lock:
+            self._history, self._pending = [], []
+            for begin in range(0, len(ids), self.config.prefill_window):
+                self._step(self._prefill, ids[begin : begin + self.config.prefill_window])
+            token = int(np.argmax(self._logits.reshape(-1)))
+            decode = {
+                INPUT_IDS: np.array([[token]], np.int64),
+                SEQLENS_K: np.array([len(ids)], np.int32),
+                TOTAL_LENGTH: np.array(len(ids) + 1, np.int32),
+                **{name: array.copy() for name, array in self._cache.items()},
+            }
+            self._history, self._pending = [], []
+        return {self.config.prefill_graph: [prefill], self.config.decode_graph: [decode]}
+
     def token_query(self, ids: Sequence[int], **options: Any) -> QueryResult:
         """Generates from token ids (Genie's GenieDialog_tokenQuery); the options are `query`'s."""
         return self.query(list(ids), **options)

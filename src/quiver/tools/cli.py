@@ -171,7 +171,27 @@ def demo(workdir: Path | None, as_json: bool) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the sharing report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def build(models: tuple[str, ...], output: Path, input_shapes: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+@click.option(
+    "--config-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help='Tuning config JSON (QNN\'s keys): with "tuning_mode": true the context is tuned for this device.',
+)
+@click.option(
+    "--input-list",
+    "input_lists",
+    multiple=True,
+    metavar="[GRAPH=]LIST",
+    help="Sample inputs for tuning (qnn-net-run input list); GRAPH= gives a list to one graph.",
+)
+def build(
+    models: tuple[str, ...],
+    output: Path,
+    input_shapes: tuple[str, ...],
+    as_json: bool,
+    quiet: bool,
+    config_file: Path | None,
+    input_lists: tuple[str, ...],
+) -> None:
     """Pack MODEL.onnx[:GRAPH_NAME] ... into one context binary, each distinct weight stored once."""
     from quiver.passes.load import load_model
     from quiver.tools.report import describe_context
@@ -192,6 +212,8 @@ def build(models: tuple[str, ...], output: Path, input_shapes: tuple[str, ...], 
             progress.advance(task)
         progress.update(task, description="writing")
         context.save(output)
+    if config_file is not None:
+        _tune_built(context, output, config_file, input_lists)
     report = describe_context(context, str(output))
     context.close()
     if as_json:
@@ -200,6 +222,19 @@ def build(models: tuple[str, ...], output: Path, input_shapes: tuple[str, ...], 
     report = printable(report)
     _print_graph_table(report, f"built {output}")
     _print_summary(report)
+
+
+def _tune_built(context: Context, output: Path, config_file: Path, input_lists: Sequence[str]) -> None:
+    """`build --config-file`: QNN tunes while it generates the context binary; here, right after."""
+    from quiver.tools.tune_cli import _input_list_arg, run_tuning
+    from quiver.tuning import read_tuning_config
+
+    config = read_tuning_config(config_file)
+    if not config.tuning_mode:
+        return  # a config without tuning mode (and without cache options: those are an error) tunes nothing
+    run_tuning(
+        context, [_input_list_arg(v) for v in input_lists], (), {}, output, config_file, None, False, None, None, None
+    )
 
 
 def printable(value: Any) -> Any:
@@ -785,6 +820,7 @@ def ort_wrap(context_path: Path, output_dir: Path) -> None:
 
 
 from quiver.tools import t2t_cli as _t2t_cli  # noqa: E402,F401  (registers `quiver t2t`; it imports this module)
+from quiver.tools import tune_cli as _tune_cli  # noqa: E402,F401  (registers `quiver tune`, `quiver target-server`)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

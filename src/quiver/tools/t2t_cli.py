@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.table import Table
 
 from quiver.formats.files import read_text
 from quiver.tools.cli import _emit_json, _mb, _status, cli, console
+from quiver.tools.tune_cli import print_tuning, run_tuning, tuning_options
 
 
 @cli.group()
@@ -186,3 +188,46 @@ def t2t_run(
         )
     else:
         sys.stdout.write("\n")
+
+
+# A paragraph of plain English: tuning measures steps on real text (repeated to the length asked for).
+_SAMPLE_TEXT = (
+    "The history of the river begins in the mountains, where snow melts each spring and feeds small streams "
+    "that join below the pass. Farmers along its banks have measured the floods for centuries, and their "
+    "records tell of dry years, wet years, and the slow change of the valley as towns grew and bridges rose. "
+)
+
+
+@t2t.command("tune")
+@click.option(
+    "-c",
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A Genie dialog config (genie_config.json) whose context is tuned.",
+)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Tuned .qctx.")
+@click.option("--prompt-tokens", type=click.IntRange(1), default=128, show_default=True, help="Sample prompt length.")
+@tuning_options
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def t2t_tune(config_path: Path, output: Path, prompt_tokens: int, as_json: bool, **options: Any) -> None:
+    """Tune the prefill and decode graphs on steps of a real prompt; greedy tokens must not change.
+
+    Point the config's ctx-bins at the output (or write the output over the context: it is replaced
+    atomically) and generation uses the tuned settings on this device tier.
+    """
+    from quiver.t2t.dialog import Dialog
+    from quiver.tuning.workload import workload_of
+
+    with Dialog.from_config(config_path) as dialog:
+        ids: list[int] = []
+        while len(ids) < prompt_tokens:
+            ids += dialog.tokenizer.encode(_SAMPLE_TEXT)
+        samples = dialog.sample_feeds(ids[:prompt_tokens])
+        workloads = [workload_of(dialog.context, graph, feeds) for graph, feeds in samples.items()]
+        result = run_tuning(dialog.context, [], (), {}, output, workloads=workloads, **options)
+    if as_json:
+        _emit_json(result.to_json())
+    else:
+        print_tuning(result)

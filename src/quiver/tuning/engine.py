@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class GraphResult:
     default_ms: float
     tuned_ms: float
     measured: int  # candidates profiled in this run (0 from the cache)
+    changed: dict[str, KnobValue] = field(default_factory=dict)  # the config's values that are not defaults
     noise: float | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)
     out_of_budget: bool = False
@@ -38,6 +40,7 @@ class GraphResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "config": self.config,
+            "changed": self.changed,
             "default_ms": round(self.default_ms, 4),
             "tuned_ms": round(self.tuned_ms, 4),
             "measured": self.measured,
@@ -92,6 +95,14 @@ def cache_key(file: ContextFile, graph: str, workload: Workload, knob_space_vers
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
+def _candidate_json(candidate: search.Candidate) -> dict[str, Any]:
+    """A candidate for JSON: no absent fields; an infinite SQNR (identical outputs) as the string "inf"."""
+    fields = {k: v for k, v in dataclasses.asdict(candidate).items() if v is not None}
+    if isinstance(fields.get("sqnr_db"), float) and not math.isfinite(fields["sqnr_db"]):
+        fields["sqnr_db"] = "inf" if fields["sqnr_db"] > 0 else "-inf"
+    return fields
+
+
 def _report(on_progress: Callable[[str], object], graph: str, candidate: search.Candidate) -> None:
     on_progress(f"{graph}: {candidate.knob}={candidate.value!r}: {candidate.verdict}")
 
@@ -123,7 +134,11 @@ def tune_context(
         if record is not None and isinstance(record.get("config"), dict):
             on_progress(f"{workload.graph}: from the performance cache")
             result.graphs[workload.graph] = GraphResult(
-                dict(record["config"]), float(record.get("default_ms", 0)), float(record.get("tuned_ms", 0)), 0
+                dict(record["config"]),
+                float(record.get("default_ms", 0)),
+                float(record.get("tuned_ms", 0)),
+                0,
+                dict(record.get("changed") or {}),
             )
             continue
         on_progress(f"{workload.graph}: measuring")
@@ -143,8 +158,9 @@ def tune_context(
             found.default_ms,
             found.tuned_ms,
             found.measured,
+            {k: v for k, v in found.config.items() if v != found.defaults[k]},
             found.noise,
-            [{k: v for k, v in dataclasses.asdict(c).items() if v is not None} for c in found.candidates],
+            [_candidate_json(c) for c in found.candidates],
             found.out_of_budget,
         )
         result.graphs[workload.graph] = graph_result

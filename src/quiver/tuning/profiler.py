@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from quiver.backends.base import Backend, Executable, FinalizedGraph, Knob, KnobValue, is_tunable
-from quiver.errors import TuningError
+from quiver.errors import BackendError, TuningError
 from quiver.tuning.measure import time_block
 
 
@@ -90,6 +90,7 @@ class Variants:
         self.backend = backend
         self._ids = itertools.count(1)
         self.graphs: dict[str, FinalizedGraph] = {}
+        self.knobs: dict[str, dict[str, Knob]] = {}
         self.inputs: dict[str, list[FeedSet]] = {}
         self.variants: dict[str, _Variant] = {}
 
@@ -98,8 +99,10 @@ class Variants:
 
     def load(self, graph: FinalizedGraph, weight_keys: Mapping[str, str] | None = None) -> tuple[str, tuple[Knob, ...]]:
         handle = self._id("g")
+        knobs: tuple[Knob, ...] = self.backend.tunable_parameters(graph)  # type: ignore[attr-defined]
         self.graphs[handle] = graph
-        return handle, self.backend.tunable_parameters(graph)  # type: ignore[attr-defined]
+        self.knobs[handle] = {k.name: k for k in knobs}
+        return handle, knobs
 
     def upload(self, feed_sets: Sequence[FeedSet]) -> str:
         handle = self._id("i")
@@ -110,6 +113,11 @@ class Variants:
         finalized = self.graphs.get(graph)
         if finalized is None:
             raise TuningError(f"no graph {graph!r} was loaded")
+        knobs = self.knobs[graph]
+        for name, value in config.items():
+            if name not in knobs or value not in knobs[name].values or type(value) is not type(knobs[name].default):
+                known = {k.name: list(k.values) for k in knobs.values()}
+                raise BackendError(f"{name}={value!r} is not in this graph's knob space: {known}")
         executable = self.backend.prepare(dataclasses.replace(finalized, tuning=dict(config)))
         executable.wait_until_ready()
         handle = self._id("v")
@@ -149,6 +157,7 @@ class Variants:
         for variant in list(self.variants):
             self.release(variant)
         self.graphs.clear()
+        self.knobs.clear()
         self.inputs.clear()
 
 

@@ -28,6 +28,7 @@ class Candidate:
 @dataclass
 class SearchResult:
     config: dict[str, KnobValue]
+    defaults: dict[str, KnobValue]
     default_ms: float
     tuned_ms: float
     noise: float
@@ -67,7 +68,7 @@ def search(
             reference = profiler.prepare(graph, exact)
             reference_outputs = profiler.outputs(reference, inputs)
             profiler.release(reference)
-        result = SearchResult(dict(default), same.best_s * 1e3, same.best_s * 1e3, noise)
+        result = SearchResult(dict(default), dict(default), same.best_s * 1e3, same.best_s * 1e3, noise)
         best_config = dict(default)
         last: Comparison | None = None
         for knob in knobs:

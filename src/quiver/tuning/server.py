@@ -317,7 +317,8 @@ class TargetServer:
         except OSError as exc:
             raise TuningError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
         self._server.target = self
-        self.host, self.port = self._server.server_address[:2]
+        address = self._server.server_address
+        self.host, self.port = str(address[0]), int(address[1])
         self._thread: threading.Thread | None = None
 
     def serve_forever(self) -> None:
