@@ -33,6 +33,7 @@ from quantization import measure_quantization  # noqa: E402
 from real_models import measure_real_models  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
 from timing import median_ms  # noqa: E402
+from tuning import measure_tuning  # noqa: E402
 
 SEQ = 128
 SHORT_SEQ = 16  # a short prompt: load time dominates the first output
@@ -260,7 +261,7 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
-SECTIONS = ("family", "real_models", "lora_sections", "quantization", "ort_api", "t2t")
+SECTIONS = ("family", "real_models", "lora_sections", "quantization", "ort_api", "t2t", "tuning")
 
 
 def main() -> None:
@@ -328,6 +329,11 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("text generation ...", file=sys.stderr)
             report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=5)
+        if "tuning" in sections:
+            models = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
+            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("tuning ...", file=sys.stderr)
+            report["tuning"] = measure_tuning(folder, Path(models.stdout.strip()), Path(llms.stdout.strip()))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

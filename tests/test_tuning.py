@@ -375,7 +375,15 @@ def test_tuning_through_a_target_server_chooses_what_local_tuning_chose(
         result = tune_context(context, [workload], None, profiler=remote, budget_s=120)
         first_bytes = remote.sent_bytes
         remote.close()
-        assert result.graphs["base"].config == local.graphs["base"].config
+        # the same choice wherever local tuning saw a clear difference (a knob within 10 % either way is a
+        # tie that timing noise may settle either way on a graph this small)
+        clear = {c["knob"] for c in local.graphs["base"].candidates if abs(c.get("ratio", 1.0) - 1.0) > 0.1}
+        assert clear and {k: result.graphs["base"].config[k] for k in clear} == {
+            k: local.graphs["base"].config[k] for k in clear
+        }
+        assert [c["knob"] for c in result.graphs["base"].candidates] == [
+            c["knob"] for c in local.graphs["base"].candidates
+        ]
         assert result.fingerprint == local.fingerprint  # the server's device: here, this one
         unique = sum(a.nbytes for a in context.finalized_graph("base").weights.values())
         assert unique <= first_bytes < unique + 4096  # the weights once, plus the small inputs

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 # Before each timed block: other sessions' threads spin for a while after their last run and would steal
 # the cores (measured: an interleaved comparison without the pause put every candidate 1.5-2x off).
 SETTLE_S = 0.02
-BLOCK_S = 0.03  # a block lasts about this long (several runs of a fast graph, one of a slow one)
+# A block lasts about this long (many runs of a fast graph, one of a slow one). Measured on real MiniLM
+# (5 ms a run, 2 cores): two identical variants differ by up to 20-25 % with 30 ms blocks, 4-5 % with 100 ms.
+BLOCK_S = 0.1
 MIN_GAIN = 0.02  # below this, a gain is not worth a configuration however steady it is
 
 
@@ -28,7 +30,7 @@ def time_block(run: Callable[[], object], runs: int) -> list[float]:
 
 
 def runs_per_block(seconds_per_run: float) -> int:
-    return max(1, min(50, math.ceil(BLOCK_S / max(seconds_per_run, 1e-6))))
+    return max(1, min(200, math.ceil(BLOCK_S / max(seconds_per_run, 1e-6))))
 
 
 @dataclass(frozen=True)
