@@ -105,8 +105,7 @@ def _lora_choice(value: str) -> tuple[str, list[tuple[str, float]]]:
     return name, pairs
 
 
-@t2t.command("run")
-@click.option(
+_dialog_config = click.option(
     "-c",
     "--config",
     "config_path",
@@ -114,6 +113,10 @@ def _lora_choice(value: str) -> tuple[str, list[tuple[str, float]]]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="A Genie dialog config (genie_config.json).",
 )
+
+
+@t2t.command("run")
+@_dialog_config
 @click.option("-p", "--prompt", help="The prompt (raw text: apply the model's chat template yourself).")
 @click.option("--prompt-file", type=click.Path(dir_okay=False, path_type=Path), help="Read the prompt from a file.")
 @click.option("-l", "--lora", "lora", metavar="NAME[,ALPHA_NAME,VALUE...]", help="Apply an adapter, set strengths.")
@@ -199,14 +202,7 @@ _SAMPLE_TEXT = (
 
 
 @t2t.command("tune")
-@click.option(
-    "-c",
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="A Genie dialog config (genie_config.json) whose context is tuned.",
-)
+@_dialog_config
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Tuned .qctx.")
 @click.option("--prompt-tokens", type=click.IntRange(1), default=128, show_default=True, help="Sample prompt length.")
 @tuning_options
