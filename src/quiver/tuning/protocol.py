@@ -13,6 +13,7 @@ import math
 import re
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
@@ -51,9 +52,11 @@ class ConnectionClosed(Exception):
     """The peer closed the connection (or went silent past the timeout) between frames or inside one."""
 
 
-def _read_exactly(sock: socket.socket, count: int) -> bytes:
+def _read_exactly(sock: socket.socket, count: int, deadline: float | None = None) -> bytes:
     chunks, left = [], count
     while left:
+        if deadline is not None and time.monotonic() > deadline:
+            raise ConnectionClosed("too slow")  # a frame trickled in to hold a connection open
         try:
             data = sock.recv(min(left, 1 << 20))
         except (TimeoutError, OSError):
@@ -65,13 +68,15 @@ def _read_exactly(sock: socket.socket, count: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket, limit: int = MAX_MESSAGE) -> Any:
+def read_frame(sock: socket.socket, limit: int = MAX_MESSAGE, patience_s: float | None = None) -> Any:
     """One decoded message; `ProtocolError` for an oversized or undecodable frame (after which the
-    stream cannot be trusted: the server replies and closes)."""
+    stream cannot be trusted: the server replies and closes). With `patience_s`, a frame that has begun
+    must arrive within that time plus a second per MB, however slowly its bytes trickle in."""
     (length,) = _LENGTH.unpack(_read_exactly(sock, _LENGTH.size))
     if length > limit:
         raise ProtocolError("too-large", f"a frame of {length} bytes exceeds the limit of {limit}")
-    data = _read_exactly(sock, length)
+    deadline = None if patience_s is None else time.monotonic() + patience_s + length / 1e6
+    data = _read_exactly(sock, length, deadline)
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises ValueError, TypeError, ExtraData, StackError, FormatError...

@@ -242,7 +242,7 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             while True:
                 try:
-                    message = read_frame(sock, target.max_message)
+                    message = read_frame(sock, target.max_message, target.idle_timeout_s)
                 except ConnectionClosed:
                     return
                 except ProtocolError as exc:  # the stream can no longer be followed: say why, then close
