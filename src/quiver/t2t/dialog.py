@@ -262,7 +262,7 @@ class Dialog:
         if len(ids) + 1 >= self.capacity or not ids:
             raise GenerationError(f"sample prompts have 1 to {self.capacity - 2} tokens; got {len(ids)}")
         empty = {name: np.zeros_like(array) for name, array in self._cache.items()}
-        prefill = {
+        prefill: dict[str, np.ndarray] = {
             INPUT_IDS: np.array([window], np.int64),
             SEQLENS_K: np.array([len(window) - 1], np.int32),
             TOTAL_LENGTH: np.array(len(window), np.int32),
@@ -273,7 +273,7 @@ class Dialog:
             for begin in range(0, len(ids), self.config.prefill_window):
                 self._step(self._prefill, ids[begin : begin + self.config.prefill_window])
             token = int(np.argmax(self._logits.reshape(-1)))
-            decode = {
+            decode: dict[str, np.ndarray] = {
                 INPUT_IDS: np.array([[token]], np.int64),
                 SEQLENS_K: np.array([len(ids)], np.int32),
                 TOTAL_LENGTH: np.array(len(ids) + 1, np.int32),
