@@ -1,13 +1,26 @@
-"""ONNX Runtime's Python API on Quiver: `import quiver.ort as ort` in place of `import onnxruntime as ort`."""
+"""ONNX Runtime's Python API on Quiver: `import quiver.ort as ort` in place of `import onnxruntime as ort`.
 
+Every public name of the installed onnxruntime is here, decided one by one (`surface.py`): sessions,
+options, adapters, I/O binding and errors run over Quiver; data types and process-wide settings are
+ORT's own objects (delegated); what Quiver cannot do is refused with an ORT-typed error saying why.
+"""
+
+from typing import Any
+
+import onnxruntime as _onnxruntime
+
+from quiver.ort.binding import IOBinding, SessionIOBinding
 from quiver.ort.errors import (
+    DeviceReset,
     EngineError,
     EPFail,
     Fail,
     InvalidArgument,
     InvalidGraph,
     InvalidProtobuf,
+    ModelLoadCanceled,
     ModelLoaded,
+    ModelRequiresCompilation,
     NoModel,
     NoSuchFile,
     NotFound,
@@ -17,9 +30,10 @@ from quiver.ort.errors import (
 )
 from quiver.ort.options import ExecutionMode, GraphOptimizationLevel, LoraAdapter, RunOptions, SessionOptions
 from quiver.ort.provider import PROVIDER
-from quiver.ort.session import InferenceSession, NodeArg
+from quiver.ort.session import InferenceSession, ModelMetadata, NodeArg
+from quiver.ort.surface import DELEGATED, ModelCompiler
 
-__version__ = "quiver"
+__version__ = _onnxruntime.__version__  # the API's version: what code that checks it expects
 
 
 def get_available_providers() -> list[str]:
@@ -34,12 +48,31 @@ def get_device() -> str:
     return "CPU"
 
 
+def __getattr__(name: str) -> Any:
+    """ORT's own object for a delegated name (the same object: isinstance checks and enums agree)."""
+    if name in DELEGATED and hasattr(_onnxruntime, name):
+        return getattr(_onnxruntime, name)
+    if name == "backend":
+        import importlib
+
+        return importlib.import_module("quiver.ort.backend")
+    raise AttributeError(f"module 'quiver.ort' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *(n for n in DELEGATED if hasattr(_onnxruntime, n)), "backend"})
+
+
 __all__ = [
     "InferenceSession",
     "SessionOptions",
     "RunOptions",
     "LoraAdapter",
     "NodeArg",
+    "ModelMetadata",
+    "IOBinding",
+    "SessionIOBinding",
+    "ModelCompiler",
     "GraphOptimizationLevel",
     "ExecutionMode",
     "get_available_providers",
@@ -58,4 +91,7 @@ __all__ = [
     "InvalidGraph",
     "EPFail",
     "NotFound",
+    "ModelLoadCanceled",
+    "ModelRequiresCompilation",
+    "DeviceReset",
 ]

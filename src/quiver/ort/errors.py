@@ -1,59 +1,82 @@
-"""ONNX Runtime's exception types (`onnxruntime.capi.onnxruntime_pybind11_state`), each also a QuiverError."""
+"""ONNX Runtime's exception types (`onnxruntime.capi.onnxruntime_pybind11_state`), each also a QuiverError.
+
+Each class derives from ORT's class of the same name, so code that catches ORT's errors catches Quiver's.
+"""
 
 from __future__ import annotations
 
+from onnxruntime.capi import onnxruntime_pybind11_state as _state
+
 from quiver.errors import QuiverError
+
+
+def _ort(name: str) -> type[Exception]:
+    """ORT's exception class of that name (older releases lack some: then a stand-in of our own)."""
+    found = getattr(_state, name, None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else type(name, (Exception,), {})
 
 
 class OrtError(QuiverError):
     """Base of the ORT-named errors of `quiver.ort`."""
 
 
-class Fail(OrtError):
+class Fail(OrtError, _ort("Fail")):  # type: ignore[misc]
     pass
 
 
-class InvalidArgument(OrtError):
+class InvalidArgument(OrtError, _ort("InvalidArgument")):  # type: ignore[misc]
     pass
 
 
-class NoSuchFile(OrtError):
+class NoSuchFile(OrtError, _ort("NoSuchFile")):  # type: ignore[misc]
     pass
 
 
-class NoModel(OrtError):
+class NoModel(OrtError, _ort("NoModel")):  # type: ignore[misc]
     pass
 
 
-class EngineError(OrtError):
+class EngineError(OrtError, _ort("EngineError")):  # type: ignore[misc]
     """The backend failed in a way that needs a new session (QNN EP: an HTP subsystem restart)."""
 
 
-class RuntimeException(OrtError):
+class RuntimeException(OrtError, _ort("RuntimeException")):  # type: ignore[misc]
     pass
 
 
-class InvalidProtobuf(OrtError):
+class InvalidProtobuf(OrtError, _ort("InvalidProtobuf")):  # type: ignore[misc]
     pass
 
 
-class ModelLoaded(OrtError):
+class ModelLoaded(OrtError, _ort("ModelLoaded")):  # type: ignore[misc]
     pass
 
 
-class NotImplemented(OrtError):  # noqa: A001  (ORT's name)
+class NotImplemented(OrtError, _ort("NotImplemented")):  # type: ignore[misc]  # noqa: A001  (ORT's name)
     pass
 
 
-class InvalidGraph(OrtError):
+class InvalidGraph(OrtError, _ort("InvalidGraph")):  # type: ignore[misc]
     pass
 
 
-class EPFail(OrtError):
+class EPFail(OrtError, _ort("EPFail")):  # type: ignore[misc]
     pass
 
 
-class NotFound(OrtError):
+class NotFound(OrtError, _ort("NotFound")):  # type: ignore[misc]
+    pass
+
+
+class ModelLoadCanceled(OrtError, _ort("ModelLoadCanceled")):  # type: ignore[misc]
+    pass
+
+
+class ModelRequiresCompilation(OrtError, _ort("ModelRequiresCompilation")):  # type: ignore[misc]
+    pass
+
+
+class DeviceReset(OrtError, _ort("DeviceReset")):  # type: ignore[misc]
     pass
 
 

@@ -14,52 +14,27 @@ GraphOptimizationLevel = onnxruntime.GraphOptimizationLevel  # ORT's own enums: 
 ExecutionMode = onnxruntime.ExecutionMode
 
 
-class _ConfigEntries:
-    """String key/value entries, as ORT keeps them."""
+def _check_entry(key: object, value: object) -> None:
+    if not isinstance(key, str) or not isinstance(value, str):
+        raise InvalidArgument(f"config entries are strings; got {key!r}: {value!r}")
+
+
+class SessionOptions(onnxruntime.SessionOptions):
+    """`onnxruntime.SessionOptions` itself (every attribute and method), remembering its config entries,
+    which Quiver reads (ORT answers only per key)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._entries: dict[str, str] = {}
 
-    def _add(self, key: str, value: str) -> None:
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise InvalidArgument(f"config entries are strings; got {key!r}: {value!r}")
+    def add_session_config_entry(self, key: str, value: str) -> None:
+        _check_entry(key, value)
+        super().add_session_config_entry(key, value)
         self._entries[key] = value
-
-    def _get(self, key: str) -> str:
-        if key not in self._entries:
-            raise InvalidArgument(f"config entry {key!r} is not set")
-        return self._entries[key]
 
     @property
     def entries(self) -> dict[str, str]:
         return dict(self._entries)
-
-
-class SessionOptions(_ConfigEntries):
-    """`onnxruntime.SessionOptions`: the attributes typical code sets, and session config entries."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.intra_op_num_threads = 0
-        self.inter_op_num_threads = 0
-        self.graph_optimization_level = GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.execution_mode = ExecutionMode.ORT_SEQUENTIAL
-        self.log_severity_level = 2
-        self.log_verbosity_level = 0
-        self.logid = ""
-        self.enable_profiling = False
-        self.profile_file_prefix = "onnxruntime_profile_"
-        self.optimized_model_filepath = ""
-        self.enable_cpu_mem_arena = True
-        self.enable_mem_pattern = True
-        self.enable_mem_reuse = True
-        self.use_deterministic_compute = False
-
-    def add_session_config_entry(self, key: str, value: str) -> None:
-        self._add(key, value)
-
-    def get_session_config_entry(self, key: str) -> str:
-        return self._get(key)
 
 
 class LoraAdapter:
@@ -77,25 +52,25 @@ class LoraAdapter:
         self.path = path
 
 
-class RunOptions(_ConfigEntries):
-    """`onnxruntime.RunOptions`: run config entries (`qnn.lora_config`) and active LoRA adapters."""
+class RunOptions(onnxruntime.RunOptions):
+    """`onnxruntime.RunOptions` itself, plus run config entries Quiver reads (`qnn.lora_config`) and the
+    active LoRA adapters (Quiver's `LoraAdapter`s)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.log_severity_level = 2
-        self.log_verbosity_level = 0
-        self.logid = ""
-        self.terminate = False
-        self.only_execute_path_to_fetches = False
+        self._entries: dict[str, str] = {}
         self.active_adapters: list[LoraAdapter] = []
 
     def add_run_config_entry(self, key: str, value: str) -> None:
-        self._add(key, value)
+        _check_entry(key, value)
+        super().add_run_config_entry(key, value)
+        self._entries[key] = value
 
-    def get_run_config_entry(self, key: str) -> str:
-        return self._get(key)
+    @property
+    def entries(self) -> dict[str, str]:
+        return dict(self._entries)
 
-    def add_active_adapter(self, adapter: LoraAdapter) -> None:
+    def add_active_adapter(self, adapter: LoraAdapter) -> None:  # type: ignore[override]
         if not isinstance(adapter, LoraAdapter) or adapter.section is None:
             raise InvalidArgument("add_active_adapter takes a quiver.ort.LoraAdapter on which Load() was called")
         self.active_adapters.append(adapter)
@@ -103,7 +78,7 @@ class RunOptions(_ConfigEntries):
 
 def config_entries(options: object) -> dict[str, str]:
     """Entries of our options, or of ORT's own SessionOptions/RunOptions (which only answer per key)."""
-    if isinstance(options, _ConfigEntries):
+    if isinstance(options, (SessionOptions, RunOptions)):
         return options.entries
     keys = (
         "session.disable_cpu_ep_fallback",

@@ -32,6 +32,7 @@ from quiver.ir import dtypes
 from quiver.ir.edit import quantized_io
 from quiver.ir.proto import ModelProto, TensorProto
 from quiver.ir.tensors import TensorInfo
+from quiver.ort.binding import IOBinding, feeds_of, ortvalue_of
 from quiver.ort.epcontext import (
     EpContext,
     ep_context_model,
@@ -171,7 +172,9 @@ class InferenceSession:
                 self._build(model, path_or_bytes)
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
-        self._model_meta = _ModelMeta(model)  # not the model: its weights live in the context
+        self._model_meta = ModelMetadata(model)  # not the model: its weights live in the context
+        self._start_ns = time.time_ns()
+        self._fallback_enabled = True
 
     # --- opening ------------------------------------------------------------------------------------
 
@@ -272,19 +275,35 @@ class InferenceSession:
     def get_session_options(self) -> SessionOptions | Any:
         return self._options
 
-    def get_modelmeta(self) -> _ModelMeta:
+    def get_modelmeta(self) -> ModelMetadata:
         return self._model_meta
 
     # --- running ------------------------------------------------------------------------------------
 
-    def run(
+    def _input_dtype(self, name: str) -> np.dtype | None:
+        """The numpy dtype of an input (Python lists fed to it are converted to it, as ORT does)."""
+        for arg in self.get_inputs():
+            if arg.name == name:
+                inner = str(arg.type).removeprefix("tensor(").removesuffix(")")
+                inner = {"float": "float32", "double": "float64"}.get(inner, inner)
+                return dtypes.numpy_of(inner) if inner in dtypes.IO_DTYPE_NAMES else None
+        return None
+
+    def _execute(
         self,
-        output_names: Sequence[str] | None,
-        input_feed: Mapping[str, Any],
-        run_options: RunOptions | Any | None = None,
-    ) -> list[np.ndarray]:
+        feeds: Mapping[str, np.ndarray],
+        run_options: RunOptions | Any | None,
+        out: Mapping[str, np.ndarray] | None,
+    ) -> dict[str, np.ndarray]:
+        """Every output by name; those in `out` are written into the caller's arrays."""
         if self._fallback is not None:
-            return list(self._fallback.run(output_names, dict(input_feed)))
+            names = [o.name for o in self._fallback.get_outputs()]
+            values = dict(zip(names, self._fallback.run(None, dict(feeds), run_options)))
+            for name, target in (out or {}).items():
+                if name in values:
+                    np.copyto(target, values[name].reshape(target.shape))
+                    values[name] = target
+            return values
         if self._broken is not None:
             raise EngineError(f"this session's backend failed earlier ({self._broken}); create a new session")
         assert self._context is not None
@@ -292,18 +311,151 @@ class InferenceSession:
             state = self._run_state(run_options)
             start = time.perf_counter()
             graph = self._graph()
-            results = graph.execute(dict(input_feed)) if state is None else graph.execute_with(dict(input_feed), state)
+            if state is None:
+                results = graph.execute(dict(feeds), out=out or None)
+            else:
+                results = graph.execute_with(dict(feeds), state, out=out or None)
             self._record(time.perf_counter() - start)
         except errors.BackendError as exc:
             self._broken = str(exc)
             raise EngineError(f"{exc}; the session cannot run any more: create a new session") from None
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
+        return results
+
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: RunOptions | Any | None = None,
+    ) -> list[np.ndarray]:
+        results = self._execute(feeds_of(input_feed, self._input_dtype), run_options, None)
         names = list(output_names) if output_names else list(results)
         unknown = [n for n in names if n not in results]
         if unknown:
             raise InvalidArgument(f"invalid output name(s) {unknown}; the outputs are {list(results)}")
         return [results[n] for n in names]
+
+    # --- the rest of ORT's session surface ----------------------------------------------------------------
+
+    def get_profiling_start_time_ns(self) -> int:
+        return self._start_ns
+
+    def _cpu_memory_infos(self, count: int) -> list[Any]:
+        arena, default = onnxruntime.OrtAllocatorType.ORT_ARENA_ALLOCATOR, onnxruntime.OrtMemType.DEFAULT
+        info = onnxruntime.OrtMemoryInfo("Cpu", arena, 0, default)
+        return [info] * count
+
+    def get_input_memory_infos(self) -> list[Any]:
+        """Where each input is expected: CPU memory, for every input."""
+        return self._cpu_memory_infos(len(self.get_inputs()))
+
+    def get_output_memory_infos(self) -> list[Any]:
+        return self._cpu_memory_infos(len(self.get_outputs()))
+
+    def get_input_epdevices(self) -> list[Any]:
+        """No plugin EP devices are used: one None per input, as ORT gives for CPU inputs."""
+        return [None] * len(self.get_inputs())
+
+    def get_tuning_results(self) -> list[Any]:
+        """ORT's TunableOp results (GPU EPs); the CPU has none, as with ORT. Quiver tunes with `quiver tune`."""
+        return []
+
+    def set_tuning_results(self, results: Sequence[Any], error_on_invalid: bool = False) -> None:
+        if results and error_on_invalid:
+            raise InvalidArgument("these tuning results are for ORT's TunableOp (GPU EPs); tune with `quiver tune`")
+
+    def disable_fallback(self) -> None:
+        """ORT's run-time fallback to other EPs; Quiver decides at session creation (see the README)."""
+        self._fallback_enabled = False
+
+    def enable_fallback(self) -> None:
+        self._fallback_enabled = True
+
+    def release_captured_graph(self, *_: Any) -> None:
+        """CUDA graph capture does not happen on the CPU: nothing to release."""
+
+    def set_ep_dynamic_options(self, keys: Sequence[str], values: Sequence[str]) -> None:
+        raise UnsupportedByBackend(
+            f"{self._providers[0]} has no dynamic options (asked for {list(keys)}); set them when creating a session"
+        )
+
+    def get_provider_graph_assignment_info(self) -> list[Any]:
+        raise UnsupportedByBackend(
+            "quiver.ort runs the whole graph on one provider (see get_providers()): no per-node assignment to report"
+        )
+
+    def set_providers(
+        self,
+        providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None = None,
+        provider_options: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Accepts the providers the session already runs with; anything else needs a new session."""
+        config, reported = select_provider(providers, provider_options)
+        if config != self._config:
+            raise UnsupportedByBackend("quiver.ort cannot change a session's provider options; create a new session")
+        self._providers = reported if self._fallback is None else self._providers
+
+    # --- OrtValues, IOBinding, asynchronous runs ----------------------------------------------------------
+
+    def create_ortvalue_from_shape_and_type(
+        self, shape: Sequence[int], element_type: Any, device_type: str, device_id: int = 0, vendor_id: int = -1
+    ) -> onnxruntime.OrtValue:
+        """A CPU OrtValue of that shape and type (ONNX element type numbers are accepted too)."""
+        if str(device_type).lower() != "cpu":
+            raise InvalidArgument(f"quiver.ort allocates on the CPU, not {device_type!r}")
+        if isinstance(element_type, int):
+            element_type = dtypes.numpy_of(dtypes.io_name_of_onnx(element_type))
+        return onnxruntime.OrtValue.ortvalue_from_shape_and_type(list(shape), element_type, "cpu", 0)
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptions | Any | None = None) -> None:
+        if not isinstance(iobinding, IOBinding):
+            raise InvalidArgument("run_with_iobinding takes the binding this session's io_binding() returned")
+        iobinding.run(run_options)
+
+    def run_with_ort_values(
+        self,
+        output_names: Sequence[str] | None,
+        input_dict_ort_values: Mapping[str, Any],
+        run_options: RunOptions | Any | None = None,
+    ) -> list[onnxruntime.OrtValue]:
+        """As `run`, with OrtValues in (viewed, not copied) and out."""
+        return [ortvalue_of(a) for a in self.run(output_names, input_dict_ort_values, run_options)]
+
+    def run_with_ortvaluevector(
+        self,
+        run_options: RunOptions | Any | None,
+        feed_names: Sequence[str],
+        feeds: Sequence[Any],
+        fetch_names: Sequence[str],
+        fetches: list[Any],
+        fetch_devices: Sequence[Any] | None = None,
+    ) -> None:
+        """ORT's low-level form: the outputs are appended to `fetches`."""
+        fetches.extend(self.run_with_ort_values(fetch_names, dict(zip(feed_names, feeds)), run_options))
+
+    def run_async(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        callback: Any,
+        user_data: Any,
+        run_options: RunOptions | Any | None = None,
+    ) -> None:
+        """Runs on a thread of its own and calls `callback(outputs, user_data, error_message)`."""
+
+        def work() -> None:
+            try:
+                outputs = self.run_with_ort_values(output_names, input_feed, run_options)
+            except Exception as exc:  # handed to the callback, as ORT does
+                callback([], user_data, str(exc))
+                return
+            callback(outputs, user_data, "")
+
+        threading.Thread(target=work, name="quiver-ort-run-async", daemon=True).start()
 
     def _lora_sections(self, run_options: RunOptions | Any) -> list[SectionFile]:
         entries = config_entries(run_options)
@@ -412,7 +564,7 @@ class InferenceSession:
             pass
 
 
-class _ModelMeta:
+class ModelMetadata:
     """`onnxruntime.ModelMetadata`'s fields."""
 
     def __init__(self, model: ModelProto) -> None:
@@ -421,5 +573,6 @@ class _ModelMeta:
         self.domain = model.domain
         self.description = model.doc_string
         self.graph_description = model.graph.doc_string
-        self.version = model.model_version
+        # ORT reports an unset model_version as the largest int64 (its "unknown"), not as 0
+        self.version = model.model_version if model.HasField("model_version") else 2**63 - 1
         self.custom_metadata_map = {p.key: p.value for p in model.metadata_props}

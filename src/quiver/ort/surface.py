@@ -1,0 +1,95 @@
+"""What `quiver.ort` does with each public name of onnxruntime: implemented, delegated, or refused.
+
+* **Implemented over Quiver** (defined in this package): `InferenceSession`, `SessionOptions`,
+  `RunOptions`, `LoraAdapter`, `NodeArg`, `ModelMetadata`, `IOBinding` / `SessionIOBinding`, the
+  provider queries, the error classes, and the `backend` module.
+* **Delegated** (`DELEGATED`: ORT's own objects, so values made with either module are interchangeable):
+  data types and enums (`OrtValue`, `SparseTensor`, `OrtDevice`, `OrtMemoryInfo`, ...), process-wide
+  settings and queries (logging, telemetry, thread pools, seeds, build info, EP libraries), model
+  packaging tools, and the `capi` package (ORT's error classes live there; Quiver's derive from them).
+* **Refused** with an ORT-typed error that says why: `ModelCompiler` (ORT's compile API needs an EP
+  that writes EPContext nodes; Quiver writes them with `ep.context_enable=1` or `quiver ort-wrap`).
+
+A name onnxruntime adds in a new release is in none of these lists, and `tests/test_ort_surface.py`
+fails until it is decided.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quiver.ort.errors import NotImplemented as _Refused
+
+DELEGATED = frozenset(
+    {
+        # data types and enums
+        "AdapterFormat",
+        "ExecutionOrder",
+        "OrtAllocatorType",
+        "OrtArenaCfg",
+        "OrtCompileApiFlags",
+        "OrtDevice",
+        "OrtDeviceMemoryType",
+        "OrtDeviceVendorId",
+        "OrtEpAssignedNode",
+        "OrtEpAssignedSubgraph",
+        "OrtEpContextData",
+        "OrtEpContextDataBuffer",
+        "OrtEpDevice",
+        "OrtExecutionProviderDevicePolicy",
+        "OrtExternalInitializerInfo",
+        "OrtHardwareDevice",
+        "OrtHardwareDeviceType",
+        "OrtMemType",
+        "OrtMemoryInfo",
+        "OrtMemoryInfoDeviceType",
+        "OrtSparseFormat",
+        "OrtSyncStream",
+        "OrtValue",
+        "SparseTensor",
+        "copy_tensors",
+        # model packaging (files, independent of the engine that runs them)
+        "ModelPackage",
+        "ModelPackageComponentContext",
+        "ModelPackageContext",
+        "ModelPackageOptions",
+        "ModelPackageWriteMode",
+        # process-wide settings and queries
+        "create_and_register_allocator",
+        "create_and_register_allocator_v2",
+        "cuda_version",
+        "disable_telemetry_events",
+        "enable_telemetry_events",
+        "get_build_info",
+        "get_ep_devices",
+        "get_version_string",
+        "has_collective_ops",
+        "import_capi_exception",
+        "onnxruntime_validation",
+        "package_name",
+        "preload_dlls",
+        "print_debug_info",
+        "register_execution_provider_library",
+        "unregister_execution_provider_library",
+        "set_default_logger_callback",
+        "set_default_logger_severity",
+        "set_default_logger_verbosity",
+        "set_global_thread_pool_sizes",
+        "set_seed",
+        "version",
+        # modules
+        "capi",
+        "contextlib",
+    }
+)
+
+
+class ModelCompiler:
+    """ORT's compile API, refused: it compiles for EPs that write EPContext nodes, which Quiver does itself."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise _Refused(
+            "quiver.ort does not implement ORT's ModelCompiler yet: make an EPContext model with "
+            "SessionOptions entry ep.context_enable=1 (ep.context_file_path, ep.context_embed_mode) "
+            "or `quiver ort-wrap CONTEXT.qctx -o DIR`"
+        )

@@ -1,0 +1,204 @@
+"""`quiver.ort` has every public name of the installed onnxruntime, and behaves as ORT where users look:
+error classes, versions, input conversion, OrtValues, IOBinding, asynchronous runs, the backend module."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+import quiver
+import quiver.ort
+
+W = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+X = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """y = relu(x·W) + 1, z = argmax over y: a float and an int64 output."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["m"]),
+            helper.make_node("Relu", ["m"], ["r"]),
+            helper.make_node("Add", ["r", "one"], ["y"]),
+            helper.make_node("ArgMax", ["y"], ["z"], axis=1, keepdims=0),
+        ],
+        "surface",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 32]),
+            helper.make_tensor_value_info("z", TensorProto.INT64, ["n"]),
+        ],
+        [numpy_helper.from_array(W, "W"), numpy_helper.from_array(np.ones(1, np.float32), "one")],
+    )
+    path = tmp_path_factory.mktemp("surface") / "surface.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    return path
+
+
+def _expected(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    y = np.maximum(x @ W, 0) + 1
+    return y, np.argmax(y, axis=1)
+
+
+def _public(module: object) -> set[str]:
+    return {n for n in dir(module) if not n.startswith("_")}
+
+
+def test_every_public_onnxruntime_name_is_in_quiver_ort() -> None:
+    missing = sorted(_public(onnxruntime) - _public(quiver.ort))
+    assert not missing, f"decide these in quiver/ort/surface.py (implement, delegate or refuse): {missing}"
+    for name in _public(onnxruntime):
+        assert (getattr(quiver.ort, name) is None) == (getattr(onnxruntime, name) is None), name
+
+
+def test_delegated_names_are_onnxruntimes_own_objects() -> None:
+    for name in quiver.ort.surface.DELEGATED & _public(onnxruntime):
+        assert getattr(quiver.ort, name) is getattr(onnxruntime, name), name
+    value = quiver.ort.OrtValue.ortvalue_from_numpy(X)
+    assert isinstance(value, onnxruntime.OrtValue)
+    assert quiver.ort.__version__ == onnxruntime.__version__ == quiver.ort.get_version_string()
+
+
+def test_session_and_options_have_every_public_member_of_onnxruntimes() -> None:
+    for ours, theirs in (
+        (quiver.ort.InferenceSession, onnxruntime.InferenceSession),
+        (quiver.ort.IOBinding, onnxruntime.IOBinding),
+    ):
+        missing = sorted(_public(theirs) - _public(ours))
+        assert not missing, f"{ours.__name__} lacks {missing}"
+    assert isinstance(quiver.ort.SessionOptions(), onnxruntime.SessionOptions)
+    assert isinstance(quiver.ort.RunOptions(), onnxruntime.RunOptions)
+    options = quiver.ort.SessionOptions()
+    options.add_free_dimension_override_by_name("n", 4)  # ORT's own method
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_errors_are_onnxruntimes_classes_and_quiver_errors(model: Path, tmp_path: Path) -> None:
+    session = quiver.ort.InferenceSession(str(model))
+    with pytest.raises(ort_state.InvalidArgument) as wrong_name:
+        session.run(None, {"nope": X})
+    assert isinstance(wrong_name.value, quiver.QuiverError)
+    with pytest.raises(ort_state.NoSuchFile):
+        quiver.ort.InferenceSession(str(tmp_path / "missing.onnx"))
+    with pytest.raises(ort_state.NotImplemented, match="ep.context_enable"):
+        quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(model))
+    for name, value in vars(quiver.ort.errors).items():
+        if inspect.isclass(value) and issubclass(value, quiver.ort.OrtError) and hasattr(ort_state, name):
+            assert issubclass(value, getattr(ort_state, name)), name
+
+
+def test_python_lists_are_converted_to_the_inputs_type(model: Path) -> None:
+    session = quiver.ort.InferenceSession(str(model))
+    y, z = session.run(None, {"x": X.astype(np.float64).tolist()})
+    np.testing.assert_allclose(y, _expected(X)[0], rtol=1e-5)
+    np.testing.assert_array_equal(z, _expected(X)[1])
+
+
+def test_model_metadata_reports_an_unset_version_as_onnxruntime_does(model: Path) -> None:
+    ours = quiver.ort.InferenceSession(str(model)).get_modelmeta()
+    theirs = onnxruntime.InferenceSession(str(model)).get_modelmeta()
+    assert ours.version == theirs.version and ours.graph_name == theirs.graph_name
+
+
+def test_run_with_ort_values_takes_and_gives_ort_values(model: Path) -> None:
+    session = quiver.ort.InferenceSession(str(model))
+    outputs = session.run_with_ort_values(["y"], {"x": onnxruntime.OrtValue.ortvalue_from_numpy(X)})
+    assert isinstance(outputs[0], onnxruntime.OrtValue)
+    np.testing.assert_allclose(outputs[0].numpy(), _expected(X)[0], rtol=1e-5)
+    fetches: list = []
+    session.run_with_ortvaluevector(None, ["x"], [onnxruntime.OrtValue.ortvalue_from_numpy(X)], ["z"], fetches)
+    np.testing.assert_array_equal(fetches[0].numpy(), _expected(X)[1])
+
+
+def test_iobinding_writes_into_bound_memory_without_copies(model: Path) -> None:
+    session = quiver.ort.InferenceSession(str(model))
+    binding = session.io_binding()
+    binding.bind_cpu_input("x", X)
+    target = onnxruntime.OrtValue.ortvalue_from_shape_and_type([4, 32], np.float32, "cpu", 0)
+    binding.bind_ortvalue_output("y", target)
+    binding.bind_output("z")  # allocated by the run
+    session.run_with_iobinding(binding)
+    binding.synchronize_outputs()
+    y, z = _expected(X)
+    np.testing.assert_allclose(target.numpy(), y, rtol=1e-5)  # written into the OrtValue's own memory
+    outputs = binding.get_outputs()
+    assert outputs[0] is target and isinstance(outputs[1], onnxruntime.OrtValue)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[1], z)
+    # a raw pointer for the input and for the output, as GPU-style code binds them
+    buffer = np.zeros((4, 32), np.float32)
+    raw = session.io_binding()
+    raw.bind_input("x", "cpu", 0, np.float32, list(X.shape), X.ctypes.data)
+    raw.bind_output("y", "cpu", 0, np.float32, [4, 32], buffer.ctypes.data)
+    session.run_with_iobinding(raw)
+    np.testing.assert_allclose(buffer, y, rtol=1e-5)
+    with pytest.raises(ort_state.InvalidArgument, match="CPU"):
+        raw.bind_output("y", "cuda", 0, np.float32, [4, 32], buffer.ctypes.data)
+
+
+def test_iobinding_without_outputs_gives_every_output(model: Path) -> None:
+    session = quiver.ort.InferenceSession(str(model))
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", onnxruntime.OrtValue.ortvalue_from_numpy(X))
+    session.run_with_iobinding(binding)
+    y, z = binding.copy_outputs_to_cpu()
+    np.testing.assert_allclose(y, _expected(X)[0], rtol=1e-5)
+    fresh = session.io_binding()
+    fresh.bind_output("y")
+    with pytest.raises(ort_state.InvalidArgument, match="run_with_iobinding"):
+        fresh.copy_outputs_to_cpu()
+
+
+def test_run_async_calls_back_with_outputs_or_the_error(model: Path) -> None:
+    session = quiver.ort.InferenceSession(str(model))
+    done = threading.Event()
+    received: dict = {}
+
+    def callback(outputs: list, user_data: object, error: str) -> None:
+        received.update(outputs=outputs, user_data=user_data, error=error)
+        done.set()
+
+    session.run_async(["y"], {"x": X}, callback, "mine")
+    assert done.wait(30)
+    assert received["error"] == "" and received["user_data"] == "mine"
+    np.testing.assert_allclose(received["outputs"][0].numpy(), _expected(X)[0], rtol=1e-5)
+    done.clear()
+    session.run_async(None, {"nope": X}, callback, None)
+    assert done.wait(30) and "nope" in received["error"] and received["outputs"] == []
+
+
+def test_the_backend_module_runs_models_as_onnxruntimes_does(model: Path) -> None:
+    from onnxruntime import backend as ort_backend
+
+    from quiver.ort import backend
+
+    ours = backend.run(str(model), X)
+    theirs = ort_backend.run(str(model), X)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    rep = backend.prepare(model.read_bytes(), "CPU")
+    np.testing.assert_array_equal(rep.run([X])[1], _expected(X)[1])
+    assert backend.supports_device("CPU") and not backend.supports_device("CUDA")
+    with pytest.raises(RuntimeError, match="not permitted"):
+        backend.prepare(str(model), optimized_model_filepath="x.onnx")
+
+
+def test_the_remaining_session_queries_answer_as_on_a_cpu(model: Path) -> None:
+    session = quiver.ort.InferenceSession(str(model))
+    value = session.create_ortvalue_from_shape_and_type([2, 3], TensorProto.FLOAT, "cpu")
+    assert value.shape() == [2, 3] and value.data_type() == "tensor(float)"
+    assert session.get_profiling_start_time_ns() > 0
+    assert len(session.get_input_memory_infos()) == 1
+    assert len(session.get_output_memory_infos()) == 2
+    assert session.get_tuning_results() == []
+    session.set_providers(["QuiverExecutionProvider"])
+    with pytest.raises(ort_state.NotImplemented, match="new session"):
+        session.set_providers(["QuiverExecutionProvider"], [{"htp_performance_mode": "power_saver"}])
