@@ -202,3 +202,20 @@ def test_the_remaining_session_queries_answer_as_on_a_cpu(model: Path) -> None:
     session.set_providers(["QuiverExecutionProvider"])
     with pytest.raises(ort_state.NotImplemented, match="new session"):
         session.set_providers(["QuiverExecutionProvider"], [{"htp_performance_mode": "power_saver"}])
+
+
+@pytest.mark.parametrize(
+    "providers, reported",
+    [
+        (None, ["QuiverExecutionProvider", "CPUExecutionProvider"]),
+        (["QNNExecutionProvider"], ["QuiverExecutionProvider", "CPUExecutionProvider"]),
+        (["QuiverExecutionProvider", "CPUExecutionProvider"], ["QuiverExecutionProvider", "CPUExecutionProvider"]),
+        (["CPUExecutionProvider"], ["CPUExecutionProvider"]),
+    ],
+)
+def test_providers_are_reported_as_onnxruntime_reports_them(model: Path, providers: list, reported: list) -> None:
+    session = quiver.ort.InferenceSession(str(model), providers=providers)
+    assert session.get_providers() == reported
+    assert set(session.get_provider_options()) == set(reported)
+    assert session.get_provider_options()["CPUExecutionProvider"] == {}
+    np.testing.assert_allclose(session.run(["y"], {"x": X})[0], _expected(X)[0], rtol=1e-5)

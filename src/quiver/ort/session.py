@@ -43,7 +43,7 @@ from quiver.ort.epcontext import (
 from quiver.ort.errors import EngineError, InvalidArgument, InvalidProtobuf, NoSuchFile, ort_error
 from quiver.ort.errors import NotImplemented as UnsupportedByBackend
 from quiver.ort.options import RunOptions, SessionOptions, config_entries
-from quiver.ort.provider import ProviderConfig, select_provider
+from quiver.ort.provider import PROVIDER, ProviderConfig, select_provider
 from quiver.runtime.context import Context
 from quiver.runtime.sections import load_section
 from quiver.runtime.state import GraphState
@@ -270,7 +270,8 @@ class InferenceSession:
         return list(self._providers)
 
     def get_provider_options(self) -> dict[str, dict[str, str]]:
-        return {self._providers[0]: dict(self._config.options)}
+        """Per reported provider, as ORT gives them: Quiver's options, and none for the CPU EP."""
+        return {name: dict(self._config.options) if name == PROVIDER else {} for name in self._providers}
 
     def get_session_options(self) -> SessionOptions | Any:
         return self._options
