@@ -219,3 +219,66 @@ def test_providers_are_reported_as_onnxruntime_reports_them(model: Path, provide
     assert set(session.get_provider_options()) == set(reported)
     assert session.get_provider_options()["CPUExecutionProvider"] == {}
     np.testing.assert_allclose(session.run(["y"], {"x": X})[0], _expected(X)[0], rtol=1e-5)
+
+
+def test_enable_profiling_writes_onnxruntimes_json_profile(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    options = quiver.ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = "mine"
+    session = quiver.ort.InferenceSession(str(model), options)
+    for _ in range(3):
+        session.run(None, {"x": X})
+    path = Path(session.end_profiling())
+    assert path.parent == Path(".") and path.name.startswith("mine_") and path.suffix == ".json"
+    events = json.loads(path.read_text())
+    assert [e["name"] for e in events] == ["session_initialization"] + ["model_run"] * 3
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in events)
+    assert quiver.ort.InferenceSession(str(model)).end_profiling() == ""
+
+
+def test_optimized_model_filepath_is_written_as_onnxruntime_writes_it(model: Path, tmp_path: Path) -> None:
+    options = quiver.ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = quiver.ort.InferenceSession(str(model), options)
+    optimized = onnxruntime.InferenceSession(str(tmp_path / "optimized.onnx"))
+    np.testing.assert_allclose(optimized.run(["y"], {"x": X})[0], session.run(["y"], {"x": X})[0], rtol=1e-5)
+
+
+def test_session_options_load_from_the_model_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import onnx
+
+    proto = onnx.load(str(_model_file(tmp_path)))
+    config = {"session_options": {"intra_op_num_threads": 1, "inter_op_num_threads": 5, "execution_mode": 1}}
+    onnx.helper.set_model_props(proto, {"ort_config": json.dumps(config)})
+    path = tmp_path / "configured.onnx"
+    onnx.save(proto, str(path))
+    mine = quiver.ort.SessionOptions()
+    mine.intra_op_num_threads = 2
+    monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "1")
+    for module in (quiver.ort, onnxruntime):
+        session = module.InferenceSession(str(path), mine if module is quiver.ort else None)
+        applied = session.get_session_options()
+        assert (applied.intra_op_num_threads, applied.inter_op_num_threads) == (1, 5), module
+        assert applied.execution_mode == onnxruntime.ExecutionMode.ORT_PARALLEL
+    assert mine.intra_op_num_threads == 2  # the caller's object is left as it was
+    monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "0")
+    assert quiver.ort.InferenceSession(str(path)).get_session_options().inter_op_num_threads == 0
+
+
+def _model_file(folder: Path) -> Path:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    path = folder / "relu.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    return path

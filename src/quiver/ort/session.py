@@ -44,6 +44,7 @@ from quiver.ort.errors import EngineError, InvalidArgument, InvalidProtobuf, NoS
 from quiver.ort.errors import NotImplemented as UnsupportedByBackend
 from quiver.ort.options import RunOptions, SessionOptions, config_entries
 from quiver.ort.provider import PROVIDER, ProviderConfig, select_provider
+from quiver.ort.session_config import profile_of, with_model_config, write_optimized_model
 from quiver.runtime.context import Context
 from quiver.runtime.sections import load_section
 from quiver.runtime.state import GraphState
@@ -164,17 +165,24 @@ class InferenceSession:
         self._profile: list[tuple[str, int, float]] = []
         self._fallback: onnxruntime.InferenceSession | None = None
         self._context: Context | None = None
+        self._start_ns = time.time_ns()
+        opening = time.perf_counter_ns()
         model, folder = _load_model(path_or_bytes)
+        self._options = with_model_config(self._options, model)
+        self._json_profile = profile_of(self._options)
         try:
             if is_ep_context_model(model):
                 self._open_ep_context(read_ep_context(model, folder))
             else:
                 self._build(model, path_or_bytes)
+                source = str(path_or_bytes) if isinstance(path_or_bytes, Path) else path_or_bytes
+                write_optimized_model(self._options, source)
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
         self._model_meta = ModelMetadata(model)  # not the model: its weights live in the context
-        self._start_ns = time.time_ns()
         self._fallback_enabled = True
+        if self._json_profile is not None:
+            self._json_profile.session_ready(opening, time.perf_counter_ns())
 
     # --- opening ------------------------------------------------------------------------------------
 
@@ -310,13 +318,13 @@ class InferenceSession:
         assert self._context is not None
         try:
             state = self._run_state(run_options)
-            start = time.perf_counter()
+            start = time.perf_counter_ns()
             graph = self._graph()
             if state is None:
                 results = graph.execute(dict(feeds), out=out or None)
             else:
                 results = graph.execute_with(dict(feeds), state, out=out or None)
-            self._record(time.perf_counter() - start)
+            self._record(start, time.perf_counter_ns())
         except errors.BackendError as exc:
             self._broken = str(exc)
             raise EngineError(f"{exc}; the session cannot run any more: create a new session") from None
@@ -507,9 +515,11 @@ class InferenceSession:
                 self._states[key] = cached
         return cached[1]
 
-    def _record(self, seconds: float) -> None:
+    def _record(self, start_ns: int, end_ns: int) -> None:
         if self._config.profiling_level != "off":
-            self._profile.append((self._graph_name, len(self._profile), seconds * 1e6))
+            self._profile.append((self._graph_name, len(self._profile), (end_ns - start_ns) / 1e3))
+        if self._json_profile is not None:
+            self._json_profile.run(start_ns, end_ns)
 
     def _node_rows(self) -> list[tuple[str, str, str, str, str]]:
         """Per-node kernel times from ORT's profiles of this session's graphs (detailed level)."""
@@ -527,11 +537,16 @@ class InferenceSession:
         return rows
 
     def end_profiling(self) -> str:
-        """Writes the profiling CSV (profiling_file_path) and returns its path; '' when profiling is off.
+        """Writes the profiles and returns the path of ORT's JSON one (`enable_profiling`), else of the QNN
+        EP's CSV (`profiling_level`, `profiling_file_path`); '' when profiling is off.
 
-        basic: one row per run (graph, run, duration). detailed: also one row per node of each run, with
-        ORT's kernel time; written once the session's graph is released (close() or end_profiling()).
+        CSV basic: one row per run (graph, run, duration). detailed: also one row per node of each run,
+        with ORT's kernel time; written once the session's graph is released (close() or end_profiling()).
         """
+        csv_path = self._end_csv_profiling()
+        return self._json_profile.write() if self._json_profile is not None else csv_path
+
+    def _end_csv_profiling(self) -> str:
         if self._config.profiling_level == "off" or not self._config.profiling_file_path:
             return ""
         if self._config.profiling_level == "detailed" and self._context is not None and not self._shared:
@@ -548,6 +563,8 @@ class InferenceSession:
         return str(path)
 
     def close(self) -> None:
+        if getattr(self, "_json_profile", None) is not None and self._json_profile.events:
+            self._json_profile.write()  # ORT writes its profile when a profiling session ends, too
         if self._config.profiling_level != "off" and not getattr(self, "_profiled", False):
             self._profiled = True
             self.end_profiling()

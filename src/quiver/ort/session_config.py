@@ -1,0 +1,119 @@
+"""Session options ORT acts on beyond running: a config embedded in the model, an optimized-model file,
+and its JSON profile. Quiver honours each as ORT does rather than accept and ignore it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import onnxruntime
+
+from quiver.formats.writer import write_text_atomically
+from quiver.ir.proto import ModelProto
+from quiver.ort.errors import InvalidArgument
+from quiver.ort.options import SessionOptions
+
+LOAD_CONFIG_VARIABLE = "ORT_LOAD_CONFIG_FROM_MODEL"
+# what ORT's parser of a model's "ort_config" reads (the rest it ignores)
+_MODEL_CONFIG = (
+    "intra_op_num_threads",
+    "inter_op_num_threads",
+    "graph_optimization_level",
+    "execution_mode",
+    "enable_profiling",
+)
+_COPIED = (*_MODEL_CONFIG, "log_severity_level", "log_verbosity_level", "logid", "optimized_model_filepath",
+           "profile_file_prefix", "enable_cpu_mem_arena", "enable_mem_pattern", "enable_mem_reuse",
+           "use_deterministic_compute")  # fmt: skip
+
+
+def with_model_config(options: Any, model: ModelProto) -> Any:
+    """With ORT_LOAD_CONFIG_FROM_MODEL=1, the options with the model's `ort_config` session options applied
+    (to a copy: the caller's object is left as it was, as ORT leaves it)."""
+    if os.environ.get(LOAD_CONFIG_VARIABLE) != "1":
+        return options
+    raw = next((p.value for p in model.metadata_props if p.key == "ort_config"), None)
+    if raw is None:
+        return options
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"the model's ort_config metadata is not JSON ({exc}); fix it or unset {LOAD_CONFIG_VARIABLE}"
+        ) from None
+    settings = config.get("session_options", {}) if isinstance(config, dict) else None
+    if not isinstance(settings, dict):
+        raise InvalidArgument("the model's ort_config must be an object whose session_options is an object")
+    copy = SessionOptions()
+    for name in _COPIED:
+        if hasattr(options, name):
+            setattr(copy, name, getattr(options, name))
+    for key, value in getattr(options, "entries", {}).items():
+        copy.add_session_config_entry(key, value)
+    for key, value in settings.items():
+        if key not in _MODEL_CONFIG:
+            continue
+        try:
+            if key == "graph_optimization_level":
+                value = onnxruntime.GraphOptimizationLevel(int(value))
+            elif key == "execution_mode":
+                value = onnxruntime.ExecutionMode(int(value))
+            elif key == "enable_profiling":
+                value = bool(value)
+            else:
+                value = int(value)
+            setattr(copy, key, value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"the model's ort_config sets {key} to {value!r}: {exc}") from None
+    return copy
+
+
+def write_optimized_model(options: Any, source: str | bytes) -> None:
+    """`optimized_model_filepath`: ORT writes the model as its optimizers leave it; so does this, with ORT."""
+    target = getattr(options, "optimized_model_filepath", "")
+    if not target:
+        return
+    writer = onnxruntime.SessionOptions()
+    writer.graph_optimization_level = options.graph_optimization_level
+    writer.optimized_model_filepath = str(target)
+    writer.log_severity_level = 3
+    onnxruntime.InferenceSession(source, writer, providers=["CPUExecutionProvider"])
+
+
+class JsonProfile:
+    """`enable_profiling`: ORT's profile format (a Chrome trace: one event per session start and per run),
+    written by `end_profiling()` to `<profile_file_prefix>_<date>.json` in the working folder."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.start_ns = 0
+        self.events: list[dict[str, Any]] = []
+
+    def session_ready(self, start_ns: int, end_ns: int) -> None:
+        self.start_ns = start_ns
+        self._event("session_initialization", start_ns, end_ns)
+
+    def run(self, start_ns: int, end_ns: int) -> None:
+        self._event("model_run", start_ns, end_ns)
+
+    def _event(self, name: str, start_ns: int, end_ns: int) -> None:
+        self.events.append(
+            {"cat": "Session", "pid": os.getpid(), "tid": 0, "dur": (end_ns - start_ns) // 1000,
+             "ts": (start_ns - self.start_ns) // 1000 if self.start_ns else 0, "ph": "X", "name": name, "args": {}}
+        )  # fmt: skip
+
+    def write(self) -> str:
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        path = Path(f"{self.prefix}_{stamp}.json")
+        write_text_atomically(path, json.dumps(self.events, indent=0))
+        self.events = []
+        return str(path)
+
+
+def profile_of(options: Any) -> JsonProfile | None:
+    if not getattr(options, "enable_profiling", False):
+        return None
+    return JsonProfile(getattr(options, "profile_file_prefix", "onnxruntime_profile_") or "onnxruntime_profile_")
