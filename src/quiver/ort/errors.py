@@ -80,6 +80,10 @@ class DeviceReset(OrtError, _ort("DeviceReset")):  # type: ignore[misc]
     pass
 
 
+class AdapterFileError(InvalidArgument, RuntimeError):
+    """A file that is not a LoRA adapter: ORT raises RuntimeError there, so this is one too."""
+
+
 def ort_error(exc: QuiverError) -> OrtError:
     """The ORT-named error for a Quiver error, keeping its message."""
     from quiver import errors

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnxruntime
 
+from quiver.errors import AdapterError
+from quiver.formats._layout import SECTION_MAGIC
 from quiver.formats.section import SectionFile
-from quiver.ort.errors import InvalidArgument, NoSuchFile
+from quiver.lora.onnx_adapter import read_onnx_adapter
+from quiver.ort.errors import AdapterFileError, InvalidArgument, NoSuchFile
 from quiver.runtime.sections import load_section
 
 GraphOptimizationLevel = onnxruntime.GraphOptimizationLevel  # ORT's own enums: values compare equal either way
@@ -38,17 +42,28 @@ class SessionOptions(onnxruntime.SessionOptions):
 
 
 class LoraAdapter:
-    """`onnxruntime.LoraAdapter`: here a Quiver binary section (`.qsec`), loaded and verified once."""
+    """`onnxruntime.LoraAdapter`: a Quiver binary section (`.qsec`: applied to the context's updateable
+    tensors for the run) or ONNX Runtime's adapter file (`.onnx_adapter`: its parameters are fed as the
+    model's inputs for the run, as ORT feeds them). Loaded and checked once."""
 
     def __init__(self) -> None:
         self.section: SectionFile | None = None
+        self.parameters: dict[str, np.ndarray] | None = None
         self.path: Path | None = None
 
     def Load(self, file_path: str | Path) -> None:  # noqa: N802  (ORT's name)
         path = Path(file_path)
         if not path.is_file():
             raise NoSuchFile(f"no adapter file at {path}")
-        self.section = load_section(path)
+        with open(path, "rb") as file:
+            magic = file.read(len(SECTION_MAGIC))
+        if magic == SECTION_MAGIC:
+            self.section = load_section(path)
+        else:
+            try:
+                self.parameters = read_onnx_adapter(path)
+            except AdapterError as exc:
+                raise AdapterFileError(str(exc)) from None
         self.path = path
 
 
@@ -71,7 +86,7 @@ class RunOptions(onnxruntime.RunOptions):
         return dict(self._entries)
 
     def add_active_adapter(self, adapter: LoraAdapter) -> None:  # type: ignore[override]
-        if not isinstance(adapter, LoraAdapter) or adapter.section is None:
+        if not isinstance(adapter, LoraAdapter) or (adapter.section is None and adapter.parameters is None):
             raise InvalidArgument("add_active_adapter takes a quiver.ort.LoraAdapter on which Load() was called")
         self.active_adapters.append(adapter)
 

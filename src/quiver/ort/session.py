@@ -46,7 +46,7 @@ from quiver.ort.options import RunOptions, SessionOptions, config_entries
 from quiver.ort.provider import PROVIDER, ProviderConfig, select_provider
 from quiver.ort.session_config import profile_of, with_model_config, write_optimized_model
 from quiver.runtime.context import Context
-from quiver.runtime.sections import load_section
+from quiver.runtime.sections import load_section, write_section
 from quiver.runtime.state import GraphState
 
 LORA_CONFIG_KEYS = ("qnn.lora_config", "quiver.lora_config")
@@ -162,6 +162,7 @@ class InferenceSession:
         self._states: dict[tuple[int, ...], tuple[list[SectionFile], GraphState]] = {}
         self._states_lock = threading.Lock()
         self._sections: dict[Path, SectionFile] = {}
+        self._adapter_sections: dict[int, tuple[Any, SectionFile]] = {}
         self._profile: list[tuple[str, int, float]] = []
         self._fallback: onnxruntime.InferenceSession | None = None
         self._context: Context | None = None
@@ -230,7 +231,7 @@ class InferenceSession:
             return
         self._spool = tempfile.TemporaryDirectory(prefix="quiver-ort-")
         builder = Context.create(backend, workdir=self._spool.name)
-        builder.add_graph(self._graph_name, source_path or model)
+        builder.add_graph(self._graph_name, source_path or model, updateable=_overridable(model))
         self._context = builder.finalize()
 
     def _build_ep_context(self, model: ModelProto, source: Path | None, backend: Backend) -> Context:
@@ -272,7 +273,15 @@ class InferenceSession:
         return [_node_arg(o) for o in self._graph().outputs]
 
     def get_overridable_initializers(self) -> list[NodeArg]:
-        return []
+        """Initializers the model also lists as inputs (IR >= 4): here the graph's updateable tensors,
+        which an adapter (`RunOptions.add_active_adapter`) replaces for a run."""
+        if self._fallback is not None:
+            return [NodeArg(a.name, a.shape, a.type) for a in self._fallback.get_overridable_initializers()]
+        return [_node_arg(t) for t in self._graph().static_tensors if t.name in self._updateable()]
+
+    def _updateable(self) -> frozenset[str]:
+        assert self._context is not None
+        return frozenset(self._context.file.graphs[self._graph_name].updateable)
 
     def get_providers(self) -> list[str]:
         return list(self._providers)
@@ -305,6 +314,7 @@ class InferenceSession:
         out: Mapping[str, np.ndarray] | None,
     ) -> dict[str, np.ndarray]:
         """Every output by name; those in `out` are written into the caller's arrays."""
+        feeds = self._with_adapter_parameters(feeds, run_options)
         if self._fallback is not None:
             names = [o.name for o in self._fallback.get_outputs()]
             values = dict(zip(names, self._fallback.run(None, dict(feeds), run_options)))
@@ -331,6 +341,25 @@ class InferenceSession:
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
         return results
+
+    def _with_adapter_parameters(
+        self, feeds: Mapping[str, np.ndarray], run_options: RunOptions | Any | None
+    ) -> Mapping[str, np.ndarray]:
+        """The active `.onnx_adapter` adapters' parameters, fed as the model's inputs (ORT's LoRA)."""
+        adapters = [a for a in getattr(run_options, "active_adapters", []) if a.parameters is not None]
+        if not adapters:
+            return feeds
+        inputs = {arg.name for arg in self.get_inputs()}
+        overridable = {arg.name for arg in self.get_overridable_initializers()}
+        merged = dict(feeds)
+        for adapter in adapters:
+            unknown = sorted(set(adapter.parameters) - inputs - overridable)
+            if unknown:
+                raise InvalidArgument(
+                    f"adapter {adapter.path}: parameters {unknown} are neither inputs nor overridable initializers"
+                )
+            merged.update({n: v for n, v in adapter.parameters.items() if n in inputs})
+        return merged
 
     def run(
         self,
@@ -468,11 +497,35 @@ class InferenceSession:
 
     def _lora_sections(self, run_options: RunOptions | Any) -> list[SectionFile]:
         entries = config_entries(run_options)
-        sections = [a.section for a in getattr(run_options, "active_adapters", [])]
+        adapters = getattr(run_options, "active_adapters", [])
+        sections: list[SectionFile] = []
+        for adapter in adapters:
+            section = adapter.section if adapter.section is not None else self._section_of(adapter)
+            if section is not None:
+                sections.append(section)
         for key in LORA_CONFIG_KEYS:
             if key in entries:
                 sections += self._sections_from_config(Path(entries[key]))
         return sections
+
+    def _section_of(self, adapter: Any) -> SectionFile | None:
+        """An ORT adapter's parameters that replace updateable tensors, as a section of this context (made
+        once per adapter); None when all its parameters are inputs (fed instead)."""
+        assert self._context is not None
+        values = {n: v for n, v in adapter.parameters.items() if n in self._updateable()}
+        if not values:
+            return None
+        key = id(adapter)
+        with self._states_lock:
+            cached = self._adapter_sections.get(key)
+        if cached is not None and cached[0] is adapter:
+            return cached[1]
+        metadata = {"adapter": str(adapter.path)}
+        data = write_section(self._context.file, {self._graph_name: values}, [self._graph_name], metadata)
+        section = load_section(data)
+        with self._states_lock:
+            self._adapter_sections[key] = (adapter, section)  # keeps the adapter: its id is not reused
+        return section
 
     def _sections_from_config(self, path: Path) -> list[SectionFile]:
         """`<graph name>;<section path>` lines (paths relative to the file's folder); this graph's only."""
@@ -563,8 +616,9 @@ class InferenceSession:
         return str(path)
 
     def close(self) -> None:
-        if getattr(self, "_json_profile", None) is not None and self._json_profile.events:
-            self._json_profile.write()  # ORT writes its profile when a profiling session ends, too
+        profile = getattr(self, "_json_profile", None)
+        if profile is not None and profile.events:
+            profile.write()  # ORT writes its profile when a profiling session ends, too
         if self._config.profiling_level != "off" and not getattr(self, "_profiled", False):
             self._profiled = True
             self.end_profiling()
@@ -580,6 +634,12 @@ class InferenceSession:
             self.close()
         except Exception:  # at interpreter exit the modules may be gone
             pass
+
+
+def _overridable(model: ModelProto) -> list[str]:
+    """Initializers that are also graph inputs: ORT lets a run (or an adapter) override them."""
+    inputs = {i.name for i in model.graph.input}
+    return sorted(t.name for t in model.graph.initializer if t.name in inputs)
 
 
 class ModelMetadata:

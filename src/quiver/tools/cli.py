@@ -728,10 +728,35 @@ def lora_create(lora_config: Path, output: Path) -> None:
 
 
 @lora.command("import")
-@_lora_config
-@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
-def lora_import(lora_config: Path, output_dir: Path) -> None:
-    """Write each use case's LoRA tensors (<use case>.safetensors, zero-padded) and alphas (use_cases.json)."""
+@click.option("--lora-config", type=click.Path(dir_okay=False, path_type=Path), help="The LoRA YAML (PEFT adapters).")
+@click.option(
+    "--onnx-adapter",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="ONNX Runtime's adapter file (.onnx_adapter) to turn into a section of --context.",
+)
+@click.option("--context", "context_path", type=click.Path(dir_okay=False, path_type=Path), help="With --onnx-adapter.")
+@click.option("--graph", "graphs", multiple=True, help="With --onnx-adapter: the graphs it updates (default: all).")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Folder (--lora-config) or .qsec.")
+def lora_import(
+    lora_config: Path | None,
+    onnx_adapter: Path | None,
+    context_path: Path | None,
+    graphs: tuple[str, ...],
+    output: Path,
+) -> None:
+    """Import adapters: a LoRA YAML's use cases (<use case>.safetensors, zero-padded, and use_cases.json in
+    the -o folder), or an ONNX Runtime .onnx_adapter as a binary section of a context (-o FILE.qsec)."""
+    if (lora_config is None) == (onnx_adapter is None):
+        raise click.UsageError("give --lora-config (PEFT adapters) or --onnx-adapter with --context")
+    if onnx_adapter is not None:
+        from quiver.lora.onnx_adapter import section_from_onnx_adapter
+
+        if context_path is None:
+            raise click.UsageError("--onnx-adapter needs --context CONTEXT.qctx (the context it updates)")
+        written = section_from_onnx_adapter(onnx_adapter, context_path, output, graphs)
+        err_console.print(f"wrote {written}")
+        return
+    assert lora_config is not None
     from safetensors.numpy import save
 
     from quiver.lora.prepare import create_graph, import_use_cases, load_adapters, load_lora_config
@@ -739,13 +764,13 @@ def lora_import(lora_config: Path, output_dir: Path) -> None:
     project = load_lora_config(lora_config)
     adapters = load_adapters(project)
     graph = create_graph(project, adapters)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output.mkdir(parents=True, exist_ok=True)
     summary = {}
     for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
-        write_atomically(output_dir / f"{name}.safetensors", save(values))
+        write_atomically(output / f"{name}.safetensors", save(values))
         summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
-    write_text_atomically(output_dir / "use_cases.json", json.dumps(summary, indent=2))
-    err_console.print(f"{len(summary)} use case(s) in {output_dir}")
+    write_text_atomically(output / "use_cases.json", json.dumps(summary, indent=2))
+    err_console.print(f"{len(summary)} use case(s) in {output}")
 
 
 @lora.command("prepare")
