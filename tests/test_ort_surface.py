@@ -53,6 +53,11 @@ def _public(module: object) -> set[str]:
 
 
 def test_every_public_onnxruntime_name_is_in_quiver_ort() -> None:
+    import pkgutil
+
+    subpackages = {m.name for m in pkgutil.iter_modules(onnxruntime.__path__) if not m.name.startswith("_")}
+    for name in subpackages:
+        assert getattr(quiver.ort, name).__name__ in (f"onnxruntime.{name}", f"quiver.ort.{name}"), name
     missing = sorted(_public(onnxruntime) - _public(quiver.ort))
     assert not missing, f"decide these in quiver/ort/surface.py (implement, delegate or refuse): {missing}"
     for name in _public(onnxruntime):

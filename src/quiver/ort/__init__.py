@@ -31,7 +31,7 @@ from quiver.ort.errors import (
 from quiver.ort.options import ExecutionMode, GraphOptimizationLevel, LoraAdapter, RunOptions, SessionOptions
 from quiver.ort.provider import PROVIDER
 from quiver.ort.session import InferenceSession, ModelMetadata, NodeArg
-from quiver.ort.surface import DELEGATED, ModelCompiler
+from quiver.ort.surface import DELEGATED, DELEGATED_MODULES, ModelCompiler
 
 __version__ = _onnxruntime.__version__  # the API's version: what code that checks it expects
 
@@ -52,15 +52,15 @@ def __getattr__(name: str) -> Any:
     """ORT's own object for a delegated name (the same object: isinstance checks and enums agree)."""
     if name in DELEGATED and hasattr(_onnxruntime, name):
         return getattr(_onnxruntime, name)
-    if name == "backend":
+    if name == "backend" or name in DELEGATED_MODULES:
         import importlib
 
-        return importlib.import_module("quiver.ort.backend")
+        return importlib.import_module("quiver.ort.backend" if name == "backend" else f"onnxruntime.{name}")
     raise AttributeError(f"module 'quiver.ort' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *(n for n in DELEGATED if hasattr(_onnxruntime, n)), "backend"})
+    return sorted({*globals(), *(n for n in DELEGATED if hasattr(_onnxruntime, n)), *DELEGATED_MODULES, "backend"})
 
 
 __all__ = [

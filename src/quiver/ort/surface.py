@@ -6,7 +6,8 @@
 * **Delegated** (`DELEGATED`: ORT's own objects, so values made with either module are interchangeable):
   data types and enums (`OrtValue`, `SparseTensor`, `OrtDevice`, `OrtMemoryInfo`, ...), process-wide
   settings and queries (logging, telemetry, thread pools, seeds, build info, EP libraries), model
-  packaging tools, and the `capi` package (ORT's error classes live there; Quiver's derive from them).
+  packaging tools, and ORT's subpackages but `backend`: `capi` (ORT's error classes live there;
+  Quiver's derive from them), `quantization`, `tools`, `transformers`, `datasets`.
 * **Refused** with an ORT-typed error that says why: `ModelCompiler` (ORT's compile API needs an EP
   that writes EPContext nodes; Quiver writes them with `ep.context_enable=1` or `quiver ort-wrap`).
 
@@ -82,6 +83,10 @@ DELEGATED = frozenset(
         "contextlib",
     }
 )
+
+# ORT's subpackages other than `backend` (Quiver's own): its tools work on model files and make their own
+# ORT sessions (the quantizer calibrates with ORT), so they are ORT's, reached as attributes.
+DELEGATED_MODULES = frozenset({"capi", "datasets", "quantization", "tools", "transformers"})
 
 
 class ModelCompiler:
