@@ -395,3 +395,74 @@ def test_quiver_lora_import_turns_an_onnx_adapter_into_a_section(tmp_path: Path)
         builder.save(plain)
     failed = run_cli("lora", "import", "--onnx-adapter", adapter, "--context", plain, "-o", tmp_path / "x.qsec")
     assert_one_line_error(failed, "updateable")
+
+
+# --- models plain ORT runs: quiver.ort runs them too ----------------------------------------------------
+def _saved(model: object, folder: Path, name: str) -> Path:
+    path = folder / f"{name}.onnx"
+    path.write_bytes(model.SerializeToString())  # type: ignore[attr-defined]
+    return path
+
+
+def _sparse_constant_model() -> object:
+    dense = np.zeros((4, 4), np.float32)
+    dense[1, 2], dense[3, 0] = 5.0, -2.0
+    values = numpy_helper.from_array(np.array([5.0, -2.0], np.float32), "values")
+    indices = numpy_helper.from_array(np.array([6, 12], np.int64), "indices")
+    sparse = helper.make_sparse_tensor(values, indices, [4, 4])
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], sparse_value=sparse), helper.make_node("Add", ["x", "c"], ["y"])],
+        "sparse",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _ir3_model() -> object:
+    """IR 3: initializers must also be graph inputs; ORT runs it."""
+    w = numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(4, 4), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "ir3",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+        [w],
+    )
+    return helper.make_model(graph, ir_version=3, opset_imports=[helper.make_opsetid("", 8)])
+
+
+def _optional_model() -> object:
+    graph = helper.make_graph(
+        [
+            helper.make_node("Optional", ["x"], ["o"]),
+            helper.make_node("OptionalHasElement", ["o"], ["has"]),
+            helper.make_node("OptionalGetElement", ["o"], ["y"]),
+        ],
+        "optional",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("has", TensorProto.BOOL, []),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("make", [_sparse_constant_model, _ir3_model, _optional_model])
+def test_models_onnxruntime_runs_run_through_quiver_ort(make: object, tmp_path: Path) -> None:
+    path = _saved(make(), tmp_path, make.__name__)  # type: ignore[attr-defined]
+    theirs = onnxruntime.InferenceSession(str(path))
+    feeds = {
+        i.name: np.arange(int(np.prod([d for d in i.shape])), dtype=np.float32).reshape(i.shape)
+        for i in theirs.get_inputs()
+    }
+    expected = theirs.run(None, feeds)
+    for source in (str(path), path.read_bytes()):
+        ours = quiver.ort.InferenceSession(source)
+        assert [i.name for i in ours.get_inputs()] == [i.name for i in theirs.get_inputs()]
+        for a, b in zip(ours.run(None, feeds), expected):
+            np.testing.assert_array_equal(a, b)

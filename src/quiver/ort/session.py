@@ -210,29 +210,32 @@ class InferenceSession:
 
         unsupported = unsupported_operators(model)
         if unsupported:
-            missing = ", ".join(sorted(unsupported))
-            if self._entries.get("session.disable_cpu_ep_fallback") == "1":
-                raise UnsupportedByBackend(
-                    f"{self._providers[0]} cannot run operators {missing} and session.disable_cpu_ep_fallback=1"
-                )
-            # ORT's CPU EP fallback: the whole model on plain ONNX Runtime, from its path when it has one
-            # (external data then resolves against the model's folder, as ORT does, not the working one).
-            original = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
-            self._fallback = onnxruntime.InferenceSession(original, providers=["CPUExecutionProvider"])
-            self._providers = ["CPUExecutionProvider"]
+            self._fall_back(model, source, f"cannot run operators {', '.join(sorted(unsupported))}")
             return
         source_path = Path(source) if isinstance(source, (str, Path)) else None
         self._graph_name = model.graph.name or (source_path.stem if source_path else "main")
         if not self._config.offload_io_quantization:
             model, source_path = quantized_io(model), None  # the caller passes and gets quantized I/O
         backend = self._make_backend()
-        if self._entries.get("ep.context_enable") == "1":
-            self._context = self._build_ep_context(model, source_path, backend)
-            return
-        self._spool = tempfile.TemporaryDirectory(prefix="quiver-ort-")
-        builder = Context.create(backend, workdir=self._spool.name)
-        builder.add_graph(self._graph_name, source_path or model, updateable=_overridable(model))
-        self._context = builder.finalize()
+        try:
+            if self._entries.get("ep.context_enable") == "1":
+                self._context = self._build_ep_context(model, source_path, backend)
+                return
+            self._spool = tempfile.TemporaryDirectory(prefix="quiver-ort-")
+            builder = Context.create(backend, workdir=self._spool.name)
+            builder.add_graph(self._graph_name, source_path or model, updateable=_overridable(model))
+            self._context = builder.finalize()
+        except errors.ConversionError as exc:  # a model ORT runs but Quiver cannot convert (types, shapes)
+            self._fall_back(model, source, f"cannot convert the model ({exc})")
+
+    def _fall_back(self, model: ModelProto, source: str | Path | bytes, reason: str) -> None:
+        """ORT's CPU EP fallback: the whole model on plain ONNX Runtime, from its path when it has one
+        (external data then resolves against the model's folder, as ORT does, not the working one)."""
+        if self._entries.get("session.disable_cpu_ep_fallback") == "1":
+            raise UnsupportedByBackend(f"{self._providers[0]} {reason} and session.disable_cpu_ep_fallback=1")
+        original = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
+        self._fallback = onnxruntime.InferenceSession(original, providers=["CPUExecutionProvider"])
+        self._providers = ["CPUExecutionProvider"]
 
     def _build_ep_context(self, model: ModelProto, source: Path | None, backend: Backend) -> Context:
         """ep.context_enable=1: `<model>_ctx.onnx` (or ep.context_file_path) and the `.qctx` beside it."""
