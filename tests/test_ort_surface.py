@@ -94,8 +94,6 @@ def test_errors_are_onnxruntimes_classes_and_quiver_errors(model: Path, tmp_path
     assert isinstance(wrong_name.value, quiver.QuiverError)
     with pytest.raises(ort_state.NoSuchFile):
         quiver.ort.InferenceSession(str(tmp_path / "missing.onnx"))
-    with pytest.raises(ort_state.NotImplemented, match="ep.context_enable"):
-        quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(model))
     for name, value in vars(quiver.ort.errors).items():
         if inspect.isclass(value) and issubclass(value, quiver.ort.OrtError) and hasattr(ort_state, name):
             assert issubclass(value, getattr(ort_state, name)), name
@@ -466,3 +464,45 @@ def test_models_onnxruntime_runs_run_through_quiver_ort(make: object, tmp_path: 
         assert [i.name for i in ours.get_inputs()] == [i.name for i in theirs.get_inputs()]
         for a, b in zip(ours.run(None, feeds), expected):
             np.testing.assert_array_equal(a, b)
+
+
+# --- the compile API --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("embed", [False, True])
+def test_model_compiler_writes_an_ep_context_model_that_reopens(model: Path, tmp_path: Path, embed: bool) -> None:
+    import onnx
+
+    source = tmp_path / model.name
+    source.write_bytes(model.read_bytes())
+    compiler = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source), embed_compiled_data_into_model=embed)
+    compiler.compile_to_file()  # the default name, as ORT's: <model>_ctx.onnx
+    compiled = tmp_path / "surface_ctx.onnx"
+    nodes = onnx.load(str(compiled)).graph.node
+    assert [(n.op_type, n.domain) for n in nodes] == [("EPContext", "com.microsoft")]
+    assert (tmp_path / "surface_ctx.qctx").exists() != embed  # embedded: nothing beside the model
+    session = quiver.ort.InferenceSession(str(compiled))
+    y, z = session.run(None, {"x": X})
+    np.testing.assert_allclose(y, _expected(X)[0], rtol=1e-5)
+    flags = onnxruntime.OrtCompileApiFlags.ERROR_IF_OUTPUT_FILE_EXISTS
+    again = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source), flags=flags)
+    with pytest.raises(ort_state.InvalidArgument, match="exists"):
+        again.compile_to_file(str(compiled))
+
+
+def test_model_compiler_compiles_to_bytes_and_streams_when_embedded(model: Path) -> None:
+    compiler = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), model.read_bytes(), True)
+    chunks: list[bytes] = []
+    compiler.compile_to_stream(chunks.append)
+    for data in (compiler.compile_to_bytes(), b"".join(chunks)):
+        y, _ = quiver.ort.InferenceSession(data).run(None, {"x": X})
+        np.testing.assert_allclose(y, _expected(X)[0], rtol=1e-5)
+    with pytest.raises(ort_state.InvalidArgument, match="embed_compiled_data_into_model"):
+        quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), model.read_bytes()).compile_to_bytes()
+
+
+def test_a_model_quiver_cannot_convert_compiles_unchanged_unless_asked_to_fail(tmp_path: Path) -> None:
+    source = _saved(_optional_model(), tmp_path, "optional")
+    quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source)).compile_to_file(str(tmp_path / "out.onnx"))
+    assert (tmp_path / "out.onnx").read_bytes() == source.read_bytes()
+    strict = onnxruntime.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED
+    with pytest.raises(ort_state.Fail, match="no node"):
+        quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source), flags=strict).compile_to_file()

@@ -10,6 +10,7 @@ from typing import Any
 import onnxruntime as _onnxruntime
 
 from quiver.ort.binding import IOBinding, SessionIOBinding
+from quiver.ort.compiler import ModelCompiler
 from quiver.ort.errors import (
     DeviceReset,
     EngineError,
@@ -31,7 +32,7 @@ from quiver.ort.errors import (
 from quiver.ort.options import ExecutionMode, GraphOptimizationLevel, LoraAdapter, RunOptions, SessionOptions
 from quiver.ort.provider import PROVIDER
 from quiver.ort.session import InferenceSession, ModelMetadata, NodeArg
-from quiver.ort.surface import DELEGATED, DELEGATED_MODULES, ModelCompiler
+from quiver.ort.surface import DELEGATED, DELEGATED_MODULES
 
 __version__ = _onnxruntime.__version__  # the API's version: what code that checks it expects
 

@@ -33,9 +33,9 @@ from quiver.ir.edit import quantized_io
 from quiver.ir.proto import ModelProto, TensorProto
 from quiver.ir.tensors import TensorInfo
 from quiver.ort.binding import IOBinding, feeds_of, ortvalue_of
+from quiver.ort.compiler import build_ep_context
 from quiver.ort.epcontext import (
     EpContext,
-    ep_context_model,
     is_ep_context_model,
     read_ep_context,
     save_ep_context_model,
@@ -243,21 +243,12 @@ class InferenceSession:
         target = Path(self._entries.get("ep.context_file_path", "") or default or "")
         if not target.name:
             raise InvalidArgument("a model given as bytes needs ep.context_file_path to write its EPContext model")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        builder = Context.create(backend, workdir=target.parent)
-        builder.add_graph(self._graph_name, source or model)
-        qctx = builder.save(target.with_suffix(".qctx"))
-        graph = builder.graph(self._graph_name)
         embed = self._entries.get("ep.context_embed_mode", "0")
         if embed not in ("0", "1"):
             raise InvalidArgument(f"ep.context_embed_mode must be 0 or 1, not {embed!r}")
-        cache: str | bytes = qctx.read_bytes() if embed == "1" else qctx.name
-        save_ep_context_model(ep_context_model(self._graph_name, graph.inputs, graph.outputs, cache), target)
-        builder.close()
-        if isinstance(cache, bytes):  # embedded: the .qctx file is not needed beside the model
-            qctx.unlink()
-            return Context.from_binary(cache, backend=backend)
-        return Context.from_binary(qctx, backend=backend)
+        wrapper, cache = build_ep_context(model, source, self._graph_name, target, embed == "1", backend)
+        save_ep_context_model(wrapper, target)
+        return Context.from_binary(cache, backend=backend)
 
     # --- metadata -----------------------------------------------------------------------------------
 

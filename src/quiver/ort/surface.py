@@ -2,24 +2,21 @@
 
 * **Implemented over Quiver** (defined in this package): `InferenceSession`, `SessionOptions`,
   `RunOptions`, `LoraAdapter`, `NodeArg`, `ModelMetadata`, `IOBinding` / `SessionIOBinding`, the
-  provider queries, the error classes, and the `backend` module.
+  provider queries, the error classes, `ModelCompiler`, and the `backend` module.
 * **Delegated** (`DELEGATED`: ORT's own objects, so values made with either module are interchangeable):
   data types and enums (`OrtValue`, `SparseTensor`, `OrtDevice`, `OrtMemoryInfo`, ...), process-wide
   settings and queries (logging, telemetry, thread pools, seeds, build info, EP libraries), model
   packaging tools, and ORT's subpackages but `backend`: `capi` (ORT's error classes live there;
   Quiver's derive from them), `quantization`, `tools`, `transformers`, `datasets`.
-* **Refused** with an ORT-typed error that says why: `ModelCompiler` (ORT's compile API needs an EP
-  that writes EPContext nodes; Quiver writes them with `ep.context_enable=1` or `quiver ort-wrap`).
+* **Refused** (on `InferenceSession`) with an ORT-typed error that says why: `set_ep_dynamic_options`,
+  `get_provider_graph_assignment_info`, and memory bound on another device than the CPU.
+* `ModelCompiler` (ORT's compile API) is implemented in `compiler.py`.
 
 A name onnxruntime adds in a new release is in none of these lists, and `tests/test_ort_surface.py`
 fails until it is decided.
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-from quiver.ort.errors import NotImplemented as _Refused
 
 DELEGATED = frozenset(
     {
@@ -87,14 +84,3 @@ DELEGATED = frozenset(
 # ORT's subpackages other than `backend` (Quiver's own): its tools work on model files and make their own
 # ORT sessions (the quantizer calibrates with ORT), so they are ORT's, reached as attributes.
 DELEGATED_MODULES = frozenset({"capi", "datasets", "quantization", "tools", "transformers"})
-
-
-class ModelCompiler:
-    """ORT's compile API, refused: it compiles for EPs that write EPContext nodes, which Quiver does itself."""
-
-    def __init__(self, *_: Any, **__: Any) -> None:
-        raise _Refused(
-            "quiver.ort does not implement ORT's ModelCompiler yet: make an EPContext model with "
-            "SessionOptions entry ep.context_enable=1 (ep.context_file_path, ep.context_embed_mode) "
-            "or `quiver ort-wrap CONTEXT.qctx -o DIR`"
-        )
