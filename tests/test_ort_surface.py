@@ -506,3 +506,21 @@ def test_a_model_quiver_cannot_convert_compiles_unchanged_unless_asked_to_fail(t
     strict = onnxruntime.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED
     with pytest.raises(ort_state.Fail, match="no node"):
         quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source), flags=strict).compile_to_file()
+
+
+def test_onnx_adapters_are_per_run_under_threads(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = _lora_model(tmp_path)
+    paths = [_onnx_adapter(tmp_path, seed) for seed in (1, 2)]
+    session = quiver.ort.InferenceSession(str(model))
+    x = np.random.default_rng(5).standard_normal((3, IN)).astype(np.float32)
+    reference = onnxruntime.InferenceSession(str(model))
+    expected = {path: _run_with(onnxruntime, reference, path, x) for path in paths}
+
+    def work(index: int) -> bool:
+        path = paths[index % 2]
+        return all(np.allclose(_run_with(quiver.ort, session, path, x), expected[path], atol=1e-5) for _ in range(20))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))

@@ -518,6 +518,8 @@ class InferenceSession:
         data = write_section(self._context.file, {self._graph_name: values}, [self._graph_name], metadata)
         section = load_section(data)
         with self._states_lock:
+            if len(self._adapter_sections) >= 64:  # adapters made per run must not pile up
+                self._adapter_sections.pop(next(iter(self._adapter_sections)))
             self._adapter_sections[key] = (adapter, section)  # keeps the adapter: its id is not reused
         return section
 
