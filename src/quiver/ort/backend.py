@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from onnx.backend.base import Backend, BackendRep
@@ -26,6 +26,7 @@ _SESSION_OPTIONS = frozenset(
         "use_deterministic_compute",
     }
 )
+_O = TypeVar("_O")
 _RUN_OPTIONS = frozenset({"log_severity_level", "log_verbosity_level", "logid", "only_execute_path_to_fetches"})
 
 
@@ -37,12 +38,7 @@ class QuiverBackendRep(BackendRep):
 
     def run(self, inputs: Any, **kwargs: Any) -> list[np.ndarray]:  # type: ignore[override]
         """A list of inputs in the model's order, or one input for a one-input model (ORT's rules)."""
-        options = RunOptions()
-        for key, value in kwargs.items():
-            if key in _RUN_OPTIONS:
-                setattr(options, key, value)
-            elif hasattr(options, key):
-                raise RuntimeError(f"RunOptions attribute '{key}' is not permitted via the backend API")
+        options = _set_allowed(RunOptions(), kwargs, _RUN_OPTIONS)
         declared = self._session.get_inputs()
         if isinstance(inputs, list):
             feeds = {arg.name: _scalar_as_array(inputs[i]) for i, arg in enumerate(declared)}
@@ -51,6 +47,16 @@ class QuiverBackendRep(BackendRep):
                 raise RuntimeError(f"Model expect {len(declared)} inputs")
             feeds = {declared[0].name: _scalar_as_array(inputs)}
         return self._session.run(None, feeds, options)
+
+
+def _set_allowed(options: _O, kwargs: dict[str, Any], allowed: frozenset[str]) -> _O:
+    """As onnxruntime.backend: allowed attributes are set, other known ones are refused, unknown keys ignored."""
+    for key, value in kwargs.items():
+        if key in allowed:
+            setattr(options, key, value)
+        elif hasattr(options, key):
+            raise RuntimeError(f"{type(options).__name__} attribute '{key}' is not permitted via the backend API")
+    return options
 
 
 def _scalar_as_array(value: Any) -> Any:
@@ -76,12 +82,7 @@ class QuiverBackend(Backend):
             return QuiverBackendRep(model)
         if device is not None and not cls.supports_device(device):
             raise RuntimeError(f"Incompatible device expected '{device}', got 'CPU'")
-        options = SessionOptions()
-        for key, value in kwargs.items():
-            if key in _SESSION_OPTIONS:
-                setattr(options, key, value)
-            elif hasattr(options, key):
-                raise RuntimeError(f"SessionOptions attribute '{key}' is not permitted via the backend API")
+        options = _set_allowed(SessionOptions(), kwargs, _SESSION_OPTIONS)
         source = model if isinstance(model, (str, bytes)) else model.SerializeToString()
         return QuiverBackendRep(InferenceSession(source, sess_options=options))
 

@@ -23,22 +23,30 @@ def _check_entry(key: object, value: object) -> None:
         raise InvalidArgument(f"config entries are strings; got {key!r}: {value!r}")
 
 
-class SessionOptions(onnxruntime.SessionOptions):
-    """`onnxruntime.SessionOptions` itself (every attribute and method), remembering its config entries,
-    which Quiver reads (ORT answers only per key)."""
+class _Remembered:
+    """Config entries remembered as they are added: Quiver reads them all, ORT answers only per key."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._entries: dict[str, str] = {}
+    _entries: dict[str, str]
 
-    def add_session_config_entry(self, key: str, value: str) -> None:
+    def _remember(self, key: str, value: str) -> None:
         _check_entry(key, value)
-        super().add_session_config_entry(key, value)
         self._entries[key] = value
 
     @property
     def entries(self) -> dict[str, str]:
         return dict(self._entries)
+
+
+class SessionOptions(onnxruntime.SessionOptions, _Remembered):
+    """`onnxruntime.SessionOptions` itself (every attribute and method), remembering its config entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._entries = {}
+
+    def add_session_config_entry(self, key: str, value: str) -> None:
+        self._remember(key, value)
+        super().add_session_config_entry(key, value)
 
 
 class LoraAdapter:
@@ -67,23 +75,18 @@ class LoraAdapter:
         self.path = path
 
 
-class RunOptions(onnxruntime.RunOptions):
+class RunOptions(onnxruntime.RunOptions, _Remembered):
     """`onnxruntime.RunOptions` itself, plus run config entries Quiver reads (`qnn.lora_config`) and the
     active LoRA adapters (Quiver's `LoraAdapter`s)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._entries: dict[str, str] = {}
+        self._entries = {}
         self.active_adapters: list[LoraAdapter] = []
 
     def add_run_config_entry(self, key: str, value: str) -> None:
-        _check_entry(key, value)
+        self._remember(key, value)
         super().add_run_config_entry(key, value)
-        self._entries[key] = value
-
-    @property
-    def entries(self) -> dict[str, str]:
-        return dict(self._entries)
 
     def add_active_adapter(self, adapter: LoraAdapter) -> None:  # type: ignore[override]
         if not isinstance(adapter, LoraAdapter) or (adapter.section is None and adapter.parameters is None):
