@@ -625,6 +625,9 @@ def test_quiver_tune_prints_json_and_a_warm_run_measures_nothing(
     assert json.loads(second.stdout)["graphs"]["base"]["measured"] == 0
     table = run_quiver(*args, "--performance-cache-dir", tmp_path / "perf")
     assert "0 (cache)" in table.stdout and "tuned for cpu-" in table.stdout
+    inspected = json.loads(run_quiver("inspect", tmp_path / "t.qctx", "--json").stdout)
+    assert inspected["tuning"][0]["tier"] == report["tier"] and list(inspected["tuning"][0]["graphs"]) == ["base"]
+    assert report["tier"] in run_quiver("inspect", tmp_path / "t.qctx").stdout
 
 
 def test_quiver_tune_errors_are_one_line(family_context: Path, tmp_path: Path, input_ids: np.ndarray) -> None:

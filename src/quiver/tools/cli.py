@@ -347,6 +347,15 @@ def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
         for t in report["tensors"]:
             table.add_row(str(t["index"]), t["dtype"], str(t["shape"]), f"{t['bytes']:,}", ", ".join(t["graphs"]))
         console.print(table)
+    if report["tuning"]:
+        tuned = Table(title="tuned configurations (quiver tune)")
+        for column in ("device tier", "graph", "configuration"):
+            tuned.add_column(column)
+        for entry in report["tuning"]:
+            for graph, chosen in entry["graphs"].items():
+                settings = ", ".join(f"{k}={v}" for k, v in chosen["config"].items())
+                tuned.add_row(entry["tier"], graph, settings)
+        console.print(tuned)
     _print_summary(report)
 
 

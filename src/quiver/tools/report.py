@@ -75,6 +75,8 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
             "saved_bytes": stats.referenced_bytes - stats.unique_bytes,
         },
         "graphs": graphs,
+        "identity": file.identity,
+        "tuning": [entry.to_json() for entry in file.tuning],  # tuned configurations per device tier
         "encoding_conflicts": encoding_conflicts(file),
         "tensors": [
             {
