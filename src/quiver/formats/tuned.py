@@ -14,10 +14,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quiver.errors import InvalidHeaderError
 from quiver.formats._layout import MAGIC, MAJOR, MINOR, Preamble
+
+if TYPE_CHECKING:  # formats.reader imports this module
+    from quiver.formats.reader import ContextFile
 
 TunedValue = bool | int | str
 _SHA = re.compile(r"[0-9a-f]{64}")
@@ -92,7 +95,7 @@ def parse_identity(raw: Any, header_sha256: str) -> str:
 
 
 def write_tuned(
-    source: Any,  # a ContextFile (formats.reader imports this module)
+    source: ContextFile,
     destination: str | Path,
     entries: Sequence[TuningEntry],
 ) -> Path:

@@ -81,6 +81,8 @@ class IOBinding:
         self._outputs: dict[str, np.ndarray | None] = {}  # None: allocated by the run
         self._bound_values: dict[str, onnxruntime.OrtValue] = {}
         self._results: dict[str, np.ndarray] = {}
+        # outputs whose shape is known before a run: their bound buffers are written by the run itself
+        self._fixed = {a.name for a in session.get_outputs() if all(isinstance(d, int) for d in a.shape or [None])}
 
     # --- inputs ---------------------------------------------------------------------------------------
     def bind_cpu_input(self, name: str, arr_on_cpu: Any) -> None:
@@ -150,9 +152,7 @@ class IOBinding:
 
     # --- running (InferenceSession.run_with_iobinding) -------------------------------------------------
     def run(self, run_options: Any = None) -> None:
-        fixed = {a.name for a in self._session.get_outputs() if all(isinstance(d, int) for d in a.shape or [None])}
-        # outputs of a fixed shape are written into their buffers by the run; others (their shape known
-        # only after it) are copied in, after ORT's shape check
+        fixed = self._fixed  # other outputs' shapes are known only after the run: copied in, after a check
         out = {n: a for n, a in self._outputs.items() if a is not None and n in fixed}
         results = self._session._execute(self._inputs, run_options, out)
         for name, target in self._outputs.items():
@@ -177,5 +177,11 @@ SessionIOBinding = IOBinding
 
 
 def feeds_of(values: Mapping[str, Any], dtype_of: Any) -> dict[str, np.ndarray]:
-    """A feed dict as ORT accepts it (arrays, OrtValues, lists, scalars) as numpy arrays."""
-    return {name: array_of(value, dtype_of(name)) for name, value in values.items()}
+    """A feed dict as ORT accepts it (arrays, OrtValues, lists, scalars) as numpy arrays. The input's
+    dtype is looked up only for values that need converting: arrays, the usual feeds, pass straight on."""
+    return {
+        name: value
+        if isinstance(value, np.ndarray)
+        else array_of(value, None if isinstance(value, onnxruntime.OrtValue) else dtype_of(name))
+        for name, value in values.items()
+    }

@@ -95,6 +95,25 @@ _input_shape = click.option(
 )
 
 
+def _input_list_arg(_: object, __: object, values: Sequence[str]) -> tuple[tuple[str | None, Path], ...]:
+    """`LIST` or `GRAPH=LIST` (a list for one graph: prefill and decode take the same input names)."""
+    parsed: list[tuple[str | None, Path]] = []
+    for value in values:
+        graph, sep, path = value.partition("=")
+        parsed.append((graph, Path(path)) if sep and graph and path and "/" not in graph else (None, Path(value)))
+    return tuple(parsed)
+
+
+_tuning_input_lists = click.option(
+    "--input-list",
+    "input_lists",
+    multiple=True,
+    metavar="[GRAPH=]LIST",
+    callback=_input_list_arg,
+    help="Sample inputs for tuning (qnn-net-run input list); GRAPH= gives a list to one graph. Repeat for more.",
+)
+
+
 def _parse_file_shapes(values: Sequence[str]) -> dict[str, list[int]]:
     """Shapes of raw input files: every dimension a number."""
     try:
@@ -176,13 +195,7 @@ def demo(workdir: Path | None, as_json: bool) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help='Tuning config JSON (QNN\'s keys): with "tuning_mode": true the context is tuned for this device.',
 )
-@click.option(
-    "--input-list",
-    "input_lists",
-    multiple=True,
-    metavar="[GRAPH=]LIST",
-    help="Sample inputs for tuning (qnn-net-run input list); GRAPH= gives a list to one graph.",
-)
+@_tuning_input_lists
 def build(
     models: tuple[str, ...],
     output: Path,
@@ -190,7 +203,7 @@ def build(
     as_json: bool,
     quiet: bool,
     config_file: Path | None,
-    input_lists: tuple[str, ...],
+    input_lists: tuple[tuple[str | None, Path], ...],
 ) -> None:
     """Pack MODEL.onnx[:GRAPH_NAME] ... into one context binary, each distinct weight stored once."""
     from quiver.passes.load import load_model
@@ -224,17 +237,17 @@ def build(
     _print_summary(report)
 
 
-def _tune_built(context: Context, output: Path, config_file: Path, input_lists: Sequence[str]) -> None:
+def _tune_built(
+    context: Context, output: Path, config_file: Path, input_lists: Sequence[tuple[str | None, Path]]
+) -> None:
     """`build --config-file`: QNN tunes while it generates the context binary; here, right after."""
-    from quiver.tools.tune_cli import _input_list_arg, run_tuning
+    from quiver.tools.tune_cli import run_tuning
     from quiver.tuning import read_tuning_config
 
     config = read_tuning_config(config_file)
     if not config.tuning_mode:
         return  # a config without tuning mode (and without cache options: those are an error) tunes nothing
-    run_tuning(
-        context, [_input_list_arg(v) for v in input_lists], (), {}, output, config_file, None, False, None, None, None
-    )
+    run_tuning(context, input_lists, (), {}, output, config_file=config_file)
 
 
 def printable(value: Any) -> Any:

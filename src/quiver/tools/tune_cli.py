@@ -12,7 +12,16 @@ from rich.table import Table
 
 from quiver.errors import TuningError
 from quiver.runtime.context import Context
-from quiver.tools.cli import _emit_json, _input_shape, _parse_file_shapes, _status, cli, console, printable
+from quiver.tools.cli import (
+    _emit_json,
+    _input_shape,
+    _parse_file_shapes,
+    _status,
+    _tuning_input_lists,
+    cli,
+    console,
+    printable,
+)
 
 TOKEN_ENVIRONMENT = "QUIVER_TARGET_TOKEN"
 
@@ -20,14 +29,6 @@ TOKEN_ENVIRONMENT = "QUIVER_TARGET_TOKEN"
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "quiver" / "performance-cache"
-
-
-def _input_list_arg(value: str) -> tuple[str | None, Path]:
-    """`LIST` or `GRAPH=LIST` (a list for one graph: prefill and decode take the same input names)."""
-    graph, sep, path = value.partition("=")
-    if sep and graph and path and "/" not in graph:
-        return graph, Path(path)
-    return None, Path(value)
 
 
 def tuning_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,12 +67,12 @@ def run_tuning(
     graphs: Sequence[str],
     shapes: dict[str, list[int]],
     output: Path,
-    config_file: Path | None,
-    performance_cache_dir: Path | None,
-    invalidate_performance_cache: bool,
-    target: str | None,
-    token: str | None,
-    budget_s: float | None,
+    config_file: Path | None = None,
+    performance_cache_dir: Path | None = None,
+    invalidate_performance_cache: bool = False,
+    target: str | None = None,
+    token: str | None = None,
+    budget_s: float | None = None,
     workloads: Sequence[Any] = (),
 ) -> Any:
     """Tunes `context` as the options say (command line over config file) and writes `output`; the inputs
@@ -134,13 +135,7 @@ def print_tuning(result: Any) -> None:
 
 @cli.command()
 @click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "--input-list",
-    "input_lists",
-    multiple=True,
-    metavar="[GRAPH=]LIST",
-    help="Sample inputs (qnn-net-run input list); GRAPH= gives a list to one graph. Repeat for more.",
-)
+@_tuning_input_lists
 @click.option("--graph", "graphs", multiple=True, help="Tune only this graph; repeat for more (default: all).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Tuned .qctx.")
 @_input_shape
@@ -148,7 +143,7 @@ def print_tuning(result: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def tune(
     context_path: Path,
-    input_lists: tuple[str, ...],
+    input_lists: tuple[tuple[str | None, Path], ...],
     graphs: tuple[str, ...],
     output: Path,
     input_shapes: tuple[str, ...],
@@ -159,7 +154,7 @@ def tune(
     with Context.from_binary(context_path) as context:
         result = run_tuning(
             context,
-            [_input_list_arg(v) for v in input_lists],
+            input_lists,
             graphs,
             _parse_file_shapes(input_shapes),
             output,
