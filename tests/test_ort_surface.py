@@ -524,3 +524,33 @@ def test_onnx_adapters_are_per_run_under_threads(tmp_path: Path) -> None:
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(work, range(8)))
+
+
+def test_a_fixed_shape_output_bound_to_an_ortvalue_is_written_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quiver.ort.binding import array_of
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "fixed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 32])],
+        [numpy_helper.from_array(W, "W")],
+    )
+    path = _saved(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path, "fixed")
+    session = quiver.ort.InferenceSession(str(path))
+    target = onnxruntime.OrtValue.ortvalue_from_shape_and_type([4, 32], np.float32, "cpu", 0)
+    binding = session.io_binding()
+    binding.bind_cpu_input("x", X)
+    binding.bind_ortvalue_output("y", target)
+
+    def no_copy(*_: object, **__: object) -> None:
+        raise AssertionError("a fixed-shape bound output was copied, not written by the run")
+
+    monkeypatch.setattr(np, "copyto", no_copy)
+    for _ in range(2):
+        session.run_with_iobinding(binding)
+        np.testing.assert_allclose(target.numpy(), X @ W, rtol=1e-5)
+        # the run's result is the OrtValue's own memory: written by the graph, not copied afterwards
+        assert np.shares_memory(binding._results["y"], array_of(target))
