@@ -35,7 +35,7 @@ _GET_TENSOR_ELEMENT_TYPE, _GET_DIMENSIONS_COUNT, _GET_DIMENSIONS = 60, 61, 62
 _GET_TENSOR_TYPE_AND_SHAPE, _CREATE_CPU_MEMORY_INFO = 65, 69
 _RELEASE_STATUS, _RELEASE_SESSION, _RELEASE_VALUE = 93, 95, 96
 _RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, _RELEASE_SESSION_OPTIONS = 99, 100
-_ADD_SESSION_CONFIG_ENTRY, _ADD_INITIALIZER = 130, 150
+_DISABLE_PER_SESSION_THREADS, _ADD_SESSION_CONFIG_ENTRY, _ADD_INITIALIZER = 120, 130, 150
 _CREATE_PREPACKED_CONTAINER, _RELEASE_PREPACKED_CONTAINER = 166, 167
 _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER = 169
 _ADD_EXTERNAL_INITIALIZERS = 210
@@ -118,6 +118,7 @@ class _Api:
         self.SetGraphOptimizationLevel = fn(_SET_GRAPH_OPTIMIZATION_LEVEL, _STATUS, _P, ctypes.c_int)
         self.SetSessionLogSeverityLevel = fn(_SET_SESSION_LOG_SEVERITY_LEVEL, _STATUS, _P, ctypes.c_int)
         self.SetIntraOpNumThreads = fn(_SET_INTRA_OP_NUM_THREADS, _STATUS, _P, ctypes.c_int)
+        self.DisablePerSessionThreads = fn(_DISABLE_PER_SESSION_THREADS, _STATUS, _P)
         self.AddSessionConfigEntry = fn(_ADD_SESSION_CONFIG_ENTRY, _STATUS, _P, ctypes.c_char_p, ctypes.c_char_p)
         self.AddInitializer = fn(_ADD_INITIALIZER, _STATUS, _P, ctypes.c_char_p, _P)
         self.AddExternalInitializers = fn(
@@ -335,6 +336,7 @@ class Session:
         config: Mapping[str, str],
         intra_op_num_threads: int,
         optimization_level: int,
+        per_session_threads: bool = True,
     ) -> None:
         self._api = capi = api()
         self._container = container  # must outlive the session
@@ -352,6 +354,8 @@ class Session:
         options = capi._out(capi.CreateSessionOptions)
         try:
             capi.check(capi.SetIntraOpNumThreads(options, intra_op_num_threads))
+            if not per_session_threads:  # the process's global pools (which the env must have)
+                capi.check(capi.DisablePerSessionThreads(options))
             capi.check(capi.SetGraphOptimizationLevel(options, optimization_level))
             # fatal only: a failing run raises with ORT's message; ORT need not also print it
             capi.check(capi.SetSessionLogSeverityLevel(options, _LOG_FATAL))

@@ -55,6 +55,21 @@ _NOTHING: Mapping[str, np.ndarray] = MappingProxyType({})
 _PAGE = mmap.PAGESIZE
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
 _REDROP_EVERY = 256  # runs between two drops of packed weights' mapped pages (0.7 ms for SmolLM2-135M)
+# ORT's process-wide thread pools (`set_global_thread_pool_sizes`): once made, ORT's Python API refuses
+# sessions with threads of their own, so every session the backend makes then runs on them.
+_GLOBAL_POOLS_MESSAGE = "use_per_session_threads must be false when using a global thread pool"
+_global_thread_pools = threading.Event()
+
+
+def use_global_thread_pools() -> None:
+    """Sessions made from now on use ORT's global thread pools (call after `set_global_thread_pool_sizes`)."""
+    _global_thread_pools.set()
+
+
+def global_thread_pools_in_use() -> bool:
+    return _global_thread_pools.is_set()
+
+
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -211,7 +226,16 @@ class _PythonApiSession:
         self._readable = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in weights.readable.items()}
         if self._readable:
             options.add_external_initializers(list(self._readable), list(self._readable.values()))
-        self._session = ort.InferenceSession(weights.model, options, providers=["CPUExecutionProvider"])
+        if _global_thread_pools.is_set():
+            options.use_per_session_threads = False
+        try:
+            self._session = ort.InferenceSession(weights.model, options, providers=["CPUExecutionProvider"])
+        except RuntimeError as exc:  # global pools made by a direct call to onnxruntime: use them from now on
+            if _GLOBAL_POOLS_MESSAGE not in str(exc) or _global_thread_pools.is_set():
+                raise
+            use_global_thread_pools()
+            options.use_per_session_threads = False
+            self._session = ort.InferenceSession(weights.model, options, providers=["CPUExecutionProvider"])
 
     def run(
         self,
@@ -278,6 +302,7 @@ def _create_session(
                     _config(settings, prepack=packed),
                     settings.intra_op_num_threads,
                     int(settings.ort_level),
+                    per_session_threads=not _global_thread_pools.is_set(),
                 )
             except _ort_capi.CApiUnavailableError:
                 if c_api_only:

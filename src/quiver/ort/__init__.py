@@ -9,6 +9,8 @@ from typing import Any
 
 import onnxruntime as _onnxruntime
 
+from quiver.backends.cpu import use_global_thread_pools
+from quiver.ort import aliases
 from quiver.ort.binding import IOBinding, SessionIOBinding
 from quiver.ort.compiler import ModelCompiler
 from quiver.ort.errors import (
@@ -34,6 +36,7 @@ from quiver.ort.provider import PROVIDER
 from quiver.ort.session import InferenceSession, ModelMetadata, NodeArg
 from quiver.ort.surface import DELEGATED, DELEGATED_MODULES
 
+aliases.install(DELEGATED_MODULES)
 __version__ = _onnxruntime.__version__  # the API's version: what code that checks it expects
 
 
@@ -47,6 +50,13 @@ def get_all_providers() -> list[str]:
 
 def get_device() -> str:
     return "CPU"
+
+
+def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:
+    """ORT's process-wide thread pools; every session after this runs on them, Quiver's too (as in ORT,
+    a session may then not ask for threads of its own)."""
+    _onnxruntime.set_global_thread_pool_sizes(intra_op_num_threads, inter_op_num_threads)
+    use_global_thread_pools()
 
 
 def __getattr__(name: str) -> Any:
@@ -79,6 +89,7 @@ __all__ = [
     "get_available_providers",
     "get_all_providers",
     "get_device",
+    "set_global_thread_pool_sizes",
     "OrtError",
     "Fail",
     "InvalidArgument",

@@ -107,7 +107,7 @@ class ModelCompiler:
         target = Path(output_model_path)
         error_if_exists = int(onnxruntime.OrtCompileApiFlags.ERROR_IF_OUTPUT_FILE_EXISTS)
         if self._flags & error_if_exists and target.exists():
-            raise InvalidArgument(f"{target} exists and the flags ask for ERROR_IF_OUTPUT_FILE_EXISTS")
+            raise Fail(f"Output model path {target} exists already (flags: ERROR_IF_OUTPUT_FILE_EXISTS)")
         compiled = self._compile(target)
         save_ep_context_model(compiled, target)
 
@@ -128,7 +128,10 @@ class ModelCompiler:
     def compile_to_stream(self, write_function: Callable[[bytes], Any]) -> None:
         data = self.compile_to_bytes()
         for start in range(0, len(data), _CHUNK):
-            write_function(data[start : start + _CHUNK])
+            try:
+                write_function(data[start : start + _CHUNK])
+            except Exception as exc:  # ORT hands the function's error back as its own Fail
+                raise Fail(f"the write function raised {type(exc).__name__}: {exc}") from exc
 
     def _compile(self, target: Path) -> ModelProto:
         name = self._model.graph.name or (self._path.stem if self._path else "main")
@@ -136,7 +139,7 @@ class ModelCompiler:
             model, _ = build_ep_context(self._model, self._path, name, target, self._embed, "cpu")
         except errors.ConversionError as exc:
             if self._flags & int(onnxruntime.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED):
-                raise Fail(f"no node could be compiled for QuiverExecutionProvider: {exc}") from None
+                raise Fail(f"Unable to compile any nodes for QuiverExecutionProvider: {exc}") from None
             return self._model  # plain ORT runs it as it is
         except errors.QuiverError as exc:
             raise ort_error(exc) from None

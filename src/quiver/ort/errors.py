@@ -84,6 +84,15 @@ class AdapterFileError(InvalidArgument, RuntimeError):
     """A file that is not a LoRA adapter: ORT raises RuntimeError there, so this is one too."""
 
 
+class EnforceError(Fail, RuntimeError):
+    """Where a check in ORT's Python binding fails (an unknown provider, thread settings that contradict
+    the process's), ORT raises a plain RuntimeError: so is this."""
+
+
+class MissingInputsError(OrtError, ValueError):
+    """Required inputs absent from a run's feed: ORT checks that in Python and raises ValueError."""
+
+
 def ort_error(exc: QuiverError) -> OrtError:
     """The ORT-named error for a Quiver error, keeping its message."""
     from quiver import errors

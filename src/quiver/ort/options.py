@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime
@@ -38,15 +40,41 @@ class _Remembered:
 
 
 class SessionOptions(onnxruntime.SessionOptions, _Remembered):
-    """`onnxruntime.SessionOptions` itself (every attribute and method), remembering its config entries."""
+    """`onnxruntime.SessionOptions` itself (every attribute and method), remembering what Quiver must apply
+    to the model itself: config entries, free dimension overrides and initializers given by the caller."""
 
     def __init__(self) -> None:
         super().__init__()
         self._entries = {}
+        self.free_dimensions_by_name: dict[str, int] = {}
+        self.free_dimensions_by_denotation: dict[str, int] = {}
+        self.initializers: dict[str, np.ndarray] = {}
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         self._remember(key, value)
         super().add_session_config_entry(key, value)
+
+    def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
+        super().add_free_dimension_override_by_name(dim_name, dim_value)
+        self.free_dimensions_by_name[dim_name] = int(dim_value)
+
+    def add_free_dimension_override_by_denotation(self, dim_denotation: str, dim_value: int) -> None:
+        super().add_free_dimension_override_by_denotation(dim_denotation, dim_value)
+        self.free_dimensions_by_denotation[dim_denotation] = int(dim_value)
+
+    def add_initializer(self, name: str, ortvalue: Any) -> None:
+        super().add_initializer(name, ortvalue)
+        self.initializers[name] = _numpy_of(ortvalue)
+
+    def add_external_initializers(self, names: Sequence[str], ortvalues: Sequence[Any]) -> None:
+        super().add_external_initializers(names, ortvalues)
+        self.initializers.update({n: _numpy_of(v) for n, v in zip(names, ortvalues)})
+
+
+def _numpy_of(value: Any) -> np.ndarray:
+    """An initializer the caller gave as an OrtValue (ORT's Python or C one) or an array; copied, since the
+    caller may reuse its buffer."""
+    return np.array(value.numpy() if hasattr(value, "numpy") else value)
 
 
 class LoraAdapter:

@@ -26,6 +26,7 @@ import onnxruntime
 from quiver import errors
 from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
+from quiver.backends.cpu import global_thread_pools_in_use
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import write_text_atomically
 from quiver.ir import dtypes
@@ -40,16 +41,29 @@ from quiver.ort.epcontext import (
     read_ep_context,
     save_ep_context_model,
 )
-from quiver.ort.errors import EngineError, InvalidArgument, InvalidProtobuf, NoSuchFile, ort_error
+from quiver.ort.errors import (
+    EnforceError,
+    EngineError,
+    InvalidArgument,
+    InvalidProtobuf,
+    MissingInputsError,
+    NoSuchFile,
+    ort_error,
+)
 from quiver.ort.errors import NotImplemented as UnsupportedByBackend
 from quiver.ort.options import RunOptions, SessionOptions, config_entries
 from quiver.ort.provider import PROVIDER, ProviderConfig, select_provider
-from quiver.ort.session_config import profile_of, with_model_config, write_optimized_model
+from quiver.ort.session_config import profile_of, with_model_config, with_session_overrides, write_optimized_model
 from quiver.runtime.context import Context
-from quiver.runtime.sections import load_section, write_section
+from quiver.runtime.sections import fits_weight, load_section, write_section
 from quiver.runtime.state import GraphState
 
 LORA_CONFIG_KEYS = ("qnn.lora_config", "quiver.lora_config")
+
+
+class _AdapterNeedsOrt(Exception):
+    """An `.onnx_adapter` whose parameters cannot replace the context's tensors (other shapes): the run
+    goes to plain ORT, which feeds them, as ORT runs such adapters."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +168,8 @@ class InferenceSession:
         **_: Any,
     ) -> None:
         self._options = sess_options if sess_options is not None else SessionOptions()
+        if global_thread_pools_in_use() and getattr(self._options, "use_per_session_threads", False):
+            raise EnforceError("use_per_session_threads must be false when using a global thread pool")
         self._config, self._providers = select_provider(providers, provider_options)
         self._entries = config_entries(self._options)
         self._shared: _Key | None = None
@@ -165,6 +181,10 @@ class InferenceSession:
         self._adapter_sections: dict[int, tuple[Any, SectionFile]] = {}
         self._profile: list[tuple[str, int, float]] = []
         self._fallback: onnxruntime.InferenceSession | None = None
+        self._fallback_reason: str | None = None  # why plain ORT runs the model, when it does
+        self._twin: onnxruntime.InferenceSession | None = None  # see _ort_twin
+        self._twin_lock = threading.Lock()
+        self._source = path_or_bytes
         self._context: Context | None = None
         self._start_ns = time.time_ns()
         opening = time.perf_counter_ns()
@@ -175,9 +195,13 @@ class InferenceSession:
             if is_ep_context_model(model):
                 self._open_ep_context(read_ep_context(model, folder))
             else:
-                self._build(model, path_or_bytes)
+                overridden = with_session_overrides(model, self._options, folder)
+                if overridden is None:
+                    self._build(model, path_or_bytes)
+                else:  # built from memory, weights and all: the file no longer says what runs
+                    self._build(overridden, overridden.SerializeToString())
                 source = str(path_or_bytes) if isinstance(path_or_bytes, Path) else path_or_bytes
-                write_optimized_model(self._options, source)
+                write_optimized_model(self._options, self._entries, source)
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
         self._model_meta = ModelMetadata(model)  # not the model: its weights live in the context
@@ -234,8 +258,31 @@ class InferenceSession:
         if self._entries.get("session.disable_cpu_ep_fallback") == "1":
             raise UnsupportedByBackend(f"{self._providers[0]} {reason} and session.disable_cpu_ep_fallback=1")
         original = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
-        self._fallback = onnxruntime.InferenceSession(original, providers=["CPUExecutionProvider"])
+        self._fallback = self._plain_ort_session(original)
+        self._fallback_reason = reason
         self._providers = ["CPUExecutionProvider"]
+
+    def _plain_ort_session(self, source: str | Path | bytes) -> onnxruntime.InferenceSession:
+        """ORT's own session over the model, with the caller's options (ORT applies their overrides)."""
+        options = self._options if isinstance(self._options, onnxruntime.SessionOptions) else None
+        return onnxruntime.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+
+    def _ort_twin(self) -> onnxruntime.InferenceSession:
+        """Plain ORT over the same model, for what runs through ORT although the model runs on Quiver: the
+        private `_sess` some client code reaches for, and runs with adapters Quiver cannot apply. Made on
+        first use (it holds a second copy of the weights), once per session."""
+        if self._fallback is not None:
+            return self._fallback
+        with self._twin_lock:
+            if self._twin is None:
+                source = str(self._source) if isinstance(self._source, Path) else self._source
+                self._twin = self._plain_ort_session(source)
+            return self._twin
+
+    @property
+    def _sess(self) -> Any:
+        """ORT's private C session (`onnxruntime.InferenceSession._sess`), of the plain-ORT twin."""
+        return self._ort_twin()._sess
 
     def _build_ep_context(self, model: ModelProto, source: Path | None, backend: Backend) -> Context:
         """ep.context_enable=1: `<model>_ctx.onnx` (or ep.context_file_path) and the `.qctx` beside it."""
@@ -308,15 +355,27 @@ class InferenceSession:
         out: Mapping[str, np.ndarray] | None,
     ) -> dict[str, np.ndarray]:
         """Every output by name; those in `out` are written into the caller's arrays."""
-        feeds = self._with_adapter_parameters(feeds, run_options)
-        if self._fallback is not None:
-            names = [o.name for o in self._fallback.get_outputs()]
-            values = dict(zip(names, self._fallback.run(None, dict(feeds), run_options)))
-            for name, target in (out or {}).items():
-                if name in values:
-                    np.copyto(target, values[name].reshape(target.shape))
-                    values[name] = target
-            return values
+        if self._fallback is None:
+            try:
+                return self._execute_on_quiver(self._with_adapter_parameters(feeds, run_options), run_options, out)
+            except _AdapterNeedsOrt:
+                pass
+        ort = self._ort_twin()
+        names = [o.name for o in ort.get_outputs()]
+        on_ort = self._with_adapter_parameters(feeds, run_options, on_ort=True)
+        values = dict(zip(names, ort.run(None, dict(on_ort), run_options)))
+        for name, target in (out or {}).items():
+            if name in values:
+                np.copyto(target, values[name].reshape(target.shape))
+                values[name] = target
+        return values
+
+    def _execute_on_quiver(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        run_options: RunOptions | Any | None,
+        out: Mapping[str, np.ndarray] | None,
+    ) -> dict[str, np.ndarray]:
         if self._broken is not None:
             raise EngineError(f"this session's backend failed earlier ({self._broken}); create a new session")
         assert self._context is not None
@@ -337,9 +396,10 @@ class InferenceSession:
         return results
 
     def _with_adapter_parameters(
-        self, feeds: Mapping[str, np.ndarray], run_options: RunOptions | Any | None
-    ) -> Mapping[str, np.ndarray]:
-        """The active `.onnx_adapter` adapters' parameters, fed as the model's inputs (ORT's LoRA)."""
+        self, feeds: Mapping[str, Any], run_options: RunOptions | Any | None, on_ort: bool = False
+    ) -> Mapping[str, Any]:
+        """The active `.onnx_adapter` adapters' parameters fed as the model's inputs, as ORT feeds them; on
+        Quiver, those replacing overridable initializers are applied as sections instead (`_section_of`)."""
         adapters = [a for a in getattr(run_options, "active_adapters", []) if a.parameters is not None]
         if not adapters:
             return feeds
@@ -352,7 +412,7 @@ class InferenceSession:
                 raise InvalidArgument(
                     f"adapter {adapter.path}: parameters {unknown} are neither inputs nor overridable initializers"
                 )
-            merged.update({n: v for n, v in adapter.parameters.items() if n in inputs})
+            merged.update({n: v for n, v in adapter.parameters.items() if on_ort or n in inputs})
         return merged
 
     def run(
@@ -361,6 +421,14 @@ class InferenceSession:
         input_feed: Mapping[str, Any],
         run_options: RunOptions | Any | None = None,
     ) -> list[np.ndarray]:
+        if self._fallback is not None:  # ORT takes every feed it knows (sequences, maps, strings) as it is
+            feeds = self._with_adapter_parameters(input_feed, run_options, on_ort=True)
+            return self._fallback.run(output_names, dict(feeds), run_options)
+        adapters = [a.parameters for a in getattr(run_options, "active_adapters", []) if a.parameters is not None]
+        supplied = self._graph().inputs_with_defaults.union(input_feed, *adapters)
+        missing = [a.name for a in self.get_inputs() if a.name not in supplied]
+        if missing:  # ORT checks this in Python, before running
+            raise MissingInputsError(f"Required inputs ({missing}) are missing from input feed ({list(input_feed)}).")
         results = self._execute(feeds_of(input_feed, self._input_dtype), run_options, None)
         names = list(output_names) if output_names else list(results)
         unknown = [n for n in names if n not in results]
@@ -423,6 +491,10 @@ class InferenceSession:
         provider_options: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Accepts the providers the session already runs with; anything else needs a new session."""
+        for item in providers or []:
+            name = item[0] if isinstance(item, tuple) else item
+            if name not in onnxruntime.get_all_providers() and name != PROVIDER:
+                raise EnforceError(f"Unknown Provider Type: {name}")
         config, reported = select_provider(providers, provider_options)
         if config != self._config:
             raise UnsupportedByBackend("quiver.ort cannot change a session's provider options; create a new session")
@@ -455,6 +527,10 @@ class InferenceSession:
         run_options: RunOptions | Any | None = None,
     ) -> list[onnxruntime.OrtValue]:
         """As `run`, with OrtValues in (viewed, not copied) and out."""
+        if self._fallback is not None:  # ORT's own: its outputs may be sparse tensors, sequences or maps
+            feeds = self._with_adapter_parameters(input_dict_ort_values, run_options, on_ort=True)
+            values = {n: v if isinstance(v, onnxruntime.OrtValue) else ortvalue_of(v) for n, v in feeds.items()}
+            return self._fallback.run_with_ort_values(output_names, values, run_options)
         return [ortvalue_of(a) for a in self.run(output_names, input_dict_ort_values, run_options)]
 
     def run_with_ortvaluevector(
@@ -481,7 +557,7 @@ class InferenceSession:
 
         def work() -> None:
             try:
-                outputs = self.run_with_ort_values(output_names, input_feed, run_options)
+                outputs = self.run(output_names, input_feed, run_options)  # numpy arrays, as ORT hands them
             except Exception as exc:  # handed to the callback, as ORT does
                 callback([], user_data, str(exc))
                 return
@@ -514,8 +590,14 @@ class InferenceSession:
             cached = self._adapter_sections.get(key)
         if cached is not None and cached[0] is adapter:
             return cached[1]
+        file = self._context.file
+        entry = file.graphs[self._graph_name]
+        for name, value in values.items():
+            if not fits_weight(str(value.dtype), value.shape, file.weights[entry.weights[name]]):
+                # e.g. ORT's LoRA layout: empty default parameters ([4, 0]) that adapters replace with rank r
+                raise _AdapterNeedsOrt(f"{adapter.path}: {name} is {value.dtype}{list(value.shape)}")
         metadata = {"adapter": str(adapter.path)}
-        data = write_section(self._context.file, {self._graph_name: values}, [self._graph_name], metadata)
+        data = write_section(file, {self._graph_name: values}, [self._graph_name], metadata)
         section = load_section(data)
         with self._states_lock:
             if len(self._adapter_sections) >= 64:  # adapters made per run must not pile up

@@ -71,8 +71,42 @@ def with_model_config(options: Any, model: ModelProto) -> Any:
     return copy
 
 
-def write_optimized_model(options: Any, source: str | bytes) -> None:
-    """`optimized_model_filepath`: ORT writes the model as its optimizers leave it; so does this, with ORT."""
+def with_session_overrides(model: ModelProto, options: Any, folder: Path | None) -> ModelProto | None:
+    """The model with what the options override applied, as ORT applies them when it loads one: free
+    dimensions fixed (by name or by denotation, on the graph's inputs) and initializers the caller gave
+    (`add_initializer`, `add_external_initializers`) in place of the model's. None when nothing applies."""
+    by_name = getattr(options, "free_dimensions_by_name", {})
+    by_denotation = getattr(options, "free_dimensions_by_denotation", {})
+    given = getattr(options, "initializers", {})
+    if not (by_name or by_denotation or given):
+        return None
+    from onnx import external_data_helper, numpy_helper
+
+    model = ModelProto.FromString(model.SerializeToString())
+    for value in model.graph.input:
+        for dim in value.type.tensor_type.shape.dim:
+            fixed = by_name.get(dim.dim_param) if dim.HasField("dim_param") else None
+            fixed = by_denotation.get(dim.denotation, fixed) if dim.denotation else fixed
+            if fixed is not None:
+                dim.dim_value = fixed
+    for index, tensor in enumerate(model.graph.initializer):
+        if tensor.name in given:
+            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(given[tensor.name], tensor.name))
+    if folder is not None:  # the copy is built from memory: its other external weights are read from their files
+        external_data_helper.load_external_data_for_model(model, str(folder))
+    return model
+
+
+# the optimized model's own settings: which of its weights go to an external file
+_OPTIMIZED_MODEL_ENTRIES = (
+    "session.optimized_model_external_initializers_file_name",
+    "session.optimized_model_external_initializers_min_size_in_bytes",
+)
+
+
+def write_optimized_model(options: Any, entries: dict[str, str], source: str | bytes) -> None:
+    """`optimized_model_filepath`: ORT writes the model as its optimizers leave it; so does this, with ORT
+    (with the entries that place its weights in an external file)."""
     target = getattr(options, "optimized_model_filepath", "")
     if not target:
         return
@@ -80,6 +114,9 @@ def write_optimized_model(options: Any, source: str | bytes) -> None:
     writer.graph_optimization_level = options.graph_optimization_level
     writer.optimized_model_filepath = str(target)
     writer.log_severity_level = 3
+    for key in _OPTIMIZED_MODEL_ENTRIES:
+        if key in entries:
+            writer.add_session_config_entry(key, entries[key])
     onnxruntime.InferenceSession(source, writer, providers=["CPUExecutionProvider"])
 
 
@@ -108,7 +145,8 @@ class JsonProfile:
     def write(self) -> str:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         path = Path(f"{self.prefix}_{stamp}.json")
-        write_text_atomically(path, json.dumps(self.events, indent=0))
+        lines = ",\n".join(json.dumps(event) for event in self.events)  # one event per line, as ORT writes
+        write_text_atomically(path, f"[\n{lines}\n]\n")
         self.events = []
         return str(path)
 

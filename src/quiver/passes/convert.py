@@ -54,8 +54,8 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     attr = node.attribute[0] if len(node.attribute) == 1 else None
     if attr is None:
         return None
-    if attr.name == "value":
-        return numpy_helper.to_array(attr.t)
+    if attr.name == "value":  # a sparse tensor under this name (some exporters write one) stays a node
+        return numpy_helper.to_array(attr.t) if attr.type == onnx.AttributeProto.TENSOR else None
     simple = {
         "value_float": (attr.f, np.float32),
         "value_floats": (list(attr.floats), np.float32),

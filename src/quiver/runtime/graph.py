@@ -41,8 +41,8 @@ def validate_feeds(
             continue
         info = expected[name]
         array = np.asarray(value)
-        if info.dtype == "string" and array.dtype.kind in "UO":
-            array = array.astype(object)  # ORT takes str arrays as objects
+        if info.dtype == "string" and array.dtype.kind in "UOSV":
+            array = _as_strings(array)
         if array.dtype != info.numpy_dtype:
             raise FeedDTypeError(
                 f"graph {graph_name!r}: input {name!r} expects {info.dtype}, got {array.dtype}; "
@@ -60,6 +60,15 @@ def validate_feeds(
         if checked is not None and array is value and array.nbytes >= _REMEMBERED_BYTES:
             checked[name] = (array, array.shape)
     return arrays
+
+
+def _as_strings(array: np.ndarray) -> np.ndarray:
+    """Strings as ORT takes them: str and object arrays as they are; bytes (`S`) and raw bytes (`V`, NULs
+    and all) decoded as UTF-8."""
+    if array.dtype.kind not in "SV":
+        return array.astype(object)
+    items = [bytes(item).decode("utf-8") for item in array.ravel()]
+    return np.array(items, dtype=object).reshape(array.shape)
 
 
 _REMEMBERED_BYTES = 4096  # smaller feeds (token ids, positions) are new arrays each run anyway
@@ -108,6 +117,8 @@ class Graph:
         alpha = next((i for i in inputs if i.name == LORA_ALPHA_INPUT and i.dtype == "float32"), None)
         if alpha is not None and alpha.shape is not None and len(alpha.shape) == 1 and isinstance(alpha.shape[0], int):
             self._zero_adapter = (alpha.name, np.zeros(alpha.shape[0], np.float32))
+        # inputs a run may leave out: the graph supplies them (the LoRA strengths, from the state)
+        self.inputs_with_defaults = frozenset({self._zero_adapter[0]} if self._zero_adapter else ())
 
     def execute(
         self, feeds: Mapping[str, object], out: Mapping[str, np.ndarray] | None = None

@@ -6,7 +6,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,8 +199,7 @@ def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str])
             if name not in entry.updateable:
                 raise SectionMismatchError(f"{section.source}: graph {graph!r} has no updateable tensor {name!r}")
             weight = file.weights[entry.weights[name]]
-            fits = len(stored.shape) == len(weight.shape) and all(a <= b for a, b in zip(stored.shape, weight.shape))
-            if stored.dtype != weight.dtype or not fits:
+            if not fits_weight(stored.dtype, stored.shape, weight):
                 raise SectionMismatchError(
                     f"{section.source}: tensor {name!r} is {stored.dtype}{list(stored.shape)}, graph {graph!r} "
                     f"needs {weight.dtype}{list(weight.shape)}"
@@ -209,6 +208,13 @@ def bind_section(file: ContextFile, section: SectionFile, graphs: Iterable[str])
     for graph, values in bound.items():
         _BOUND.put(file, section, graph, values)
     return bound
+
+
+def fits_weight(dtype: Any, shape: Sequence[int], weight: Any) -> bool:
+    """Whether a section's tensor can stand for a context weight: same dtype and rank, no dimension larger
+    (a smaller one, a lower LoRA rank, is zero-extended)."""
+    same_rank = len(shape) == len(weight.shape)
+    return dtype == weight.dtype and same_rank and all(a <= b for a, b in zip(shape, weight.shape))
 
 
 def _zero_extended(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -1,0 +1,264 @@
+"""`quiver.ort` where ONNX Runtime's own API tests look: module layout, string feeds, options that change
+the model, adapters of another rank, ORT's private session, process-wide thread pools, compile streams.
+Each behaviour is checked against plain onnxruntime on the same model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+import quiver
+import quiver.ort
+
+
+def _save(graph: object, path: Path, opset: int = 17) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_delegated_subpackages_import_by_their_quiver_ort_names() -> None:
+    from quiver.ort.capi import _pybind_state
+    from quiver.ort.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
+    from quiver.ort.capi.onnxruntime_pybind11_state import Fail
+
+    from quiver.ort.backend.backend import OnnxRuntimeBackend
+    from quiver.ort.backend.backend_rep import OnnxRuntimeBackendRep
+
+    assert Fail is ort_state.Fail and issubclass(quiver.ort.Fail, Fail)
+    assert _pybind_state is onnxruntime.capi._pybind_state  # the same module, its extension loaded once
+    assert onnxruntime.capi.__spec__.name == "onnxruntime.capi"  # the alias left ORT's own module as it was
+    assert check_and_normalize_provider_args(["a"], None, ["a"]) == (["a"], [{}])
+    assert OnnxRuntimeBackend.supports_device("CPU") and OnnxRuntimeBackendRep.__module__.startswith("quiver.ort")
+
+
+def test_strings_fed_as_bytes_or_raw_bytes_are_decoded_as_onnxruntime_does(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["s"], ["t"])],
+        "strings",
+        [helper.make_tensor_value_info("s", TensorProto.STRING, [2, 2])],
+        [helper.make_tensor_value_info("t", TensorProto.STRING, [2, 2])],
+    )
+    path = _save(graph, tmp_path / "strings.onnx")
+    ours, theirs = quiver.ort.InferenceSession(str(path)), onnxruntime.InferenceSession(str(path))
+    assert ours._fallback_reason is None  # Quiver runs it itself
+    feeds = [
+        np.array([["Olá", "你好"], ["여보세요", "hi"]]),
+        np.array([[b"this", b"is"], [b"a", b"test"]], dtype="S5"),  # ORT reads past an unpadded one: not here
+        np.array([[b"must", b"have"], [b"A\0A\0", b"size"]], dtype=np.void),
+        np.array([["a", "b"], ["c", "d"]], dtype=object),
+    ]
+    for feed in feeds:
+        np.testing.assert_array_equal(ours.run(None, {"s": feed})[0], theirs.run(None, {"s": feed})[0])
+
+
+def test_free_dimension_overrides_and_given_initializers_apply_as_in_onnxruntime(tmp_path: Path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "rows", 3])
+    x.type.tensor_type.shape.dim[1].denotation = "DATA_CHANNEL"
+    w = np.arange(6, dtype=np.float32).reshape(3, 2)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "free_dims",
+        [x],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "rows", 2])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    path = _save(graph, tmp_path / "free_dims.onnx")
+    given = onnxruntime.OrtValue.ortvalue_from_numpy(-w)
+    sessions = []
+    for module in (quiver.ort, onnxruntime):
+        options = module.SessionOptions()
+        options.add_free_dimension_override_by_name("batch", 2)
+        options.add_free_dimension_override_by_denotation("DATA_CHANNEL", 4)
+        options.add_initializer("w", given)
+        sessions.append(module.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
+    ours, theirs = sessions
+    assert ours.get_inputs()[0].shape == theirs.get_inputs()[0].shape == [2, 4, 3]
+    feed = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
+    np.testing.assert_allclose(ours.run(None, {"x": feed})[0], feed @ -w, rtol=1e-6)
+    np.testing.assert_allclose(theirs.run(None, {"x": feed})[0], feed @ -w, rtol=1e-6)
+
+
+def _rank_free_lora_model(path: Path) -> Path:
+    """ORT's LoRA layout: empty default parameters ([4, 0], [0, 4]) that adapters replace with rank r."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["base"]),
+            helper.make_node("MatMul", ["x", "lora_a"], ["xa"]),
+            helper.make_node("MatMul", ["xa", "lora_b"], ["delta"]),
+            helper.make_node("Add", ["base", "delta"], ["y"]),
+        ],
+        "rank_free",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4]),
+            helper.make_tensor_value_info("lora_a", TensorProto.FLOAT, [4, "rank"]),
+            helper.make_tensor_value_info("lora_b", TensorProto.FLOAT, ["rank", 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+        [
+            numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(4, 4), "w"),
+            numpy_helper.from_array(np.zeros((4, 0), np.float32), "lora_a"),
+            numpy_helper.from_array(np.zeros((0, 4), np.float32), "lora_b"),
+        ],
+    )
+    return _save(graph, path)
+
+
+def test_an_adapter_of_another_shape_runs_through_onnxruntime_as_onnxruntime_runs_it(tmp_path: Path) -> None:
+    model = _rank_free_lora_model(tmp_path / "rank_free.onnx")
+    rng = np.random.default_rng(1)
+    adapters = []
+    for rank in (1, 3):
+        adapter = onnxruntime.AdapterFormat()
+        adapter.set_parameters(
+            {
+                "lora_a": onnxruntime.OrtValue.ortvalue_from_numpy(rng.standard_normal((4, rank)).astype(np.float32)),
+                "lora_b": onnxruntime.OrtValue.ortvalue_from_numpy(rng.standard_normal((rank, 4)).astype(np.float32)),
+            }
+        )
+        adapter.export_adapter(str(tmp_path / f"rank{rank}.onnx_adapter"))
+        adapters.append(tmp_path / f"rank{rank}.onnx_adapter")
+    ours, theirs = quiver.ort.InferenceSession(str(model)), onnxruntime.InferenceSession(str(model))
+    assert ours._fallback_reason is None
+    x = np.ones((4, 4), np.float32)
+    for path in (adapters[0], None, adapters[1]):
+        results = []
+        for module, session in ((quiver.ort, ours), (onnxruntime, theirs)):
+            options = module.RunOptions()
+            if path is not None:
+                adapter = module.LoraAdapter()
+                adapter.Load(str(path))
+                options.add_active_adapter(adapter)
+            results.append(session.run(None, {"x": x}, options)[0])
+        np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_private_session_is_onnxruntimes_own(tmp_path: Path) -> None:
+    """Client code (ORT's tests among it) reaches for `session._sess`: it is a plain ORT C session."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "x"], ["y"])],
+        "square",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+    )
+    path = _save(graph, tmp_path / "square.onnx")
+    session = quiver.ort.InferenceSession(str(path))
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    value = onnxruntime.OrtValue.ortvalue_from_numpy(x)
+    outputs = session._sess.run_with_ort_values({"x": value._get_c_value()}, ["y"], ort_state.RunOptions())
+    assert isinstance(outputs, ort_state.OrtValueVector)
+    np.testing.assert_array_equal(outputs[0].numpy(), x * x)
+    assert session._sess is session._sess  # made once
+
+
+def test_models_plain_onnxruntime_runs_take_sequences_as_onnxruntime_takes_them(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("SequenceLength", ["s"], ["n"])],
+        "sequence",
+        [
+            helper.make_value_info(
+                "s", helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+            )
+        ],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+    )
+    path = _save(graph, tmp_path / "sequence.onnx", opset=11)
+    session = quiver.ort.InferenceSession(str(path))
+    assert "SequenceLength" in str(session._fallback_reason)
+    assert session.run(None, {"s": [np.zeros(2, np.float32)] * 3})[0] == 3
+    with pytest.raises(ValueError, match="Required inputs"):
+        session.run(None, {})
+
+
+def test_an_unknown_provider_is_the_runtime_error_onnxruntime_raises(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["y"])],
+        "neg",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    path = _save(graph, tmp_path / "neg.onnx")
+    for module in (quiver.ort, onnxruntime):
+        session = module.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        with pytest.raises(RuntimeError, match="Unknown Provider Type: Bogus"):
+            session.set_providers(["Bogus"])
+
+
+def test_an_optimized_model_places_its_weights_as_the_session_entries_say(tmp_path: Path) -> None:
+    w = np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "big_weight",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    path = _save(graph, tmp_path / "big_weight.onnx")
+    options = quiver.ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "out" / "optimized.onnx")
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "100")
+    (tmp_path / "out").mkdir()
+    quiver.ort.InferenceSession(str(path), options)
+    assert (tmp_path / "out" / "weights.bin").stat().st_size >= w.nbytes  # beside the model, not in the cwd
+    x = np.ones((1, 64), np.float32)
+    reopened = quiver.ort.InferenceSession(str(tmp_path / "out" / "optimized.onnx"))
+    np.testing.assert_allclose(reopened.run(None, {"x": x})[0], x @ w, rtol=1e-5)
+
+
+def test_a_failing_compile_stream_is_onnxruntimes_fail(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    path = _save(graph, tmp_path / "relu.onnx")
+    compiler = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(path), embed_compiled_data_into_model=True)
+
+    def refuse(_: bytes) -> None:
+        raise ValueError("disk full")
+
+    with pytest.raises(ort_state.Fail, match="disk full"):
+        compiler.compile_to_stream(refuse)
+
+
+GLOBAL_POOLS = """
+import numpy as np, onnx, onnxruntime, sys
+from onnx import TensorProto, helper, numpy_helper
+import quiver.ort
+w = np.arange(12, dtype=np.float32).reshape(4, 3)
+graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "pools",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [numpy_helper.from_array(w, "w")])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+{set_pools}
+options = quiver.ort.SessionOptions()
+options.use_per_session_threads = False
+session = quiver.ort.InferenceSession(model, options)
+assert session._fallback_reason is None
+x = np.ones((2, 4), np.float32)
+np.testing.assert_allclose(session.run(None, {{"x": x}})[0], x @ w)
+try:
+    quiver.ort.InferenceSession(model)
+except RuntimeError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.parametrize("module", ["quiver.ort", "onnxruntime"])
+def test_sessions_run_on_global_thread_pools_once_they_are_made(module: str) -> None:
+    """Process-wide, so in a process of its own; the pools may be made through either module."""
+    script = GLOBAL_POOLS.format(set_pools=f"{module}.set_global_thread_pool_sizes(2, 2)")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    if module == "quiver.ort":  # known at once: refused as ORT refuses it
+        assert "use_per_session_threads must be false" in done.stdout
