@@ -262,3 +262,49 @@ def test_sessions_run_on_global_thread_pools_once_they_are_made(module: str) -> 
     assert done.returncode == 0, done.stderr
     if module == "quiver.ort":  # known at once: refused as ORT refuses it
         assert "use_per_session_threads must be false" in done.stdout
+
+
+def test_a_model_onnxruntime_runs_for_quiver_ort_profiles_as_onnxruntime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    graph = helper.make_graph(
+        [helper.make_node("SequenceConstruct", ["a", "b"], ["s"]), helper.make_node("SequenceLength", ["s"], ["n"])],
+        "sequence",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "ab"],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+    )
+    path = _save(graph, tmp_path / "sequence.onnx", opset=11)
+    monkeypatch.chdir(tmp_path)
+    options = quiver.ort.SessionOptions()
+    options.enable_profiling = True
+    session = quiver.ort.InferenceSession(str(path), options)
+    assert session._fallback_reason is not None
+    session.run(None, {"a": np.zeros(2, np.float32), "b": np.ones(2, np.float32)})
+    events = json.loads(Path(session.end_profiling()).read_text())
+    assert any(e.get("cat") == "Node" for e in events)  # ORT's own profile: its nodes ran
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_options_from_the_model_keep_the_callers_initializers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    w = np.arange(4, dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "w"], ["y"])],
+        "configured",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    helper.set_model_props(model, {"ort_config": json.dumps({"session_options": {"intra_op_num_threads": 1}})})
+    path = tmp_path / "configured.onnx"
+    path.write_bytes(model.SerializeToString())
+    monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "1")
+    options = quiver.ort.SessionOptions()
+    options.add_initializer("w", onnxruntime.OrtValue.ortvalue_from_numpy(-w))
+    session = quiver.ort.InferenceSession(str(path), options)
+    assert session.get_session_options().intra_op_num_threads == 1
+    np.testing.assert_array_equal(session.run(None, {"x": np.ones(4, np.float32)})[0], -w)

@@ -49,6 +49,7 @@ class SessionOptions(onnxruntime.SessionOptions, _Remembered):
         self.free_dimensions_by_name: dict[str, int] = {}
         self.free_dimensions_by_denotation: dict[str, int] = {}
         self.initializers: dict[str, np.ndarray] = {}
+        self._given: list[Any] = []  # the OrtValues ORT was handed: alive as long as these options
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         self._remember(key, value)
@@ -64,10 +65,12 @@ class SessionOptions(onnxruntime.SessionOptions, _Remembered):
 
     def add_initializer(self, name: str, ortvalue: Any) -> None:
         super().add_initializer(name, ortvalue)
+        self._given.append(ortvalue)
         self.initializers[name] = _numpy_of(ortvalue)
 
     def add_external_initializers(self, names: Sequence[str], ortvalues: Sequence[Any]) -> None:
         super().add_external_initializers(names, ortvalues)
+        self._given.extend(ortvalues)
         self.initializers.update({n: _numpy_of(v) for n, v in zip(names, ortvalues)})
 
 

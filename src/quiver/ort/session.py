@@ -53,7 +53,13 @@ from quiver.ort.errors import (
 from quiver.ort.errors import NotImplemented as UnsupportedByBackend
 from quiver.ort.options import RunOptions, SessionOptions, config_entries
 from quiver.ort.provider import PROVIDER, ProviderConfig, select_provider
-from quiver.ort.session_config import profile_of, with_model_config, with_session_overrides, write_optimized_model
+from quiver.ort.session_config import (
+    copy_options,
+    profile_of,
+    with_model_config,
+    with_session_overrides,
+    write_optimized_model,
+)
 from quiver.runtime.context import Context
 from quiver.runtime.sections import fits_weight, load_section, write_section
 from quiver.runtime.state import GraphState
@@ -258,13 +264,14 @@ class InferenceSession:
         if self._entries.get("session.disable_cpu_ep_fallback") == "1":
             raise UnsupportedByBackend(f"{self._providers[0]} {reason} and session.disable_cpu_ep_fallback=1")
         original = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
-        self._fallback = self._plain_ort_session(original)
+        self._fallback = self._plain_ort_session(original, self._options)
         self._fallback_reason = reason
         self._providers = ["CPUExecutionProvider"]
 
-    def _plain_ort_session(self, source: str | Path | bytes) -> onnxruntime.InferenceSession:
+    @staticmethod
+    def _plain_ort_session(source: str | Path | bytes, options: Any) -> onnxruntime.InferenceSession:
         """ORT's own session over the model, with the caller's options (ORT applies their overrides)."""
-        options = self._options if isinstance(self._options, onnxruntime.SessionOptions) else None
+        options = options if isinstance(options, onnxruntime.SessionOptions) else None
         return onnxruntime.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
 
     def _ort_twin(self) -> onnxruntime.InferenceSession:
@@ -276,7 +283,10 @@ class InferenceSession:
         with self._twin_lock:
             if self._twin is None:
                 source = str(self._source) if isinstance(self._source, Path) else self._source
-                self._twin = self._plain_ort_session(source)
+                options = self._options
+                if isinstance(options, SessionOptions):  # the twin neither profiles nor writes the model again
+                    options = copy_options(options, without=("enable_profiling", "optimized_model_filepath"))
+                self._twin = self._plain_ort_session(source, options)
             return self._twin
 
     @property
@@ -675,6 +685,8 @@ class InferenceSession:
         with ORT's kernel time; written once the session's graph is released (close() or end_profiling()).
         """
         csv_path = self._end_csv_profiling()
+        if self._fallback is not None and self._json_profile is not None:
+            return str(self._fallback.end_profiling())  # ORT ran the model: its own profile, nodes and all
         return self._json_profile.write() if self._json_profile is not None else csv_path
 
     def _end_csv_profiling(self) -> str:

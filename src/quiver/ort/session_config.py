@@ -30,6 +30,26 @@ _COPIED = (*_MODEL_CONFIG, "log_severity_level", "log_verbosity_level", "logid",
            "use_deterministic_compute")  # fmt: skip
 
 
+def copy_options(options: Any, without: tuple[str, ...] = ()) -> SessionOptions:
+    """A new SessionOptions with what `options` sets (attributes, config entries and, for Quiver's own
+    options, free dimension overrides and given initializers), less the attributes in `without`."""
+    copy = SessionOptions()
+    for name in _COPIED:
+        if hasattr(options, name) and name not in without:
+            setattr(copy, name, getattr(options, name))
+    for key, value in getattr(options, "entries", {}).items():
+        copy.add_session_config_entry(key, value)
+    for name, size in getattr(options, "free_dimensions_by_name", {}).items():
+        copy.add_free_dimension_override_by_name(name, size)
+    for denotation, size in getattr(options, "free_dimensions_by_denotation", {}).items():
+        copy.add_free_dimension_override_by_denotation(denotation, size)
+    given = getattr(options, "initializers", {})
+    if given:
+        values = [onnxruntime.OrtValue.ortvalue_from_numpy(a) for a in given.values()]
+        copy.add_external_initializers(list(given), values)  # the copy keeps them (and their arrays) alive
+    return copy
+
+
 def with_model_config(options: Any, model: ModelProto) -> Any:
     """With ORT_LOAD_CONFIG_FROM_MODEL=1, the options with the model's `ort_config` session options applied
     (to a copy: the caller's object is left as it was, as ORT leaves it)."""
@@ -47,12 +67,7 @@ def with_model_config(options: Any, model: ModelProto) -> Any:
     settings = config.get("session_options", {}) if isinstance(config, dict) else None
     if not isinstance(settings, dict):
         raise InvalidArgument("the model's ort_config must be an object whose session_options is an object")
-    copy = SessionOptions()
-    for name in _COPIED:
-        if hasattr(options, name):
-            setattr(copy, name, getattr(options, name))
-    for key, value in getattr(options, "entries", {}).items():
-        copy.add_session_config_entry(key, value)
+    copy = copy_options(options)
     for key, value in settings.items():
         if key not in _MODEL_CONFIG:
             continue
