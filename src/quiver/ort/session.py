@@ -191,6 +191,7 @@ class InferenceSession:
         self._twin: onnxruntime.InferenceSession | None = None  # see _ort_twin
         self._twin_lock = threading.Lock()
         self._source = path_or_bytes
+        self._required: tuple[str, ...] | None = None  # see _required_inputs
         self._context: Context | None = None
         self._start_ns = time.time_ns()
         opening = time.perf_counter_ns()
@@ -323,6 +324,13 @@ class InferenceSession:
             return [NodeArg(a.name, a.shape, a.type) for a in self._fallback.get_outputs()]
         return [_node_arg(o) for o in self._graph().outputs]
 
+    def _required_inputs(self) -> tuple[str, ...]:
+        """The inputs a run must feed: all but those the graph supplies (LoRA strengths). Found once."""
+        if self._required is None:
+            graph = self._graph()
+            self._required = tuple(i.name for i in graph.inputs if i.name not in graph.inputs_with_defaults)
+        return self._required
+
     def get_overridable_initializers(self) -> list[NodeArg]:
         """Initializers the model also lists as inputs (IR >= 4): here the graph's updateable tensors,
         which an adapter (`RunOptions.add_active_adapter`) replaces for a run."""
@@ -434,11 +442,14 @@ class InferenceSession:
         if self._fallback is not None:  # ORT takes every feed it knows (sequences, maps, strings) as it is
             feeds = self._with_adapter_parameters(input_feed, run_options, on_ort=True)
             return self._fallback.run(output_names, dict(feeds), run_options)
-        adapters = [a.parameters for a in getattr(run_options, "active_adapters", []) if a.parameters is not None]
-        supplied = self._graph().inputs_with_defaults.union(input_feed, *adapters)
-        missing = [a.name for a in self.get_inputs() if a.name not in supplied]
-        if missing:  # ORT checks this in Python, before running
-            raise MissingInputsError(f"Required inputs ({missing}) are missing from input feed ({list(input_feed)}).")
+        missing = [name for name in self._required_inputs() if name not in input_feed]
+        if missing:  # ORT checks this in Python, before running; an adapter may feed some
+            adapters = [a.parameters for a in getattr(run_options, "active_adapters", []) if a.parameters]
+            missing = [name for name in missing if not any(name in p for p in adapters)]
+            if missing:
+                raise MissingInputsError(
+                    f"Required inputs ({missing}) are missing from input feed ({list(input_feed)})."
+                )
         results = self._execute(feeds_of(input_feed, self._input_dtype), run_options, None)
         names = list(output_names) if output_names else list(results)
         unknown = [n for n in names if n not in results]
