@@ -308,3 +308,41 @@ def test_options_from_the_model_keep_the_callers_initializers(tmp_path: Path, mo
     session = quiver.ort.InferenceSession(str(path), options)
     assert session.get_session_options().intra_op_num_threads == 1
     np.testing.assert_array_equal(session.run(None, {"x": np.ones(4, np.float32)})[0], -w)
+
+
+LOGGING = """
+import numpy as np, quiver.ort
+from onnx import TensorProto, helper
+x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "xy")
+graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg", [x], [y])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+quiver.ort.InferenceSession(model).run(None, {"x": np.ones(2, np.float32)})
+print("quiet load done", flush=True)
+quiver.ort.set_default_logger_severity(0)
+quiver.ort.InferenceSession(model).run(None, {"x": np.ones(2, np.float32)})
+"""
+
+
+def test_quiver_sessions_log_only_when_asked_through_the_default_logger_severity() -> None:
+    """A normal load prints nothing; after set_default_logger_severity(0), Quiver's sessions log verbosely
+    too, as ORT's do (in a process of its own: the severity is process-wide)."""
+    done = subprocess.run([sys.executable, "-c", LOGGING], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout
+    quiet, marker, verbose = done.stdout.partition("quiet load done")  # one pipe: the order is kept
+    assert marker
+    assert "onnxruntime" not in quiet
+    assert "[V:onnxruntime" in verbose or "[I:onnxruntime" in verbose
+
+
+@pytest.mark.skipif(
+    not hasattr(onnxruntime, "set_default_logger_callback"), reason="this onnxruntime has no logging callback"
+)
+def test_a_logging_callback_receives_quiver_sessions_messages() -> None:
+    script = LOGGING.replace(
+        "quiver.ort.set_default_logger_severity(0)",
+        "got = []\nquiver.ort.set_default_logger_callback(lambda *record: got.append(record), severity=0)",
+    )
+    script += "\nassert got and all(isinstance(r[4], str) for r in got), got\nprint('messages', len(got))\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "messages" in done.stdout

@@ -337,6 +337,7 @@ class Session:
         intra_op_num_threads: int,
         optimization_level: int,
         per_session_threads: bool = True,
+        log_severity: int = _LOG_FATAL,
     ) -> None:
         self._api = capi = api()
         self._container = container  # must outlive the session
@@ -357,8 +358,8 @@ class Session:
             if not per_session_threads:  # the process's global pools (which the env must have)
                 capi.check(capi.DisablePerSessionThreads(options))
             capi.check(capi.SetGraphOptimizationLevel(options, optimization_level))
-            # fatal only: a failing run raises with ORT's message; ORT need not also print it
-            capi.check(capi.SetSessionLogSeverityLevel(options, _LOG_FATAL))
+            # fatal by default: a failing run raises with ORT's message; ORT need not also print it
+            capi.check(capi.SetSessionLogSeverityLevel(options, log_severity))
             for key, value in config.items():
                 capi.check(capi.AddSessionConfigEntry(options, key.encode(), value.encode()))
             for name, tensor in self._weights.items():

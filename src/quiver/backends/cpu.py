@@ -70,6 +70,21 @@ def global_thread_pools_in_use() -> bool:
     return _global_thread_pools.is_set()
 
 
+# The log severity of the sessions the backend makes: fatal only (a failing run raises with ORT's message,
+# and a normal load prints nothing) until the user asks ORT for its logs (`set_ort_log_severity`).
+_ort_log_severity = 4
+
+
+def set_ort_log_severity(severity: int) -> None:
+    """Sessions made from now on log at this severity (0 verbose ... 4 fatal), as the user asked ORT to."""
+    global _ort_log_severity
+    _ort_log_severity = min(max(int(severity), 0), 4)
+
+
+def ort_log_severity() -> int:
+    return _ort_log_severity
+
+
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -207,7 +222,7 @@ class _PythonApiSession:
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_num_threads
         options.graph_optimization_level = settings.ort_level
-        options.log_severity_level = 4  # fatal only: a failing run raises with ORT's message
+        options.log_severity_level = _ort_log_severity
         entries = _config(settings, prepack)
         if settings.prepack and not prepack:
             # A stand-in until the packed session is ready: its threads should not spin after a run and
@@ -303,6 +318,7 @@ def _create_session(
                     settings.intra_op_num_threads,
                     int(settings.ort_level),
                     per_session_threads=not _global_thread_pools.is_set(),
+                    log_severity=_ort_log_severity,
                 )
             except _ort_capi.CApiUnavailableError:
                 if c_api_only:

@@ -9,7 +9,7 @@ from typing import Any
 
 import onnxruntime as _onnxruntime
 
-from quiver.backends.cpu import use_global_thread_pools
+from quiver.backends.cpu import set_ort_log_severity, use_global_thread_pools
 from quiver.ort import aliases
 from quiver.ort.binding import IOBinding, SessionIOBinding
 from quiver.ort.compiler import ModelCompiler
@@ -52,6 +52,22 @@ def get_device() -> str:
     return "CPU"
 
 
+def set_default_logger_severity(severity: int) -> None:
+    """ORT's default log severity; Quiver's own ORT sessions log at it too from now on (by default they
+    log fatal errors only, so that a normal load prints nothing)."""
+    _onnxruntime.set_default_logger_severity(severity)
+    set_ort_log_severity(severity)
+
+
+if hasattr(_onnxruntime, "set_default_logger_callback"):  # ORT >= 1.32
+
+    def set_default_logger_callback(callback: Any, severity: int = 2) -> None:
+        """ORT's logging callback; Quiver's own ORT sessions log to it at that severity from now on."""
+        _onnxruntime.set_default_logger_callback(callback, severity=severity)
+        if callback is not None:
+            set_ort_log_severity(severity)
+
+
 def set_global_thread_pool_sizes(intra_op_num_threads: int = 0, inter_op_num_threads: int = 0) -> None:
     """ORT's process-wide thread pools; every session after this runs on them, Quiver's too (as in ORT,
     a session may then not ask for threads of its own)."""
@@ -90,6 +106,7 @@ __all__ = [
     "get_all_providers",
     "get_device",
     "set_global_thread_pool_sizes",
+    "set_default_logger_severity",
     "OrtError",
     "Fail",
     "InvalidArgument",
@@ -107,3 +124,6 @@ __all__ = [
     "ModelRequiresCompilation",
     "DeviceReset",
 ]
+
+if hasattr(_onnxruntime, "set_default_logger_callback"):
+    __all__.append("set_default_logger_callback")

@@ -3,7 +3,8 @@
 * **Implemented over Quiver** (defined in this package): `InferenceSession`, `SessionOptions`,
   `RunOptions`, `LoraAdapter`, `NodeArg`, `ModelMetadata`, `IOBinding` / `SessionIOBinding`, the
   provider queries, the error classes, `ModelCompiler`, `set_global_thread_pool_sizes` (ORT's, and
-  Quiver's sessions then run on those pools), and the `backend` module.
+  Quiver's sessions then run on those pools), `set_default_logger_severity` / `_callback` (ORT's, and
+  Quiver's sessions then log at that severity), and the `backend` module.
 * **Delegated** (`DELEGATED`: ORT's own objects, so values made with either module are interchangeable):
   data types and enums (`OrtValue`, `SparseTensor`, `OrtDevice`, `OrtMemoryInfo`, ...), process-wide
   settings and queries (logging, telemetry, thread pools, seeds, build info, EP libraries), model
@@ -70,8 +71,6 @@ DELEGATED = frozenset(
         "print_debug_info",
         "register_execution_provider_library",
         "unregister_execution_provider_library",
-        "set_default_logger_callback",
-        "set_default_logger_severity",
         "set_default_logger_verbosity",
         "set_seed",
         "version",
