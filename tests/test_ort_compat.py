@@ -346,3 +346,62 @@ def test_a_logging_callback_receives_quiver_sessions_messages() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "messages" in done.stdout
+
+
+def _add_mul_add(path: Path) -> Path:
+    one = numpy_helper.from_array(np.ones(3, np.float32), "one")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["x", "one"], ["a"], name="add_0"),
+            helper.make_node("Mul", ["a", "a"], ["m"], name="mul_0"),
+            helper.make_node("Add", ["m", "one"], ["y"], name="add_1"),
+        ],
+        "add_mul_add",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+        [one],
+    )
+    return _save(graph, path)
+
+
+def test_the_graph_assignment_is_reported_as_for_a_compiling_provider(tmp_path: Path) -> None:
+    path = _add_mul_add(tmp_path / "add_mul_add.onnx")
+    with pytest.raises(ort_state.Fail, match="record_ep_graph_assignment_info"):
+        quiver.ort.InferenceSession(str(path)).get_provider_graph_assignment_info()
+    options = quiver.ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    (subgraph,) = quiver.ort.InferenceSession(str(path), options).get_provider_graph_assignment_info()
+    assert subgraph.ep_name == "QuiverExecutionProvider"  # one compiled subgraph: every node of the model
+    assert [f"{n.domain}:{n.op_type}/{n.name}" for n in subgraph.get_nodes()] == [
+        ":Add/add_0",
+        ":Mul/mul_0",
+        ":Add/add_1",
+    ]
+
+
+@pytest.mark.skipif(
+    not hasattr(onnxruntime.SessionOptions, "add_external_initializers_from_files_in_memory"),
+    reason="this onnxruntime cannot take external-data files from memory",
+)
+def test_external_data_files_given_from_memory_are_read_as_onnxruntime_reads_them(tmp_path: Path) -> None:
+    import onnx
+
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "external",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "external.onnx"
+    onnx.save_model(model, path, save_as_external_data=True, location="weights.bin", size_threshold=0)
+    (tmp_path / "weights.bin").unlink()  # its bytes are given from memory instead
+    x, weights = np.ones((1, 4), np.float32), w.tobytes()  # ORT reads the buffer later: it must stay alive
+    for module in (quiver.ort, onnxruntime):
+        options = module.SessionOptions()
+        options.add_external_initializers_from_files_in_memory(["weights.bin"], [weights], [w.nbytes])
+        session = module.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w)
+        assert getattr(session, "_fallback_reason", None) is None  # quiver.ort: built by Quiver itself

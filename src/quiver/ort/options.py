@@ -50,6 +50,7 @@ class SessionOptions(onnxruntime.SessionOptions, _Remembered):
         self.free_dimensions_by_denotation: dict[str, int] = {}
         self.initializers: dict[str, np.ndarray] = {}
         self._given: list[Any] = []  # the OrtValues ORT was handed: alive as long as these options
+        self.files_in_memory: dict[str, bytes] = {}  # external-data files given as bytes, by name
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         self._remember(key, value)
@@ -72,6 +73,17 @@ class SessionOptions(onnxruntime.SessionOptions, _Remembered):
         super().add_external_initializers(names, ortvalues)
         self._given.extend(ortvalues)
         self.initializers.update({n: _numpy_of(v) for n, v in zip(names, ortvalues)})
+
+    if hasattr(onnxruntime.SessionOptions, "add_external_initializers_from_files_in_memory"):  # ORT >= 1.22
+
+        def add_external_initializers_from_files_in_memory(
+            self, names: Sequence[str], buffers: Sequence[Any], lengths: Sequence[int]
+        ) -> None:
+            # copies, kept by these options: ORT reads them when a session is made, and a temporary the
+            # caller passed would be gone by then
+            copies = [bytes(memoryview(b).cast("B")[: int(n)]) for b, n in zip(buffers, lengths)]
+            super().add_external_initializers_from_files_in_memory(names, copies, [len(c) for c in copies])
+            self.files_in_memory.update(zip(names, copies))
 
 
 def _numpy_of(value: Any) -> np.ndarray:
@@ -137,6 +149,9 @@ def config_entries(options: object) -> dict[str, str]:
         "ep.share_ep_contexts",
         "qnn.lora_config",
         "quiver.lora_config",
+        "session.record_ep_graph_assignment_info",
+        "session.optimized_model_external_initializers_file_name",
+        "session.optimized_model_external_initializers_min_size_in_bytes",
     )
     found = {}
     for key in keys:

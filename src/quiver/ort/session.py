@@ -44,6 +44,7 @@ from quiver.ort.epcontext import (
 from quiver.ort.errors import (
     EnforceError,
     EngineError,
+    Fail,
     InvalidArgument,
     InvalidProtobuf,
     MissingInputsError,
@@ -70,6 +71,26 @@ LORA_CONFIG_KEYS = ("qnn.lora_config", "quiver.lora_config")
 class _AdapterNeedsOrt(Exception):
     """An `.onnx_adapter` whose parameters cannot replace the context's tensors (other shapes): the run
     goes to plain ORT, which feeds them, as ORT runs such adapters."""
+
+
+@dataclass(frozen=True)
+class EpAssignedNode:
+    """`onnxruntime.OrtEpAssignedNode`: a node of the model as given."""
+
+    name: str
+    domain: str
+    op_type: str
+
+
+@dataclass(frozen=True)
+class EpAssignedSubgraph:
+    """`onnxruntime.OrtEpAssignedSubgraph`: nodes one execution provider runs."""
+
+    ep_name: str
+    nodes: tuple[EpAssignedNode, ...]
+
+    def get_nodes(self) -> list[EpAssignedNode]:
+        return list(self.nodes)
 
 
 @dataclass(frozen=True)
@@ -212,6 +233,9 @@ class InferenceSession:
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
         self._model_meta = ModelMetadata(model)  # not the model: its weights live in the context
+        self._assigned_nodes: tuple[EpAssignedNode, ...] | None = None
+        if self._entries.get("session.record_ep_graph_assignment_info") == "1":
+            self._assigned_nodes = tuple(EpAssignedNode(n.name, n.domain, n.op_type) for n in model.graph.node)
         self._fallback_enabled = True
         if self._json_profile is not None:
             self._json_profile.session_ready(opening, time.perf_counter_ns())
@@ -502,9 +526,16 @@ class InferenceSession:
         )
 
     def get_provider_graph_assignment_info(self) -> list[Any]:
-        raise UnsupportedByBackend(
-            "quiver.ort runs the whole graph on one provider (see get_providers()): no per-node assignment to report"
-        )
+        """With `session.record_ep_graph_assignment_info=1`, as ORT reports it for a compiling EP: the whole
+        graph is one subgraph of this session's provider (or ORT's own report when ORT runs the model)."""
+        if self._fallback is not None:
+            return list(self._fallback.get_provider_graph_assignment_info())
+        if self._assigned_nodes is None:
+            raise Fail(
+                "Session configuration entry 'session.record_ep_graph_assignment_info' must be set to \"1\" "
+                "to get the graph's assignment to execution providers"
+            )
+        return [EpAssignedSubgraph(self._providers[0], self._assigned_nodes)]
 
     def set_providers(
         self,

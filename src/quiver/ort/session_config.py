@@ -12,7 +12,7 @@ from typing import Any
 import onnxruntime
 
 from quiver.formats.writer import write_text_atomically
-from quiver.ir.proto import ModelProto
+from quiver.ir.proto import ModelProto, TensorProto
 from quiver.ort.errors import InvalidArgument
 from quiver.ort.options import SessionOptions
 
@@ -43,6 +43,10 @@ def copy_options(options: Any, without: tuple[str, ...] = ()) -> SessionOptions:
         copy.add_free_dimension_override_by_name(name, size)
     for denotation, size in getattr(options, "free_dimensions_by_denotation", {}).items():
         copy.add_free_dimension_override_by_denotation(denotation, size)
+    files = getattr(options, "files_in_memory", {})
+    if files:
+        sizes = [len(data) for data in files.values()]
+        copy.add_external_initializers_from_files_in_memory(list(files), list(files.values()), sizes)
     given = getattr(options, "initializers", {})
     if given:
         values = [onnxruntime.OrtValue.ortvalue_from_numpy(a) for a in given.values()]
@@ -93,11 +97,24 @@ def with_session_overrides(model: ModelProto, options: Any, folder: Path | None)
     by_name = getattr(options, "free_dimensions_by_name", {})
     by_denotation = getattr(options, "free_dimensions_by_denotation", {})
     given = getattr(options, "initializers", {})
-    if not (by_name or by_denotation or given):
+    files = getattr(options, "files_in_memory", {})
+    if not (by_name or by_denotation or given or files):
         return None
     from onnx import external_data_helper, numpy_helper
 
     model = ModelProto.FromString(model.SerializeToString())
+    for tensor in model.graph.initializer:  # external data whose file the caller gave as bytes
+        if tensor.data_location == TensorProto.EXTERNAL:
+            where = {entry.key: entry.value for entry in tensor.external_data}
+            data = files.get(where.get("location", ""))
+            if data is not None:
+                offset = int(where.get("offset", 0))
+                length = int(where.get("length", len(data) - offset))
+                if offset + length > len(data):
+                    raise InvalidArgument(f"initializer {tensor.name!r}: its bytes lie past the end of the file given")
+                tensor.raw_data = data[offset : offset + length]
+                tensor.data_location = TensorProto.DEFAULT
+                del tensor.external_data[:]
     for value in model.graph.input:
         for dim in value.type.tensor_type.shape.dim:
             fixed = by_name.get(dim.dim_param) if dim.HasField("dim_param") else None

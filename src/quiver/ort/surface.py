@@ -10,8 +10,9 @@
   settings and queries (logging, telemetry, thread pools, seeds, build info, EP libraries), model
   packaging tools, and ORT's subpackages but `backend`: `capi` (ORT's error classes live there;
   Quiver's derive from them), `quantization`, `tools`, `transformers`, `datasets`.
-* **Refused** (on `InferenceSession`) with an ORT-typed error that says why: `set_ep_dynamic_options`,
-  `get_provider_graph_assignment_info`, and memory bound on another device than the CPU.
+* **Refused** (on `InferenceSession`) with an ORT-typed error that says why: `set_ep_dynamic_options`
+  and memory bound on another device than the CPU. `get_provider_graph_assignment_info` answers as
+  for a compiling EP: the whole graph is one subgraph of the session's provider.
 * `ModelCompiler` (ORT's compile API) is implemented in `compiler.py`.
 
 A name onnxruntime adds in a new release is in none of these lists, and `tests/test_ort_surface.py`
