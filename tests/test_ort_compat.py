@@ -405,3 +405,9 @@ def test_external_data_files_given_from_memory_are_read_as_onnxruntime_reads_the
         session = module.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w)
         assert getattr(session, "_fallback_reason", None) is None  # quiver.ort: built by Quiver itself
+    options = quiver.ort.SessionOptions()  # the optimized model is written from the bytes given too
+    options.add_external_initializers_from_files_in_memory(["weights.bin"], [weights], [w.nbytes])
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    quiver.ort.InferenceSession(str(path), options)
+    optimized = onnxruntime.InferenceSession(str(tmp_path / "optimized.onnx"))
+    np.testing.assert_allclose(optimized.run(None, {"x": x})[0], x @ w)

@@ -91,9 +91,10 @@ def with_model_config(options: Any, model: ModelProto) -> Any:
 
 
 def with_session_overrides(model: ModelProto, options: Any, folder: Path | None) -> ModelProto | None:
-    """The model with what the options override applied, as ORT applies them when it loads one: free
-    dimensions fixed (by name or by denotation, on the graph's inputs) and initializers the caller gave
-    (`add_initializer`, `add_external_initializers`) in place of the model's. None when nothing applies."""
+    """The model with what the options override applied, as ORT applies them when it loads one: external
+    data read from files the caller gave as bytes, free dimensions fixed (by name or by denotation, on the
+    graph's inputs), and initializers the caller gave (`add_initializer`, `add_external_initializers`) in
+    place of the model's. None when nothing applies."""
     by_name = getattr(options, "free_dimensions_by_name", {})
     by_denotation = getattr(options, "free_dimensions_by_denotation", {})
     given = getattr(options, "initializers", {})
@@ -142,12 +143,11 @@ def write_optimized_model(options: Any, entries: dict[str, str], source: str | b
     target = getattr(options, "optimized_model_filepath", "")
     if not target:
         return
-    writer = onnxruntime.SessionOptions()
-    writer.graph_optimization_level = options.graph_optimization_level
+    writer = copy_options(options, without=("enable_profiling",))  # overrides and in-memory files too
     writer.optimized_model_filepath = str(target)
     writer.log_severity_level = 3
     for key in _OPTIMIZED_MODEL_ENTRIES:
-        if key in entries:
+        if key in entries and key not in writer.entries:  # options of ORT's own class: read per key
             writer.add_session_config_entry(key, entries[key])
     onnxruntime.InferenceSession(source, writer, providers=["CPUExecutionProvider"])
 
