@@ -411,3 +411,34 @@ def test_external_data_files_given_from_memory_are_read_as_onnxruntime_reads_the
     quiver.ort.InferenceSession(str(path), options)
     optimized = onnxruntime.InferenceSession(str(tmp_path / "optimized.onnx"))
     np.testing.assert_allclose(optimized.run(None, {"x": x})[0], x @ w)
+
+
+def test_a_model_given_as_bytes_reads_its_external_data_from_the_folder_the_options_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import onnx
+
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "external",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "model" / "external.onnx"
+    onnx.save_model(helper.make_model(graph), path, save_as_external_data=True, location="w.bin", size_threshold=0)
+    monkeypatch.chdir(tmp_path)  # not the model's folder: ORT never reads external data relative to the cwd
+    data, x = path.read_bytes(), np.ones((1, 4), np.float32)
+    for module in (quiver.ort, onnxruntime):
+        with pytest.raises(Exception) as refused:  # bytes alone: no folder to read the weights from
+            module.InferenceSession(data, providers=["CPUExecutionProvider"])
+        assert module is onnxruntime or isinstance(refused.value, quiver.QuiverError)
+        options = module.SessionOptions()
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+        session = module.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w)
+        assert getattr(session, "_fallback_reason", None) is None
+    compiled = quiver.ort.ModelCompiler(options, data, embed_compiled_data_into_model=True).compile_to_bytes()
+    np.testing.assert_allclose(quiver.ort.InferenceSession(compiled).run(None, {"x": x})[0], x @ w)

@@ -20,20 +20,28 @@ from quiver.ir.proto import ModelProto
 from quiver.ort.epcontext import ep_context_model, save_ep_context_model
 from quiver.ort.errors import Fail, InvalidArgument, NoSuchFile, ort_error
 from quiver.ort.errors import NotImplemented as UnsupportedByProvider
+from quiver.ort.options import config_entries
 from quiver.runtime.context import Context
 
 _CHUNK = 1 << 20
 
 
 def build_ep_context(
-    model: ModelProto, source: Path | None, graph_name: str, target: Path, embed: bool, backend: Backend | str
+    model: ModelProto,
+    source: Path | None,
+    graph_name: str,
+    target: Path,
+    embed: bool,
+    backend: Backend | str,
+    external_data_folder: Path | None = None,
 ) -> tuple[ModelProto, Path | bytes]:
     """The EPContext model for `target` and its cache: the `.qctx` written beside `target`, or its bytes
-    (embedded: nothing is left beside it). Only `target`'s folder is written."""
+    (embedded: nothing is left beside it). Only `target`'s folder is written. `external_data_folder`
+    holds the external data of a model given without its path."""
     target.parent.mkdir(parents=True, exist_ok=True)
     builder = Context.create(backend, workdir=target.parent)
     try:
-        builder.add_graph(graph_name, source or model)
+        builder.add_graph(graph_name, source or model, external_data_folder=None if source else external_data_folder)
         qctx = builder.save(target.with_suffix(".qctx"))
         graph = builder.graph(graph_name)
         cache: Path | bytes = qctx.read_bytes() if embed else qctx
@@ -83,6 +91,8 @@ class ModelCompiler:
     ) -> None:
         self._options = sess_options
         self._model, self._path = _load(input_model_path_or_bytes)
+        folder = config_entries(sess_options).get("session.model_external_initializers_file_folder_path")
+        self._external_data_folder = Path(folder) if folder and self._path is None else None
         self._embed = bool(embed_compiled_data_into_model)
         self._flags = int(flags)
 
@@ -136,7 +146,8 @@ class ModelCompiler:
     def _compile(self, target: Path) -> ModelProto:
         name = self._model.graph.name or (self._path.stem if self._path else "main")
         try:
-            model, _ = build_ep_context(self._model, self._path, name, target, self._embed, "cpu")
+            folder = self._external_data_folder
+            model, _ = build_ep_context(self._model, self._path, name, target, self._embed, "cpu", folder)
         except errors.ConversionError as exc:
             if self._flags & int(onnxruntime.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED):
                 raise Fail(f"Unable to compile any nodes for QuiverExecutionProvider: {exc}") from None

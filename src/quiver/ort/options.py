@@ -150,6 +150,7 @@ def config_entries(options: object) -> dict[str, str]:
         "qnn.lora_config",
         "quiver.lora_config",
         "session.record_ep_graph_assignment_info",
+        "session.model_external_initializers_file_folder_path",
         "session.optimized_model_external_initializers_file_name",
         "session.optimized_model_external_initializers_min_size_in_bytes",
     )

@@ -66,6 +66,7 @@ from quiver.runtime.sections import fits_weight, load_section, write_section
 from quiver.runtime.state import GraphState
 
 LORA_CONFIG_KEYS = ("qnn.lora_config", "quiver.lora_config")
+_EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 class _AdapterNeedsOrt(Exception):
@@ -217,6 +218,8 @@ class InferenceSession:
         self._start_ns = time.time_ns()
         opening = time.perf_counter_ns()
         model, folder = _load_model(path_or_bytes)
+        if folder is None and self._entries.get(_EXTERNAL_DATA_FOLDER):  # bytes: ORT's folder for their data
+            folder = Path(self._entries[_EXTERNAL_DATA_FOLDER])
         self._options = with_model_config(self._options, model)
         self._json_profile = profile_of(self._options)
         try:
@@ -225,9 +228,9 @@ class InferenceSession:
             else:
                 overridden = with_session_overrides(model, self._options, folder)
                 if overridden is None:
-                    self._build(model, path_or_bytes)
+                    self._build(model, path_or_bytes, folder)
                 else:  # built from memory, weights and all: the file no longer says what runs
-                    self._build(overridden, overridden.SerializeToString())
+                    self._build(overridden, overridden.SerializeToString(), folder)
                 source = str(path_or_bytes) if isinstance(path_or_bytes, Path) else path_or_bytes
                 write_optimized_model(self._options, self._entries, source)
         except errors.QuiverError as exc:
@@ -260,7 +263,9 @@ class InferenceSession:
             raise InvalidArgument(f"the context has no graph {ep.graph!r}; its graphs are {self._context.graph_names}")
         self._graph_name = ep.graph
 
-    def _build(self, model: ModelProto, source: str | Path | bytes) -> None:
+    def _build(self, model: ModelProto, source: str | Path | bytes, folder: Path | None) -> None:
+        """A context of the model; `folder` holds its external data (the model file's own folder, or for
+        bytes the one `session.model_external_initializers_file_folder_path` names)."""
         from quiver.ir.ops import unsupported_operators  # building needs the onnx package; opening does not
 
         unsupported = unsupported_operators(model)
@@ -274,11 +279,13 @@ class InferenceSession:
         backend = self._make_backend()
         try:
             if self._entries.get("ep.context_enable") == "1":
-                self._context = self._build_ep_context(model, source_path, backend)
+                self._context = self._build_ep_context(model, source_path, folder, backend)
                 return
             self._spool = tempfile.TemporaryDirectory(prefix="quiver-ort-")
             builder = Context.create(backend, workdir=self._spool.name)
-            builder.add_graph(self._graph_name, source_path or model, updateable=_overridable(model))
+            builder.add_graph(
+                self._graph_name, source_path or model, updateable=_overridable(model), external_data_folder=folder
+            )
             self._context = builder.finalize()
         except errors.ConversionError as exc:  # a model ORT runs but Quiver cannot convert (types, shapes)
             self._fall_back(model, source, f"cannot convert the model ({exc})")
@@ -319,7 +326,9 @@ class InferenceSession:
         """ORT's private C session (`onnxruntime.InferenceSession._sess`), of the plain-ORT twin."""
         return self._ort_twin()._sess
 
-    def _build_ep_context(self, model: ModelProto, source: Path | None, backend: Backend) -> Context:
+    def _build_ep_context(
+        self, model: ModelProto, source: Path | None, folder: Path | None, backend: Backend
+    ) -> Context:
         """ep.context_enable=1: `<model>_ctx.onnx` (or ep.context_file_path) and the `.qctx` beside it."""
         default = source.with_name(source.stem + "_ctx.onnx") if source else None
         target = Path(self._entries.get("ep.context_file_path", "") or default or "")
@@ -328,7 +337,7 @@ class InferenceSession:
         embed = self._entries.get("ep.context_embed_mode", "0")
         if embed not in ("0", "1"):
             raise InvalidArgument(f"ep.context_embed_mode must be 0 or 1, not {embed!r}")
-        wrapper, cache = build_ep_context(model, source, self._graph_name, target, embed == "1", backend)
+        wrapper, cache = build_ep_context(model, source, self._graph_name, target, embed == "1", backend, folder)
         save_ep_context_model(wrapper, target)
         return Context.from_binary(cache, backend=backend)
 

@@ -166,13 +166,15 @@ def convert(
     input_shapes: InputShapes | None = None,
     label: str | None = None,
     updateable: Collection[str] = (),
+    external_data_folder: Path | None = None,
 ) -> ConvertedGraph:
     """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph.
 
     `updateable` names initializers that stay weights whatever their size (they can be replaced at
-    run time), and that constant folding leaves alone.
+    run time), and that constant folding leaves alone. `external_data_folder`: where a ModelProto's
+    external data lies (a file's is beside it).
     """
-    loaded, base = load_model(source)
+    loaded, base = load_model(source, external_data_folder)
     label = label or (str(source) if not isinstance(source, onnx.ModelProto) else (loaded.graph.name or "model"))
     if isinstance(source, onnx.ModelProto):  # the caller's object: work on a copy
         model = onnx.ModelProto()

@@ -54,10 +54,13 @@ class TensorSource:
         return np.frombuffer(b"".join(bytes(c) for c in self.chunks()), dtypes.numpy_of(self.dtype)).reshape(self.shape)
 
 
-def load_model(source: str | Path | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
-    """The model (external data left on disk) and the folder its external data is relative to."""
+def load_model(
+    source: str | Path | onnx.ModelProto, external_data_folder: Path | None = None
+) -> tuple[onnx.ModelProto, Path | None]:
+    """The model (external data left on disk) and the folder its external data is relative to: the file's
+    own, or for a ModelProto the folder the caller names (ORT's `model_external_initializers_file_folder_path`)."""
     if isinstance(source, onnx.ModelProto):
-        return source, None
+        return source, external_data_folder
     path = Path(source)
     if not path.is_file():
         raise ModelLoadError(f"no ONNX model at {path}; check the path")

@@ -97,8 +97,10 @@ class Context:
         model: str | Path | onnx.ModelProto,
         input_shapes: InputShapes | None = None,
         updateable: Sequence[str] = (),
+        external_data_folder: str | Path | None = None,
     ) -> None:
-        """Converts an ONNX model (path or ModelProto); streams its weights in, each distinct one stored once."""
+        """Converts an ONNX model (path or ModelProto); streams its weights in, each distinct one stored once.
+        A ModelProto's external data is read from `external_data_folder` (a file's: from beside it)."""
         if self.finalized:
             raise ContextStateError("the context is finalized; create a new context to add graphs")
         if not name:
@@ -112,7 +114,8 @@ class Context:
             raise DuplicateGraphError(f"graph {name!r} is already in the context; give each graph a unique name")
         from quiver.passes.convert import convert
 
-        converted = convert(model, input_shapes=input_shapes, label=name, updateable=updateable)
+        folder = Path(external_data_folder) if external_data_folder is not None else None
+        converted = convert(model, input_shapes, name, updateable, external_data_folder=folder)
         mapping = {
             tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks(), converted.encodings.get(tensor))
             for tensor, src in converted.weights.items()
