@@ -184,8 +184,13 @@ def _load_model(path_or_bytes: str | Path | bytes) -> tuple[ModelProto, Path | N
     return model, folder
 
 
-class InferenceSession:
-    """`onnxruntime.InferenceSession` on Quiver: same constructor, `run`, I/O metadata and errors."""
+class InferenceSession(onnxruntime.InferenceSession):
+    """`onnxruntime.InferenceSession` on Quiver: same constructor, `run`, I/O metadata and errors.
+
+    A subclass of ORT's class, so that code (and libraries) checking `isinstance(s, onnxruntime.InferenceSession)`
+    accept it; it overrides every public method and never calls ORT's constructor (no ORT session is made
+    unless the model needs plain ORT: see `_fall_back` and `_ort_twin`).
+    """
 
     def __init__(
         self,
