@@ -25,6 +25,28 @@ def _save(graph: object, path: Path, opset: int = 17) -> Path:
     return path
 
 
+def _elementwise(path: Path, op: str, inputs: tuple[str, ...] = ("x",), size: int = 2) -> Path:
+    """y = op(inputs) on float vectors of `size`."""
+    graph = helper.make_graph(
+        [helper.make_node(op, list(inputs), ["y"])],
+        op.lower(),
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size])],
+    )
+    return _save(graph, path)
+
+
+def _matmul(w: np.ndarray) -> object:
+    """y = x·w for one row x: the graph, to save with or without external data."""
+    return helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "matmul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, w.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, w.shape[1]])],
+        [numpy_helper.from_array(w, "w")],
+    )
+
+
 def test_delegated_subpackages_import_by_their_quiver_ort_names() -> None:
     from quiver.ort.capi import _pybind_state
     from quiver.ort.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
@@ -143,13 +165,7 @@ def test_an_adapter_of_another_shape_runs_through_onnxruntime_as_onnxruntime_run
 
 def test_the_private_session_is_onnxruntimes_own(tmp_path: Path) -> None:
     """Client code (ORT's tests among it) reaches for `session._sess`: it is a plain ORT C session."""
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["x", "x"], ["y"])],
-        "square",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
-    )
-    path = _save(graph, tmp_path / "square.onnx")
+    path = _elementwise(tmp_path / "square.onnx", "Mul", ("x", "x"), size=3)
     session = quiver.ort.InferenceSession(str(path))
     x = np.array([1.0, 2.0, 3.0], np.float32)
     value = onnxruntime.OrtValue.ortvalue_from_numpy(x)
@@ -179,13 +195,7 @@ def test_models_plain_onnxruntime_runs_take_sequences_as_onnxruntime_takes_them(
 
 
 def test_an_unknown_provider_is_the_runtime_error_onnxruntime_raises(tmp_path: Path) -> None:
-    graph = helper.make_graph(
-        [helper.make_node("Neg", ["x"], ["y"])],
-        "neg",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
-    )
-    path = _save(graph, tmp_path / "neg.onnx")
+    path = _elementwise(tmp_path / "neg.onnx", "Neg")
     for module in (quiver.ort, onnxruntime):
         session = module.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         with pytest.raises(RuntimeError, match="Unknown Provider Type: Bogus"):
@@ -194,14 +204,7 @@ def test_an_unknown_provider_is_the_runtime_error_onnxruntime_raises(tmp_path: P
 
 def test_an_optimized_model_places_its_weights_as_the_session_entries_say(tmp_path: Path) -> None:
     w = np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "big_weight",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
-        [numpy_helper.from_array(w, "w")],
-    )
-    path = _save(graph, tmp_path / "big_weight.onnx")
+    path = _save(_matmul(w), tmp_path / "big_weight.onnx")
     options = quiver.ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "out" / "optimized.onnx")
     options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
@@ -215,13 +218,7 @@ def test_an_optimized_model_places_its_weights_as_the_session_entries_say(tmp_pa
 
 
 def test_a_failing_compile_stream_is_onnxruntimes_fail(tmp_path: Path) -> None:
-    graph = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["y"])],
-        "relu",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
-    )
-    path = _save(graph, tmp_path / "relu.onnx")
+    path = _elementwise(tmp_path / "relu.onnx", "Relu")
     compiler = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(path), embed_compiled_data_into_model=True)
 
     def refuse(_: bytes) -> None:
@@ -387,14 +384,7 @@ def test_external_data_files_given_from_memory_are_read_as_onnxruntime_reads_the
     import onnx
 
     w = np.arange(12, dtype=np.float32).reshape(4, 3)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "external",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
-        [numpy_helper.from_array(w, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(_matmul(w), opset_imports=[helper.make_opsetid("", 17)])
     path = tmp_path / "external.onnx"
     onnx.save_model(model, path, save_as_external_data=True, location="weights.bin", size_threshold=0)
     (tmp_path / "weights.bin").unlink()  # its bytes are given from memory instead
@@ -419,16 +409,9 @@ def test_a_model_given_as_bytes_reads_its_external_data_from_the_folder_the_opti
     import onnx
 
     w = np.arange(12, dtype=np.float32).reshape(4, 3)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "external",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
-        [numpy_helper.from_array(w, "w")],
-    )
     (tmp_path / "model").mkdir()
     path = tmp_path / "model" / "external.onnx"
-    onnx.save_model(helper.make_model(graph), path, save_as_external_data=True, location="w.bin", size_threshold=0)
+    onnx.save_model(helper.make_model(_matmul(w)), path, save_as_external_data=True, location="w.bin", size_threshold=0)
     monkeypatch.chdir(tmp_path)  # not the model's folder: ORT never reads external data relative to the cwd
     data, x = path.read_bytes(), np.ones((1, 4), np.float32)
     for module in (quiver.ort, onnxruntime):
