@@ -425,3 +425,44 @@ def test_a_model_given_as_bytes_reads_its_external_data_from_the_folder_the_opti
         assert getattr(session, "_fallback_reason", None) is None
     compiled = quiver.ort.ModelCompiler(options, data, embed_compiled_data_into_model=True).compile_to_bytes()
     np.testing.assert_allclose(quiver.ort.InferenceSession(compiled).run(None, {"x": x})[0], x @ w)
+
+
+FORKED = """
+import os, sys, threading, time, numpy as np, quiver.ort
+from onnx import TensorProto, helper, numpy_helper
+def save(nodes, inputs, outputs, opset, inits=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]).SerializeToString()
+seq = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+plain_ort = quiver.ort.InferenceSession(save(  # a model only plain ORT runs
+    [helper.make_node("SequenceLength", ["s"], ["n"])], [helper.make_value_info("s", seq)],
+    [helper.make_tensor_value_info("n", TensorProto.INT64, [])], 11))
+w = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)  # its plain-ORT twin takes a while
+x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2048]) for n in "xy")
+on_quiver = quiver.ort.InferenceSession(save(
+    [helper.make_node("MatMul", ["x", "w"], ["y"])], [x], [y], 17, [numpy_helper.from_array(w, "w")]))
+a = np.ones((1, 2048), np.float32)
+assert plain_ort.run(None, {"s": [a] * 3})[0] == 3
+making = threading.Thread(target=lambda: on_quiver._sess)  # makes the twin, holding its lock meanwhile
+making.start()
+time.sleep(0.02)
+pid = os.fork()  # in the middle of it: in the child, no thread will ever release that lock
+if pid == 0:
+    threading.Timer(60, lambda: os._exit(3)).start()  # a deadlock ends as exit status 3
+    assert plain_ort.run(None, {"s": [a] * 3})[0] == 3
+    value = quiver.ort.OrtValue.ortvalue_from_numpy(a)._get_c_value()
+    twin = on_quiver._sess.run_with_ort_values({"x": value}, ["y"], None)
+    np.testing.assert_allclose(twin[0].numpy(), a @ w, rtol=1e-3)
+    np.testing.assert_allclose(on_quiver.run(None, {"x": a})[0], a @ w, rtol=1e-3)
+    os._exit(0)
+making.join()
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_sessions_run_in_a_forked_child_including_their_plain_onnxruntime_parts() -> None:
+    """A child forked while another thread makes the plain-ORT twin (holding its lock) makes its own."""
+    done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "child exit 0" in done.stdout, done.stdout + done.stderr

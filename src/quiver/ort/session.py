@@ -12,6 +12,7 @@ import bisect
 import csv
 import io
 import json
+import os
 import tempfile
 import threading
 import time
@@ -61,6 +62,7 @@ from quiver.ort.session_config import (
     with_session_overrides,
     write_optimized_model,
 )
+from quiver.runtime import fork
 from quiver.runtime.context import Context
 from quiver.runtime.sections import fits_weight, load_section, write_section
 from quiver.runtime.state import GraphState
@@ -213,11 +215,14 @@ class InferenceSession(onnxruntime.InferenceSession):
         self._sections: dict[Path, SectionFile] = {}
         self._adapter_sections: dict[int, tuple[Any, SectionFile]] = {}
         self._profile: list[tuple[str, int, float]] = []
-        self._fallback: onnxruntime.InferenceSession | None = None
+        self._fallback_session: onnxruntime.InferenceSession | None = None  # see _fallback
+        self._fallback_source: str | bytes = b""
         self._fallback_reason: str | None = None  # why plain ORT runs the model, when it does
         self._twin: onnxruntime.InferenceSession | None = None  # see _ort_twin
         self._twin_lock = threading.Lock()
+        self._made_in = os.getpid()  # the process the plain-ORT sessions were made in
         self._source = path_or_bytes
+        fork.reset_after_fork(self)
         self._required: tuple[str, ...] | None = None  # see _required_inputs
         self._context: Context | None = None
         self._start_ns = time.time_ns()
@@ -300,10 +305,31 @@ class InferenceSession(onnxruntime.InferenceSession):
         (external data then resolves against the model's folder, as ORT does, not the working one)."""
         if self._entries.get("session.disable_cpu_ep_fallback") == "1":
             raise UnsupportedByBackend(f"{self._providers[0]} {reason} and session.disable_cpu_ep_fallback=1")
-        original = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
-        self._fallback = self._plain_ort_session(original, self._options)
+        self._fallback_source = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
+        self._fallback_session = self._plain_ort_session(self._fallback_source, self._options)
         self._fallback_reason = reason
         self._providers = ["CPUExecutionProvider"]
+
+    @property
+    def _fallback(self) -> onnxruntime.InferenceSession | None:
+        """The plain ORT session that runs the whole model, when Quiver cannot (None when Quiver runs it).
+        A forked child makes its own on first use: the parent's relies on threads the child lacks."""
+        if self._fallback_session is None or self._made_in == os.getpid():
+            return self._fallback_session
+        with self._twin_lock:
+            if self._made_in != os.getpid():
+                fork.keep_forever(self._fallback_session)  # never destroyed here: its threads are not
+                self._fallback_session = self._plain_ort_session(self._fallback_source, self._options)
+                self._made_in = os.getpid()
+        return self._fallback_session
+
+    def _after_fork_in_child(self) -> None:
+        """New locks; the parent's plain-ORT sessions are kept, never destroyed here, and made again on use."""
+        self._states_lock = threading.Lock()
+        self._twin_lock = threading.Lock()
+        if self._twin is not None:
+            fork.keep_forever(self._twin)
+            self._twin = None
 
     @staticmethod
     def _plain_ort_session(source: str | Path | bytes, options: Any) -> onnxruntime.InferenceSession:
