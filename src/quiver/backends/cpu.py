@@ -370,6 +370,12 @@ class CpuExecutable:
         self._runs_since_drop = 0
         if self.is_packed:
             _drop_resident_pages(self._droppable)
+            self._forget_sources()
+
+    def _forget_sources(self) -> None:
+        """Once the packed session runs, no session is made again from this executable (a forked child makes
+        new executables): the skeleton's bytes and parsed copy would only hold memory (~0.3 MB for MiniLM)."""
+        self._graph = self._weights = None  # type: ignore[assignment]
 
     def _build_packed_session(self) -> None:
         try:
@@ -384,6 +390,7 @@ class CpuExecutable:
             stand_in, self._session = self._session, packed  # runs in flight keep the old session
             self.is_packed = True
         _drop_resident_pages(self._droppable)
+        self._forget_sources()
         del stand_in
         _return_freed_memory()
 
