@@ -36,9 +36,9 @@ class DelegatedModuleAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader)
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        for alias, spec in list(self._specs.items()):
-            if sys.modules.get(alias, module) is module and getattr(module, "__spec__", None) is not spec:
-                module.__spec__ = spec
+        alias = module.__spec__  # the import system just set the alias's spec: ORT's goes back
+        if alias is not None:
+            module.__spec__ = self._specs.pop(alias.name, alias)
 
 
 def install(delegated: frozenset[str]) -> None:

@@ -12,7 +12,6 @@ import bisect
 import csv
 import io
 import json
-import os
 import tempfile
 import threading
 import time
@@ -217,10 +216,10 @@ class InferenceSession(onnxruntime.InferenceSession):
         self._profile: list[tuple[str, int, float]] = []
         self._fallback_session: onnxruntime.InferenceSession | None = None  # see _fallback
         self._fallback_source: str | bytes = b""
+        self._fallback_stale = False  # in a forked child: the parent's session, to be made again
         self._fallback_reason: str | None = None  # why plain ORT runs the model, when it does
         self._twin: onnxruntime.InferenceSession | None = None  # see _ort_twin
         self._twin_lock = threading.Lock()
-        self._made_in = os.getpid()  # the process the plain-ORT sessions were made in
         self._source = path_or_bytes
         fork.reset_after_fork(self)
         self._required: tuple[str, ...] | None = None  # see _required_inputs
@@ -305,7 +304,7 @@ class InferenceSession(onnxruntime.InferenceSession):
         (external data then resolves against the model's folder, as ORT does, not the working one)."""
         if self._entries.get("session.disable_cpu_ep_fallback") == "1":
             raise UnsupportedByBackend(f"{self._providers[0]} {reason} and session.disable_cpu_ep_fallback=1")
-        self._fallback_source = str(source) if isinstance(source, (str, Path)) else model.SerializeToString()
+        self._fallback_source = str(source) if isinstance(source, (str, Path)) else source  # bytes: the model's
         self._fallback_session = self._plain_ort_session(self._fallback_source, self._options)
         self._fallback_reason = reason
         self._providers = ["CPUExecutionProvider"]
@@ -314,22 +313,23 @@ class InferenceSession(onnxruntime.InferenceSession):
     def _fallback(self) -> onnxruntime.InferenceSession | None:
         """The plain ORT session that runs the whole model, when Quiver cannot (None when Quiver runs it).
         A forked child makes its own on first use: the parent's relies on threads the child lacks."""
-        if self._fallback_session is None or self._made_in == os.getpid():
-            return self._fallback_session
-        with self._twin_lock:
-            if self._made_in != os.getpid():
-                fork.keep_forever(self._fallback_session)  # never destroyed here: its threads are not
-                self._fallback_session = self._plain_ort_session(self._fallback_source, self._options)
-                self._made_in = os.getpid()
+        if self._fallback_stale:
+            with self._twin_lock:
+                if self._fallback_stale:
+                    self._fallback_session = self._plain_ort_session(self._fallback_source, self._options)
+                    self._fallback_stale = False
         return self._fallback_session
 
     def _after_fork_in_child(self) -> None:
-        """New locks; the parent's plain-ORT sessions are kept, never destroyed here, and made again on use."""
+        """New locks; the parent's plain-ORT sessions are kept, never destroyed here (their threads are not),
+        and made again on first use."""
         self._states_lock = threading.Lock()
         self._twin_lock = threading.Lock()
-        if self._twin is not None:
-            fork.keep_forever(self._twin)
-            self._twin = None
+        for parents in (self._twin, self._fallback_session):
+            if parents is not None:
+                fork.keep_forever(parents)
+        self._twin = None
+        self._fallback_stale = self._fallback_session is not None
 
     @staticmethod
     def _plain_ort_session(source: str | Path | bytes, options: Any) -> onnxruntime.InferenceSession:
