@@ -53,14 +53,17 @@ GENERATORS = [
     ("sparse_to_dense_matmul.py", ["--output_file"], "sparse_to_dense_matmul.onnx"),
     ("model_with_external_initializer_come_from_user.py", [], "model_with_external_initializer_come_from_user.onnx"),
 ]
-# onnx removed `onnx.mapping` (1.17); the IOBinding suite still imports it
-ONNX_MAPPING_SHIM = """\
-from types import SimpleNamespace
+# onnx removed `onnx.mapping` (1.17); the IOBinding suite still imports it: a sitecustomize puts it back
+SITECUSTOMIZE = """\
+import sys, types
 from onnx import helper
-TENSOR_TYPE_MAP = {
-    t: SimpleNamespace(np_dtype=helper.tensor_dtype_to_np_dtype(t), name=helper.tensor_dtype_to_string(t))
-    for t in helper.get_all_tensor_dtypes()
-}
+import onnx
+if not hasattr(onnx, "mapping"):
+    onnx.mapping = sys.modules["onnx.mapping"] = types.ModuleType("onnx.mapping")
+    onnx.mapping.TENSOR_TYPE_MAP = {
+        t: types.SimpleNamespace(np_dtype=helper.tensor_dtype_to_np_dtype(t), name=helper.tensor_dtype_to_string(t))
+        for t in helper.get_all_tensor_dtypes()
+    }
 """
 
 
@@ -104,53 +107,27 @@ def _extract(archive: Path, cache: Path) -> Path:
 
 def _swap_imports(text: str) -> str:
     """`onnxruntime` to `quiver.ort` in import statements, and nothing else (strings, provider names stay)."""
-    text = re.sub(
-        r"^(\s*)import onnxruntime(\.\w+)* as ",
-        lambda m: m.group(0).replace("onnxruntime", "quiver.ort"),
-        text,
-        flags=re.M,
-    )
+    text = re.sub(r"^(\s*)import onnxruntime((?:\.\w+)*) as ", r"\1import quiver.ort\2 as ", text, flags=re.M)
     text = re.sub(r"^(\s*)from onnxruntime([. ])", r"\1from quiver.ort\2", text, flags=re.M)
     return re.sub(r"^(\s*)import onnxruntime$", r"\1import quiver.ort as onnxruntime", text, flags=re.M)
 
 
-def _prepare(source: Path, work: Path, extra: Path | None, quiver: bool) -> list[str]:
-    """A folder with the suites, helper.py and a full testdata folder; returns the suite files."""
-    shutil.rmtree(work, ignore_errors=True)
-    testdata = work / "testdata"
-    (testdata / "lora").mkdir(parents=True)
-    tests = source / TEST_DIR
+def _testdata(source: Path, folder: Path) -> Path:
+    """The suites' test models: onnxruntime.datasets' three, `models.py`'s, and those ORT's scripts make."""
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "lora").mkdir(parents=True)
     data = source / TESTDATA_DIR
-    suites = [s for s in SUITES if (tests / s).is_file()]
-    files = [tests / s for s in suites] + [tests / "helper.py"]
-    if extra is not None:
-        files += sorted(extra.glob("*.py"))
-        suites += sorted(p.name for p in extra.glob("test_*.py")) + sorted(
-            p.name for p in extra.glob("onnxruntime_test_*.py")
-        )
-    for path in files:
-        text = path.read_text()
-        (work / path.name).write_text(_swap_imports(text) if quiver else text)
-    (work / "onnx_mapping_shim").mkdir()
-    (work / "onnx_mapping_shim" / "sitecustomize.py").write_text(
-        "import sys, types\n"
-        "import onnx\n"
-        "if not hasattr(onnx, 'mapping'):\n"
-        "    m = types.ModuleType('onnx.mapping')\n"
-        f"    exec({ONNX_MAPPING_SHIM!r}, m.__dict__)\n"
-        "    sys.modules['onnx.mapping'] = onnx.mapping = m\n"
-    )
     import onnxruntime.datasets
 
     datasets = Path(onnxruntime.datasets.__file__).parent
     for name in ("mul_1.onnx", "sigmoid.onnx", "logreg_iris.onnx"):
-        shutil.copy(datasets / name, testdata / name)
-    models.build_all(testdata, testdata / "mul_1.onnx")
+        shutil.copy(datasets / name, folder / name)
+    models.build_all(folder, folder / "mul_1.onnx")
     for script, arguments, output in GENERATORS:
         command = [sys.executable, str(data / script), *arguments] + ([output] if arguments else [])
-        subprocess.run(command, cwd=testdata, check=True, capture_output=True)
+        subprocess.run(command, cwd=folder, check=True, capture_output=True)
     lora = data / "lora"
-    shutil.copy(lora / "two_params_lora_model.onnx_adapter", testdata / "lora")
+    shutil.copy(lora / "two_params_lora_model.onnx_adapter", folder / "lora")
     subprocess.run(
         [sys.executable, "-c", "import two_params_lora_model as m; m.create_model('two_params_lora_model.onnx')"],
         cwd=lora,
@@ -158,7 +135,26 @@ def _prepare(source: Path, work: Path, extra: Path | None, quiver: bool) -> list
         capture_output=True,
         env={**os.environ, "PYTHONPATH": str(lora)},
     )
-    shutil.move(lora / "two_params_lora_model.onnx", testdata / "lora" / "two_params_lora_model.onnx")
+    shutil.move(lora / "two_params_lora_model.onnx", folder / "lora" / "two_params_lora_model.onnx")
+    return folder
+
+
+def _prepare(source: Path, testdata: Path, work: Path, extra: Path | None, quiver: bool) -> list[str]:
+    """A folder with the suites (imports swapped for quiver.ort), helper.py and a copy of the test data;
+    returns the suite files."""
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(testdata, work / "testdata")  # a copy: some tests write into it
+    tests = source / TEST_DIR
+    suites = [s for s in SUITES if (tests / s).is_file()]
+    files = [tests / s for s in suites] + [tests / "helper.py"]
+    if extra is not None:
+        files += sorted(extra.glob("*.py"))
+        suites += sorted(p.name for p in extra.glob("*.py") if p.name.startswith(("test_", "onnxruntime_test_")))
+    for path in files:
+        text = path.read_text()
+        (work / path.name).write_text(_swap_imports(text) if quiver else text)
+    (work / "onnx_mapping_shim").mkdir()
+    (work / "onnx_mapping_shim" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return suites
 
 
@@ -230,10 +226,11 @@ def main() -> int:
     args = parser.parse_args()
     cache = _cache()
     source = _extract(_download(cache), cache)
+    testdata = _testdata(source, cache / "work" / "testdata")
     results = {}
     for variant in ("onnxruntime", "quiver.ort"):
         work = cache / "work" / variant
-        suites = _prepare(source, work, args.extra, quiver=variant == "quiver.ort")
+        suites = _prepare(source, testdata, work, args.extra, quiver=variant == "quiver.ort")
         results[variant] = _run(work, suites)
     ort, ort_codes = results["onnxruntime"]
     quiver, quiver_codes = results["quiver.ort"]
