@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def test_golden_preamble_layout(good: bytes) -> None:
     magic, major, minor, flags, header_offset, header_length, file_length, sha, reserved = struct.unpack(
         "<8sHHIQQQ32sQ", good[:80]
     )
-    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 4, 0, 0)
+    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 5, 0, 0)
     assert file_length == len(good) and header_offset + header_length == len(good)
     assert sha == hashlib.sha256(good[header_offset:]).digest()
     assert good[80:DATA_START] == bytes(DATA_START - 80)
@@ -134,6 +135,33 @@ def test_verify_finds_a_flipped_bit_in_the_weights(tmp_path: Path, good: bytes) 
     damaged[file.weights[0].offset + 100] ^= 0x10
     problems = ContextFile(bytes(damaged)).verify()
     assert problems == ["weight 0 (float32[100, 200]) checksum mismatch"]
+
+
+def test_each_weight_records_the_crc32_of_its_bytes(good: bytes) -> None:
+    _, pre = Preamble.unpack(good[:PREAMBLE_SIZE])
+    for raw in json.loads(good[pre.header_offset :])["weights"]:
+        assert raw["crc32"] == zlib.crc32(good[raw["offset"] : raw["offset"] + raw["length"]])
+
+
+def test_damage_finds_a_flipped_bit_by_crc32_and_by_sha256_without_one(good: bytes) -> None:
+    file = ContextFile(good)
+    assert file.damage() == []
+    damaged = bytearray(good)
+    damaged[file.weights[0].offset + 100] ^= 0x10
+    assert ContextFile(bytes(damaged)).damage() == ["weight 0 (float32[100, 200]) checksum mismatch"]
+    # a 1.4 file records no CRC-32: its SHA-256 finds the bit
+    without = _rewrite_header(bytes(damaged), lambda h: [w.pop("crc32") for w in h["weights"]])
+    assert ContextFile(without).weights[0].crc32 is None
+    assert ContextFile(without).damage() == ["weight 0 (float32[100, 200]) checksum mismatch"]
+
+
+@pytest.mark.parametrize("value", [-1, 2**32, "12", 1.5])
+def test_a_crc32_that_is_not_a_32_bit_integer_is_refused(good: bytes, value: object) -> None:
+    def set_crc(header: dict) -> None:
+        header["weights"][0]["crc32"] = value
+
+    with pytest.raises(quiver.InvalidHeaderError, match="crc32"):
+        ContextFile(_rewrite_header(good, set_crc))
 
 
 def test_verify_finds_non_zero_padding(good: bytes) -> None:

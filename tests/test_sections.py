@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +159,7 @@ def test_a_section_for_another_context_is_refused_and_the_context_keeps_working(
     np.testing.assert_allclose(context.graph("lora").execute({"x": X})["y"], _expected(X, None), rtol=1e-5, atol=1e-5)
 
 
-def test_a_damaged_section_is_refused_and_nothing_changes(binary: Path) -> None:
+def test_a_damaged_section_is_refused_and_nothing_changes(binary: Path, tmp_path: Path) -> None:
     maker = quiver.Context.from_binary(binary)
     maker.graph("lora").update_tensors(_adapter(5))
     maker.finalize()
@@ -175,9 +176,30 @@ def test_a_damaged_section_is_refused_and_nothing_changes(binary: Path) -> None:
     ):
         with pytest.raises(error):
             context.apply_binary_section("lora", damaged)
+        (tmp_path / "damaged.qsec").write_bytes(damaged)  # from a path: checked while it is copied
+        with pytest.raises(error):
+            context.apply_binary_section("lora", tmp_path / "damaged.qsec")
     np.testing.assert_allclose(
         context.graph("lora").execute({"x": X})["y"], _expected(X, _adapter(5)), rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("memfd", [True, False])
+def test_a_section_from_a_path_is_a_private_copy_of_its_file(
+    binary: Path, tmp_path: Path, memfd: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not memfd:
+        monkeypatch.delattr(os, "memfd_create", raising=False)  # the copy by one read, as where there is none
+    maker = quiver.Context.from_binary(binary)
+    maker.graph("lora").update_tensors(_adapter(5))
+    maker.finalize()
+    data = maker.get_binary_section("lora")
+    (tmp_path / "s.qsec").write_bytes(data)
+    section = SectionFile.open(tmp_path / "s.qsec", persistent=False, checked=True)
+    assert bytes(section.buffer) == data and not section.file_backed and section.damage() == []
+    (tmp_path / "s.qsec").write_bytes(bytes(len(data)))  # rewritten in place: the copy keeps its bytes
+    assert bytes(section.buffer) == data
+    section.close()
 
 
 def test_a_section_for_a_graph_it_does_not_cover_is_refused() -> None:

@@ -8,6 +8,7 @@ import mmap
 import os
 import re
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +53,7 @@ class WeightEntry:
     length: int
     sha256: str
     encoding: dict[str, Any] | None = None  # format 1.2: how a quantized weight is read
+    crc32: int | None = None  # format 1.5: a quick check of the bytes (the SHA-256 is the content key)
 
     @property
     def key(self) -> tuple[str, tuple[int, ...], str, str]:
@@ -131,7 +133,11 @@ def _parse_weight(index: int, raw: Any, limit: int) -> WeightEntry:
         if not isinstance(encoding, dict):
             raise _fail(f"{what}.encoding must be an object")
         _sha(encoding.get("sha256"), f"{what}.encoding.sha256")
-    return WeightEntry(index, dtype, shape, offset, length, _sha(raw.get("sha256"), f"{what}.sha256"), encoding)
+    crc = raw.get("crc32")
+    if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
+        raise _fail(f"{what}.crc32 must be an integer in [0, 2**32), got {crc!r}")
+    sha256 = _sha(raw.get("sha256"), f"{what}.sha256")
+    return WeightEntry(index, dtype, shape, offset, length, sha256, encoding, crc)
 
 
 def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
@@ -180,19 +186,25 @@ def _check_order(regions: list[tuple[int, int, str]]) -> None:
 
 _T = TypeVar("_T", bound="TensorFile")
 _PARALLEL_HASH_FROM = 1 << 20  # below this, starting threads costs more than it saves
+_Check = tuple[str, int, int, str, int | None]  # what, offset, length, SHA-256, CRC-32 (1.5) if recorded
 
 
-def _sha256_of(buffer: memoryview, spans: list[tuple[int, int]]) -> list[str]:
-    """SHA-256 of each span, on as many threads as there are cores (hashlib lets go of the GIL)."""
+def _digest(data: memoryview, crc: bool) -> str:
+    return format(zlib.crc32(data), "08x") if crc else hashlib.sha256(data).hexdigest()
+
+
+def _digests_of(buffer: memoryview, spans: list[tuple[int, int, bool]], cores: int) -> list[str]:
+    """The digest of each (offset, length, crc) span: its CRC-32 (8 hex digits) or its SHA-256, on as many
+    threads as `cores` (hashlib and zlib let go of the GIL)."""
     digests = [""] * len(spans)
 
     def hash_some(indices: list[int]) -> None:
         for i in indices:
-            offset, length = spans[i]
-            digests[i] = hashlib.sha256(buffer[offset : offset + length]).hexdigest()
+            offset, length, crc = spans[i]
+            digests[i] = _digest(buffer[offset : offset + length], crc)
 
-    workers = min(os.cpu_count() or 1, 4)
-    if workers == 1 or sum(length for _, length in spans) < _PARALLEL_HASH_FROM:
+    workers = min(cores, 4)
+    if workers <= 1 or sum(length for _, length, _ in spans) < _PARALLEL_HASH_FROM:
         hash_some(list(range(len(spans))))
         return digests
     shares: list[list[int]] = [[] for _ in range(workers)]
@@ -208,6 +220,66 @@ def _sha256_of(buffer: memoryview, spans: list[tuple[int, int]]) -> list[str]:
     for thread in threads:
         thread.join()
     return digests
+
+
+class _PrivateCopy:
+    """A copy of a file's first `size` bytes into private memory, made on a thread of its own (the
+    read lets go of the GIL): validating and checking the file go on meanwhile."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._copied: list[tuple[mmap.mmap | bytearray, int]] = []
+        self._failed: list[OSError] = []
+        self._thread = threading.Thread(target=self._copy, args=(fd, size), name="quiver-read")
+        self._thread.start()
+
+    def _copy(self, fd: int, size: int) -> None:
+        try:
+            self._copied.append(_read_private(fd, size))
+        except OSError as exc:  # re-raised by result(), in the caller's thread
+            self._failed.append(exc)
+
+    def result(self) -> tuple[mmap.mmap | bytearray, int]:
+        """The copy and how many bytes it holds, once it is made."""
+        self._thread.join()
+        if self._failed:
+            raise FileAccessError(f"cannot read the file: {self._failed[0]}; check it") from None
+        return self._copied[0]
+
+
+def _read_private(fd: int, size: int) -> tuple[mmap.mmap | bytearray, int]:
+    """The file's first `size` bytes in private memory, and how many there were.
+
+    Through a memfd where the OS has one: the kernel copies the page-cache pages itself, about twice as
+    fast as a read into fresh pages (3.5 MB: 1.3 ms against 2.3 ms, measured), and the copy is mapped
+    read-only. Elsewhere, one read.
+    """
+    if hasattr(os, "memfd_create") and hasattr(os, "sendfile"):
+        try:
+            memfd = os.memfd_create("quiver-section", os.MFD_CLOEXEC)
+        except OSError:
+            memfd = -1
+        if memfd >= 0:
+            try:
+                done = 0
+                while done < size:
+                    count = os.sendfile(memfd, fd, done, size - done)
+                    if count <= 0:
+                        break
+                    done += count
+                if done == size:
+                    return mmap.mmap(memfd, size, access=mmap.ACCESS_READ), done
+            except OSError:
+                pass  # a file system without sendfile: read it below
+            finally:
+                os.close(memfd)
+    data = bytearray(size)
+    view, done = memoryview(data), 0
+    while done < size:
+        count = os.preadv(fd, [view[done:]], done)
+        if count <= 0:
+            break
+        done += count
+    return data, done
 
 
 class TensorFile:
@@ -226,6 +298,8 @@ class TensorFile:
         self._mmap = buffer if isinstance(buffer, mmap.mmap) else None
         self._fd: int | None = None  # the mapped file, kept open to notice changes made in place
         self._identity: tuple[int, ...] = ()
+        self._private: mmap.mmap | None = None  # a private copy mapped from a memfd
+        self._damage: list[str] | None = None  # what damage() found while the private copy was made
         self._buffer = memoryview(buffer).cast("B")
         size = len(self._buffer)
         if size < PREAMBLE_SIZE:
@@ -295,12 +369,14 @@ class TensorFile:
         return [(w.offset, w.length) for w in self.weights]
 
     @classmethod
-    def open(cls: type[_T], path: str | Path, persistent: bool = True) -> _T:
-        """Maps `path` read-only (persistent) or reads it into private memory.
+    def open(cls: type[_T], path: str | Path, persistent: bool = True, checked: bool = False) -> _T:
+        """Maps `path` read-only (persistent) or copies it into private memory.
 
         Only regular files are opened. The file is validated on the mapping first, so a private copy
         reads no more than its header declares; that copy is then what was checked, whatever later
-        happens to the file.
+        happens to the file. `checked` (private copies): `damage()` is found while the copy is made.
+        (Starting the copy before the validation was slower: 2.9-3.2 ms against 2.2-2.3 ms for a 3.6 MB
+        section, measured side by side.)
         """
         path = Path(path)
         with open_regular(path) as f:
@@ -313,32 +389,34 @@ class TensorFile:
                 raise FileAccessError(f"cannot map {path}: {exc}; check the path") from None
             file = cls(mapping, str(path))
             if not persistent:
-                file._take_private_copy(f.fileno())
+                file._take_private_copy(_PrivateCopy(f.fileno(), file.size), checked)
                 return file
             file._fd = os.dup(f.fileno())
             file._identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
             return file
 
-    def _take_private_copy(self, fd: int) -> None:
-        """Reads the validated file into private memory (one read: copying from the mapping would fault
-        in every page, ~0.6 ms per MB); refused if it changed meanwhile, since its header was parsed from
-        the mapping."""
+    def _take_private_copy(self, copy: _PrivateCopy, checked: bool) -> None:
+        """Swaps the mapping for `copy`, refused if the file changed meanwhile (its header was parsed from
+        the mapping). With `checked`, the checksums are computed on the mapping while the copy is made:
+        the copy is then the file whose bytes were checked, since its preamble and header, which hold
+        every checksum, are the ones read."""
         assert self._mmap is not None
-        data = bytearray(len(self._buffer))
-        view, done = memoryview(data), 0
-        while done < len(data):
-            count = os.preadv(fd, [view[done:]], done)
-            if count <= 0:
-                break
-            done += count
+        try:
+            # on the cores the copy leaves: it takes one
+            problems = self._problems(quick=True, cores=(os.cpu_count() or 1) - 1) if checked else None
+        finally:
+            data, done = copy.result()
+        view = memoryview(data).cast("B")
+        size = len(self._buffer)
         unchanged = (
-            done == len(data)
+            done == size
             and view[:PREAMBLE_SIZE] == self._buffer[:PREAMBLE_SIZE]
-            and hashlib.sha256(view[self.header_offset :]).hexdigest() == self.header_sha256
+            and hashlib.sha256(view[self.header_offset : size]).hexdigest() == self.header_sha256
         )
         self._buffer.release()
         self._mmap.close()
-        self._mmap, self._buffer = None, view
+        self._mmap, self._buffer, self._private = None, view, data if isinstance(data, mmap.mmap) else None
+        self._damage = problems
         if not unchanged:
             raise FileChangedError(f"{self.source} changed while it was read; files in use must be replaced: try again")
 
@@ -394,20 +472,39 @@ class TensorFile:
         return array.reshape(w.shape)
 
     def verify(self) -> list[str]:
-        """Every problem found by re-hashing all regions and checking the gaps; empty when the file is whole."""
+        """Every problem found by re-hashing all regions (SHA-256) and checking the gaps; empty when whole."""
+        return self._problems(quick=False)
+
+    def damage(self) -> list[str]:
+        """`verify()` with each weight that records a CRC-32 (format 1.5) checked by it instead: any
+        accidental damage is found, at about a third of the cost. SHA-256 is the content key, which
+        `verify()` checks."""
+        if self._damage is not None:
+            return self._damage
+        return self._problems(quick=True)
+
+    def _problems(self, quick: bool, cores: int | None = None) -> list[str]:
         self.check_unchanged()
         checked = self._checksummed()
-        digests = _sha256_of(self._buffer, [(offset, length) for _, offset, length, _ in checked])
-        problems = [f"{what} checksum mismatch" for (what, *_, sha), digest in zip(checked, digests) if digest != sha]
+        spans = [(offset, length, quick and crc is not None) for _, offset, length, _, crc in checked]
+        digests = _digests_of(self._buffer, spans, (os.cpu_count() or 1) if cores is None else cores)
+        problems = [
+            f"{what} checksum mismatch"
+            for (what, _, _, sha, crc), (*_, by_crc), digest in zip(checked, spans, digests)
+            if digest != (f"{crc:08x}" if by_crc else sha)
+        ]
         regions = sorted([(0, PREAMBLE_SIZE), *self._regions(), (self.header_offset, 0)])
         for (start, length), (next_start, _) in zip(regions, regions[1:]):
             if np.frombuffer(self._buffer[start + length : next_start], np.uint8).any():  # read in place, no copy
                 problems.append(f"non-zero padding between bytes {start + length} and {next_start}")
         return problems
 
-    def _checksummed(self) -> list[tuple[str, int, int, str]]:
-        """(what, offset, length, sha256) of every region with a checksum."""
-        return [(f"weight {w.index} ({w.dtype}{list(w.shape)})", w.offset, w.length, w.sha256) for w in self.weights]
+    def _checksummed(self) -> list[_Check]:
+        """(what, offset, length, sha256, crc32 or None) of every region with a checksum."""
+        return [
+            (f"weight {w.index} ({w.dtype}{list(w.shape)})", w.offset, w.length, w.sha256, w.crc32)
+            for w in self.weights
+        ]
 
     def __enter__(self: _T) -> _T:
         return self
@@ -421,8 +518,9 @@ class TensorFile:
             self._fd = None
         try:
             self._buffer.release()
-            if self._mmap is not None:
-                self._mmap.close()
+            for mapping in (self._mmap, self._private):
+                if mapping is not None:
+                    mapping.close()
         except BufferError:
             pass  # arrays still view the buffer; it is released when they are gone
 
@@ -455,6 +553,6 @@ class ContextFile(TensorFile):
             )
         return data
 
-    def _checksummed(self) -> list[tuple[str, int, int, str]]:
-        graphs = [(f"graph {g.name!r}", g.offset, g.length, g.sha256) for g in self.graphs.values()]
+    def _checksummed(self) -> list[_Check]:
+        graphs: list[_Check] = [(f"graph {g.name!r}", g.offset, g.length, g.sha256, None) for g in self.graphs.values()]
         return super()._checksummed() + graphs

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ class WeightRecord:
     length: int
     sha256: str
     encoding: Mapping[str, Any] | None = None
+    crc32: int = 0
 
 
 class TensorFileWriter:
@@ -100,10 +102,11 @@ class TensorFileWriter:
         start = align_up(self._end, align_for(expected))
         self._file.seek(self._end)
         self._file.write(b"\0" * (start - self._end))
-        digest = hashlib.sha256()
+        digest, crc = hashlib.sha256(), 0
         written = 0
         for chunk in chunks:
             digest.update(chunk)
+            crc = zlib.crc32(chunk, crc)
             self._file.write(chunk)
             written += len(chunk)
         if written != expected:
@@ -115,7 +118,7 @@ class TensorFileWriter:
             self._file.truncate(self._end)
             return self._by_key[key]
         self._end = start + written
-        self._weights.append(WeightRecord(dtype, shape, start, written, key[2], encoding))
+        self._weights.append(WeightRecord(dtype, shape, start, written, key[2], encoding, crc))
         self._by_key[key] = len(self._weights) - 1
         return len(self._weights) - 1
 
@@ -146,6 +149,7 @@ class TensorFileWriter:
                         "offset": w.offset,
                         "length": w.length,
                         "sha256": w.sha256,
+                        "crc32": w.crc32,
                         **({"encoding": dict(w.encoding)} if w.encoding else {}),
                     }
                     for w in self._weights

@@ -91,7 +91,8 @@ def write_section(
 def load_section(source: str | Path | bytes | bytearray | memoryview | SectionFile) -> SectionFile:
     """A section, every checksum verified (a damaged section is refused); bytes given are not copied.
 
-    A section from a path is read into memory, not mapped: it is small, and what was checked is then
+    Each tensor is checked by its CRC-32 where the section records one (format 1.5), else its SHA-256.
+    A section from a path is copied into memory, not mapped: it is small, and what was checked is then
     what is used, whatever later happens to the file (rewritten or truncated in place).
     """
     if isinstance(source, SectionFile):
@@ -102,7 +103,7 @@ def load_section(source: str | Path | bytes | bytearray | memoryview | SectionFi
 
 
 def _verified(section: SectionFile) -> SectionFile:
-    problems = section.verify()
+    problems = section.damage()
     if problems:
         raise ChecksumMismatchError(
             f"{section.source}: {'; '.join(problems[:3])}; the section is damaged: make it again"
@@ -112,7 +113,7 @@ def _verified(section: SectionFile) -> SectionFile:
 
 class _VerifiedSections:
     """Sections read from paths and verified, by file identity: switching back to a file applied before
-    costs a stat, not a read and a SHA-256 of every tensor (~1 ms per 2 MB). A file replaced or written
+    costs a stat, not a copy and a checksum of every tensor. A file replaced or written
     to since has another identity (inode, size, mtime, ctime) and is read and verified again."""
 
     def __init__(self, limit_bytes: int = 256 * 1024 * 1024) -> None:
@@ -135,7 +136,8 @@ class _VerifiedSections:
             if cached is not None:
                 self._sections.move_to_end(identity)
                 return cached
-        section = _verified(SectionFile.open(path, persistent=False))  # the reader says why it cannot
+        # checked while it is copied; the reader says why it cannot be read
+        section = _verified(SectionFile.open(path, persistent=False, checked=True))
         if identity:
             with self._lock:
                 self._sections[identity] = section
