@@ -226,7 +226,8 @@ class _PrivateCopy:
     """A copy of a file's first `size` bytes into private memory, made on a thread of its own (the
     read lets go of the GIL): validating and checking the file go on meanwhile."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, source: str) -> None:
+        self._source = source
         self._copied: list[tuple[mmap.mmap | bytearray, int]] = []
         self._failed: list[OSError] = []
         self._thread = threading.Thread(target=self._copy, args=(fd, size), name="quiver-read")
@@ -242,7 +243,7 @@ class _PrivateCopy:
         """The copy and how many bytes it holds, once it is made."""
         self._thread.join()
         if self._failed:
-            raise FileAccessError(f"cannot read the file: {self._failed[0]}; check it") from None
+            raise FileAccessError(f"cannot read {self._source}: {self._failed[0]}; check the file") from None
         return self._copied[0]
 
 
@@ -389,7 +390,7 @@ class TensorFile:
                 raise FileAccessError(f"cannot map {path}: {exc}; check the path") from None
             file = cls(mapping, str(path))
             if not persistent:
-                file._take_private_copy(_PrivateCopy(f.fileno(), file.size), checked)
+                file._take_private_copy(_PrivateCopy(f.fileno(), file.size, str(path)), checked)
                 return file
             file._fd = os.dup(f.fileno())
             file._identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
