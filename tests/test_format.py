@@ -15,7 +15,7 @@ import pytest
 import quiver
 from quiver.formats._layout import DATA_START, MAGIC, PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
-from quiver.formats.writer import ContextWriter
+from quiver.formats.writer import ContextWriter, PreparedRecord
 from tests.fuzz.harness import reseal
 
 
@@ -97,7 +97,7 @@ def test_golden_preamble_layout(good: bytes) -> None:
     magic, major, minor, flags, header_offset, header_length, file_length, sha, reserved = struct.unpack(
         "<8sHHIQQQ32sQ", good[:80]
     )
-    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 5, 0, 0)
+    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 6, 0, 0)
     assert file_length == len(good) and header_offset + header_length == len(good)
     assert sha == hashlib.sha256(good[header_offset:]).digest()
     assert good[80:DATA_START] == bytes(DATA_START - 80)
@@ -340,3 +340,55 @@ def test_a_skeleton_whose_placeholders_do_not_match_the_weights_is_refused(famil
         quiver.Context.from_binary(_rewrite_header(data, drop_one)).graph("base")
     with pytest.raises(quiver.InvalidHeaderError, match="does not match weight"):
         quiver.Context.from_binary(_rewrite_header(data, point_elsewhere)).graph("base")
+
+
+def _with_prepared(tmp_path: Path) -> bytes:
+    """Two graphs, the first with a prepared form (format 1.6) mapping one weight under another name."""
+    a = np.arange(20000, dtype=np.float32).reshape(100, 200)
+    b = np.arange(300, dtype=np.int64)
+    with ContextWriter(tmp_path) as writer:
+        for array in (a, b):
+            writer.add_weight(str(array.dtype), array.shape, [array.tobytes()])
+        writer.add_graph("g1", b"skeleton-g1", {"w": 0, "b": 1})
+        writer.add_graph("g2", b"skeleton-g2", {"w": 0})
+        writer.add_prepared("g1", PreparedRecord("onnxruntime 9.9.9", "ab" * 32, b"prepared-g1", {"w_fused": 0}))
+        return writer.finish(tmp_path / "prepared.qctx").read_bytes()
+
+
+def test_a_prepared_form_is_stored_after_its_graph_and_read_back(tmp_path: Path) -> None:
+    file = ContextFile(_with_prepared(tmp_path))
+    g1, g2 = file.graphs["g1"], file.graphs["g2"]
+    (form,) = g1.prepared
+    assert (form.runtime, form.source, form.weights) == ("onnxruntime 9.9.9", "ab" * 32, {"w_fused": 0})
+    assert g1.offset + g1.length <= form.offset < form.offset + form.length <= g2.offset
+    assert file.prepared_skeleton("g1", 0) == b"prepared-g1"
+    assert g2.prepared == () and file.verify() == []
+
+
+def test_a_flipped_bit_in_a_prepared_form_fails_its_checksum(tmp_path: Path) -> None:
+    data = bytearray(_with_prepared(tmp_path))
+    form = ContextFile(bytes(data)).graphs["g1"].prepared[0]
+    data[form.offset] ^= 0x01
+    damaged = ContextFile(bytes(data))
+    with pytest.raises(quiver.ChecksumMismatchError, match="g1.*prepared form 0"):
+        damaged.prepared_skeleton("g1", 0)
+    assert any("prepared form 0" in problem for problem in damaged.verify())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda g: g.update(prepared={}), quiver.InvalidHeaderError, "must be a list"),
+        (lambda g: g["prepared"][0].pop("runtime"), quiver.InvalidHeaderError, "runtime must be a string"),
+        (lambda g: g["prepared"][0].update(source="x"), quiver.InvalidHeaderError, "source must be 64"),
+        (lambda g: g["prepared"][0]["weights"].update(w_fused=7), quiver.InvalidHeaderError, "there are 2"),
+        (lambda g: g["prepared"][0].update(offset=g["offset"]), quiver.OverlappingRegionsError, "before"),
+        (lambda g: g["prepared"][0].update(length=2**63), quiver.OutOfBoundsError, "outside"),
+    ],
+)
+def test_each_broken_prepared_form_has_its_error(tmp_path: Path, mutate: Callable, error: type, match: str) -> None:
+    def change_g1(header: dict) -> None:
+        mutate(next(g for g in header["graphs"] if g["name"] == "g1"))
+
+    with pytest.raises(error, match=match):
+        ContextFile(_rewrite_header(_with_prepared(tmp_path), change_g1))

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from quiver.backends.base import Backend, Executable, FinalizedGraph, available_backends, get_backend, register_backend
+from quiver.backends.base import (
+    AheadOfTimeBackend,
+    Backend,
+    Executable,
+    FinalizedGraph,
+    PreparedGraph,
+    available_backends,
+    get_backend,
+    register_backend,
+)
 
 if TYPE_CHECKING:
     from quiver.backends.cpu import CpuBackend
@@ -45,10 +54,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AheadOfTimeBackend",
     "Backend",
     "CpuBackend",
     "Executable",
     "FinalizedGraph",
+    "PreparedGraph",
     "ReferenceBackend",
     "available_backends",
     "get_backend",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from quiver.errors import UnknownBackendError
 
@@ -38,6 +38,20 @@ class Knob:
 
 
 @dataclass(frozen=True)
+class PreparedGraph:
+    """A backend's own form of a graph, made when the context was built (ONNX Runtime's optimized skeleton).
+
+    A backend uses it only where it was made by the same `runtime` from the same model (`source`, a
+    digest the backend defines); anywhere else the portable skeleton is prepared as usual.
+    """
+
+    runtime: str  # what made it, and the only runtime that may use it ("onnxruntime 1.32.0")
+    source: str  # SHA-256 (hex) of what it was made from, as the backend computes it
+    model: Callable[[], onnx.ModelProto]  # read, parsed and checked when asked for
+    weights: Mapping[str, np.ndarray]  # its placeholders' values: the context's weights
+
+
+@dataclass(frozen=True)
 class FinalizedGraph:
     """What a backend gets: the graph's structure and read-only views of its weights. Never files."""
 
@@ -51,6 +65,8 @@ class FinalizedGraph:
     file_backed: bool = False
     # A tuned configuration (knob name -> value) chosen for this device; knobs not named keep defaults.
     tuning: Mapping[str, KnobValue] = field(default_factory=lambda: MappingProxyType({}))
+    # Forms of the graph prepared ahead for a runtime, stored in the context (format 1.6).
+    prepared: tuple[PreparedGraph, ...] = ()
 
 
 class Executable(Protocol):
@@ -88,6 +104,15 @@ class Backend(Protocol):
     name: str
 
     def prepare(self, graph: FinalizedGraph) -> Executable: ...
+
+
+@runtime_checkable
+class AheadOfTimeBackend(Backend, Protocol):
+    """A backend that does part of its preparation when a context is built and stores the result in it."""
+
+    def prepare_ahead(self, graph: FinalizedGraph) -> PreparedGraph | None:
+        """The graph in this backend's own form, or None where that would gain nothing or cost bytes."""
+        ...
 
 
 class TunableBackend(Backend, Protocol):

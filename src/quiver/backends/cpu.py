@@ -21,8 +21,8 @@ from types import MappingProxyType
 import numpy as np
 import onnxruntime as ort
 
-from quiver.backends import _ort_capi
-from quiver.backends.base import FinalizedGraph, Knob
+from quiver.backends import _ort_capi, cpu_prepared
+from quiver.backends.base import FinalizedGraph, Knob, PreparedGraph
 from quiver.backends.cpu_settings import (
     DEFAULT_ACCURACY_LEVEL,
     KNOB_SPACE_VERSION,
@@ -31,7 +31,7 @@ from quiver.backends.cpu_settings import (
     device_fingerprint,
     knobs,
 )
-from quiver.backends.lora_strengths import fold_lora_strengths
+from quiver.backends.lora_strengths import StrengthFolding, fold_lora_strengths
 from quiver.errors import BackendError
 from quiver.ir.proto import AttributeProto, ModelProto, TensorProto, ValueInfoProto
 
@@ -204,11 +204,21 @@ class SessionWeights:
     readable: dict[str, np.ndarray]
 
     @classmethod
-    def of(cls, graph: FinalizedGraph) -> SessionWeights:
-        read = weights_optimizers_read(graph.model)
+    def of(cls, graph: FinalizedGraph, model: bytes, optimized: bool = True) -> SessionWeights:
+        """`model`: `graph.model` serialized; `optimized`: ORT's graph optimizers run (no level "disabled")."""
+        read = weights_optimizers_read(graph.model) if optimized else set()
         shared = {name: array for name, array in graph.weights.items() if name not in read}
         readable = {name: array for name, array in graph.weights.items() if name in read}
-        return cls(graph.model.SerializeToString(), shared, readable)
+        return cls(model, shared, readable)
+
+
+def _session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[ModelProto, StrengthFolding | None]:
+    """The model ORT is given for this graph: LoRA strengths folded, and Quiver's MatMulNBits at the
+    settings' accuracy level (the same at build, for a prepared form, as at open)."""
+    model, strengths = fold_lora_strengths(_without_trailing_empty_inputs(graph.model))
+    if settings.accuracy_level > 0 and any(n.op_type == "MatMulNBits" for n in model.graph.node):
+        model = _with_accuracy_level(model, settings.accuracy_level)
+    return model, strengths
 
 
 class _PythonApiSession:
@@ -332,21 +342,34 @@ def _create_session(
         raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
 
+_Form = tuple[FinalizedGraph, bytes, SessionSettings]  # a graph, its model serialized, how its sessions are made
+
+
+def _in_prepared_form(graph: FinalizedGraph, data: bytes, settings: SessionSettings) -> _Form | None:
+    """The graph as its prepared form for this ORT, made at build from this same session model (`data`)."""
+    if not graph.prepared:
+        return None
+    form = cpu_prepared.usable_form(
+        graph, cpu_prepared.source_digest(data, settings.accuracy_level), settings.ort_level
+    )
+    if form is None:
+        return None
+    model = form.model()
+    level = cpu_prepared.open_level(model, settings.graph_optimization_level)
+    prepared = dataclasses.replace(graph, model=model, weights=form.weights)
+    return prepared, model.SerializeToString(), dataclasses.replace(settings, graph_optimization_level=level)
+
+
 class CpuExecutable:
     def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
-        model, self._strengths = fold_lora_strengths(_without_trailing_empty_inputs(graph.model))
         self.settings = settings = backend.settings_for(graph)
+        model, self._strengths = _session_model(graph, settings)
         integer_matmuls = settings.accuracy_level > 0 and _has_integer_matmuls(model)
-        if integer_matmuls and any(n.op_type == "MatMulNBits" for n in model.graph.node):
-            model = _with_accuracy_level(model, settings.accuracy_level)
-        graph = dataclasses.replace(graph, model=model)
-        self._graph = graph
+        data = model.SerializeToString()
+        portable = dataclasses.replace(graph, model=model), data, settings
+        prepared = _in_prepared_form(graph, data, settings)
         self._backend = backend
         self._output_names = [o.name for o in graph.outputs]
-        # Only pages of a file mapping can be dropped: private memory would lose its contents.
-        self._packable = _packable_weights(graph) if settings.prepack else []
-        self._droppable = self._packable if graph.file_backed else []
-        self._prepacked = sum(a.nbytes for a in self._packable)
         self._upgrade: threading.Thread | None = None
         self._upgrade_lock = threading.Lock()  # one packing thread, started once, joined only once started
         self._released = False
@@ -356,32 +379,51 @@ class CpuExecutable:
         self._c_api_only = bool(io_types & _C_API_ONLY_IO) and "string" not in io_types
         self.is_packed = settings.prepack and (not backend.lazy_prepack or integer_matmuls or self._c_api_only)
         self._shareable = (_SHARED_INTEGER_PACKING or not integer_matmuls) and "string" not in io_types
-        self._weights = SessionWeights.of(graph)
-        self._session: _Session | None = _create_session(
-            graph,
-            self._weights,
-            backend,
-            settings,
-            packed=self.is_packed,
-            shareable=self._shareable,
-            c_api_only=self._c_api_only,
-        )
+        self.prepared = prepared is not None  # sessions come from the context's prepared form (cpu_prepared)
+        self._use(*(prepared or portable))
+        try:
+            self._session: _Session | None = self._create(packed=self.is_packed)
+        except BackendError:
+            if prepared is None:
+                raise
+            self.prepared = False  # a prepared form this ORT refuses after all: the portable skeleton, as before
+            self._use(*portable)
+            self._session = self._create(packed=self.is_packed)
         self._upgrade_pending = settings.prepack and not self.is_packed
         self._runs_since_drop = 0
         if self.is_packed:
             _drop_resident_pages(self._droppable)
             self._forget_sources()
 
+    def _use(self, graph: FinalizedGraph, model: bytes, settings: SessionSettings) -> None:
+        """Sessions are made from this form of the graph (`model`: its ModelProto serialized), so."""
+        self._graph = graph
+        self._session_settings = settings
+        # Only pages of a file mapping can be dropped: private memory would lose its contents.
+        self._packable = _packable_weights(graph) if self.settings.prepack else []
+        self._droppable = self._packable if graph.file_backed else []
+        self._prepacked = sum(a.nbytes for a in self._packable)
+        self._weights = SessionWeights.of(graph, model, optimized=settings.graph_optimization_level != "disabled")
+
     def _forget_sources(self) -> None:
         """Once the packed session runs, no session is made again from this executable (a forked child makes
         new executables): the skeleton's bytes and parsed copy would only hold memory (~0.3 MB for MiniLM)."""
         self._graph = self._weights = None  # type: ignore[assignment]
 
+    def _create(self, packed: bool) -> _Session:
+        return _create_session(
+            self._graph,
+            self._weights,
+            self._backend,
+            self._session_settings,
+            packed=packed,
+            shareable=self._shareable,
+            c_api_only=self._c_api_only,
+        )
+
     def _build_packed_session(self) -> None:
         try:
-            packed = _create_session(
-                self._graph, self._weights, self._backend, self.settings, packed=True, shareable=self._shareable
-            )
+            packed = self._create(packed=True)
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         with self._upgrade_lock:
@@ -531,6 +573,15 @@ class CpuBackend:
         if self._container is not None:
             keep_forever(self._container)
             self._container = None
+
+    def prepare_ahead(self, graph: FinalizedGraph) -> PreparedGraph | None:
+        """ORT's optimized form of the graph, to store in the context (see `cpu_prepared`)."""
+        settings = self.settings_for(graph)
+        model, _ = _session_model(graph, settings)
+        data = model.SerializeToString()
+        source = cpu_prepared.source_digest(data, settings.accuracy_level)
+        portable = dataclasses.replace(graph, model=model)
+        return cpu_prepared.prepare(portable, data, source, _config(settings, prepack=False), _ort_log_severity)
 
     def prepare(self, graph: FinalizedGraph) -> CpuExecutable:
         for tensor in graph.model.graph.initializer:

@@ -62,6 +62,18 @@ class WeightEntry:
 
 
 @dataclass(frozen=True)
+class PreparedEntry:
+    """A graph in a backend's own form (format 1.6): a skeleton region of its own and its weight map."""
+
+    runtime: str
+    source: str
+    offset: int
+    length: int
+    sha256: str
+    weights: dict[str, int]
+
+
+@dataclass(frozen=True)
 class GraphEntry:
     name: str
     offset: int
@@ -69,6 +81,12 @@ class GraphEntry:
     sha256: str
     weights: dict[str, int]
     updateable: tuple[str, ...] = ()  # weights a binary section may replace (format 1.1)
+    prepared: tuple[PreparedEntry, ...] = ()  # forms prepared ahead for a runtime (format 1.6)
+
+    @property
+    def weight_indices(self) -> set[int]:
+        """Every weight this graph uses: its skeleton's and its prepared forms' (a fusion's new tensors)."""
+        return set(self.weights.values()).union(*(form.weights.values() for form in self.prepared))
 
 
 _SHA256_HEX = re.compile("[0-9a-f]{64}")
@@ -140,6 +158,40 @@ def _parse_weight(index: int, raw: Any, limit: int) -> WeightEntry:
     return WeightEntry(index, dtype, shape, offset, length, sha256, encoding, crc)
 
 
+def _parse_weight_map(raw: Any, weight_count: int, what: str) -> dict[str, int]:
+    if not isinstance(raw, dict):
+        raise _fail(f"{what} weights must be an object")
+    weights = {}
+    for tensor, index in raw.items():
+        if _int(index, f"{what} weight {tensor!r}") >= weight_count:
+            raise _fail(f"{what} maps {tensor!r} to weight {index}, but there are {weight_count}")
+        weights[tensor] = index
+    return weights
+
+
+def _parse_prepared(raw: Any, limit: int, weight_count: int, graph: str) -> tuple[PreparedEntry, ...]:
+    if not isinstance(raw, list):
+        raise _fail(f"graph {graph!r} prepared must be a list")
+    entries = []
+    for number, item in enumerate(raw):
+        what = f"graph {graph!r} prepared form {number}"
+        if not isinstance(item, dict):
+            raise _fail(f"{what} must be an object")
+        offset, length = _int(item.get("offset"), f"{what} offset"), _int(item.get("length"), f"{what} length")
+        _region(offset, length, limit, what)
+        entries.append(
+            PreparedEntry(
+                _str(item.get("runtime"), f"{what} runtime"),
+                _sha(item.get("source"), f"{what} source"),
+                offset,
+                length,
+                _sha(item.get("sha256"), f"{what} sha256"),
+                _parse_weight_map(item.get("weights"), weight_count, what),
+            )
+        )
+    return tuple(entries)
+
+
 def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
     if not isinstance(raw, dict):
         raise _fail("each graph must be an object")
@@ -149,19 +201,13 @@ def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
     offset = _int(raw.get("offset"), f"graph {name!r} offset")
     length = _int(raw.get("length"), f"graph {name!r} length")
     _region(offset, length, limit, f"graph {name!r}")
-    weights_raw = raw.get("weights")
-    if not isinstance(weights_raw, dict):
-        raise _fail(f"graph {name!r} weights must be an object")
-    weights = {}
-    for tensor, index in weights_raw.items():
-        if _int(index, f"graph {name!r} weight {tensor!r}") >= weight_count:
-            raise _fail(f"graph {name!r} maps {tensor!r} to weight {index}, but there are {weight_count}")
-        weights[tensor] = index
+    weights = _parse_weight_map(raw.get("weights"), weight_count, f"graph {name!r}")
     updateable = raw.get("updateable", [])
     if not isinstance(updateable, list) or any(not isinstance(t, str) or t not in weights for t in updateable):
         raise _fail(f"graph {name!r} updateable must list names of its weights")
+    prepared = _parse_prepared(raw.get("prepared", []), limit, weight_count, name)
     return GraphEntry(
-        name, offset, length, _sha(raw.get("sha256"), f"graph {name!r} sha256"), weights, tuple(updateable)
+        name, offset, length, _sha(raw.get("sha256"), f"graph {name!r} sha256"), weights, tuple(updateable), prepared
     )
 
 
@@ -539,21 +585,39 @@ class ContextFile(TensorFile):
         # 1.4: a tuned copy keeps the identity of the context it was tuned from (sections name it)
         self.identity = parse_identity(header.get("identity"), self.header_sha256)
         self.tuning = parse_tuning(header.get("tuning"), list(self.graphs))
-        return [(g.offset, g.length, f"graph {g.name!r}") for g in self.graphs.values()]
+        return [(offset, length, what) for what, offset, length, _ in self._skeleton_regions()]
+
+    def _skeleton_regions(self) -> list[tuple[str, int, int, str]]:
+        """Every skeleton region in file order: (what, offset, length, sha256)."""
+        regions = []
+        for g in self.graphs.values():
+            regions.append((f"graph {g.name!r}", g.offset, g.length, g.sha256))
+            regions += [
+                (f"graph {g.name!r} prepared form {i}", p.offset, p.length, p.sha256) for i, p in enumerate(g.prepared)
+            ]
+        return regions
 
     def _regions(self) -> list[tuple[int, int]]:
-        return super()._regions() + [(g.offset, g.length) for g in self.graphs.values()]
+        return super()._regions() + [(offset, length) for _, offset, length, _ in self._skeleton_regions()]
+
+    def _checked_region(self, offset: int, length: int, sha256: str, what: str) -> bytes:
+        data = bytes(self._buffer[offset : offset + length])
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise ChecksumMismatchError(f"{self.source}: {what} checksum mismatch; the file is damaged: copy it again")
+        return data
 
     def skeleton(self, name: str) -> bytes:
         """The graph's ONNX structure, its checksum verified."""
         g = self.graphs[name]
-        data = bytes(self._buffer[g.offset : g.offset + g.length])
-        if hashlib.sha256(data).hexdigest() != g.sha256:
-            raise ChecksumMismatchError(
-                f"{self.source}: graph {name!r} checksum mismatch; the file is damaged: copy it again"
-            )
-        return data
+        return self._checked_region(g.offset, g.length, g.sha256, f"graph {name!r}")
+
+    def prepared_skeleton(self, name: str, number: int) -> bytes:
+        """A prepared form's ONNX structure (format 1.6), its checksum verified."""
+        p = self.graphs[name].prepared[number]
+        return self._checked_region(p.offset, p.length, p.sha256, f"graph {name!r} prepared form {number}")
 
     def _checksummed(self) -> list[_Check]:
-        graphs: list[_Check] = [(f"graph {g.name!r}", g.offset, g.length, g.sha256, None) for g in self.graphs.values()]
+        graphs: list[_Check] = [
+            (what, offset, length, sha, None) for what, offset, length, sha in self._skeleton_regions()
+        ]
         return super()._checksummed() + graphs

@@ -6,6 +6,7 @@ import enum
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
+
+import numpy as np
 
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
@@ -122,6 +125,21 @@ class TensorFileWriter:
         self._by_key[key] = len(self._weights) - 1
         return len(self._weights) - 1
 
+    def written_weights(self) -> list[np.ndarray]:
+        """Read-only views of the weights written so far, for work done before the file is finished
+        (a backend preparing graphs ahead). They map the temporary file: no weight is copied."""
+        self._require(_State.WEIGHTS)
+        self._file.flush()
+        if not self._weights:
+            return []
+        mapping = mmap.mmap(self._file.fileno(), self._end, access=mmap.ACCESS_READ)
+        return [
+            np.frombuffer(mapping, dtypes.numpy_of(w.dtype), w.length // dtypes.itemsize(w.dtype), w.offset).reshape(
+                w.shape
+            )
+            for w in self._weights
+        ]
+
     def _check_indices(self, graph: str, weights: Mapping[str, int]) -> None:
         for index in weights.values():
             if not 0 <= index < len(self._weights):
@@ -215,12 +233,36 @@ class TensorFileWriter:
             self.abort()
 
 
+@dataclass(frozen=True)
+class PreparedRecord:
+    """A graph in a backend's own form (format 1.6): what made it, from what, and its weights."""
+
+    runtime: str
+    source: str
+    skeleton: bytes
+    weights: Mapping[str, int]
+
+
 class ContextWriter(TensorFileWriter):
-    """Writes a `.qctx`: the weights, then one ONNX skeleton per graph."""
+    """Writes a `.qctx`: the weights, then one ONNX skeleton per graph (each followed by its prepared forms)."""
 
     def __init__(self, directory: str | Path | None = None) -> None:
         super().__init__(directory)
         self._graphs: dict[str, tuple[bytes, dict[str, int], list[str]]] = {}
+        self._prepared: dict[str, list[PreparedRecord]] = {}
+
+    @property
+    def graphs(self) -> dict[str, tuple[bytes, dict[str, int], list[str]]]:
+        """Each graph added so far: its skeleton, weight map and updateable tensors."""
+        return dict(self._graphs)
+
+    def add_prepared(self, name: str, prepared: PreparedRecord) -> None:
+        """Stores a backend's prepared form of graph `name`, next to its skeleton."""
+        self._require(_State.WEIGHTS)
+        if name not in self._graphs:
+            raise ContextStateError(f"graph {name!r} is not in the context; add it before its prepared form")
+        self._check_indices(name, prepared.weights)
+        self._prepared.setdefault(name, []).append(prepared)
 
     def add_graph(self, name: str, skeleton: bytes, weights: Mapping[str, int], updateable: Iterable[str] = ()) -> None:
         self._require(_State.WEIGHTS)
@@ -232,23 +274,30 @@ class ContextWriter(TensorFileWriter):
             raise ContextStateError(f"graph {name!r}: updateable tensors {missing} are not among its weights")
         self._graphs[name] = (skeleton, dict(weights), sorted(set(updateable)))
 
+    def _write_region(self, data: bytes, offset: int) -> tuple[dict[str, Any], int]:
+        start = align_up(offset, ALIGNMENT)
+        self._file.write(b"\0" * (start - offset))
+        self._file.write(data)
+        return {"offset": start, "length": len(data), "sha256": hashlib.sha256(data).hexdigest()}, start + len(data)
+
     def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
         entries = []
         for name, (skeleton, weights, updateable) in self._graphs.items():
-            start = align_up(offset, ALIGNMENT)
-            self._file.write(b"\0" * (start - offset))
-            self._file.write(skeleton)
-            offset = start + len(skeleton)
-            entries.append(
-                {
-                    "name": name,
-                    "offset": start,
-                    "length": len(skeleton),
-                    "sha256": hashlib.sha256(skeleton).hexdigest(),
-                    "weights": dict(sorted(weights.items())),
-                    **({"updateable": updateable} if updateable else {}),
-                }
-            )
+            region, offset = self._write_region(skeleton, offset)
+            entry = {
+                "name": name,
+                **region,
+                "weights": dict(sorted(weights.items())),
+                **({"updateable": updateable} if updateable else {}),
+            }
+            prepared = []
+            for record in self._prepared.get(name, []):
+                region, offset = self._write_region(record.skeleton, offset)
+                weights_map = dict(sorted(record.weights.items()))
+                prepared.append({"runtime": record.runtime, "source": record.source, **region, "weights": weights_map})
+            if prepared:
+                entry["prepared"] = prepared
+            entries.append(entry)
         return entries, offset
 
 

@@ -12,12 +12,13 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from quiver.backends import Backend, FinalizedGraph, get_backend
+from quiver.backends import AheadOfTimeBackend, Backend, FinalizedGraph, PreparedGraph, get_backend
 from quiver.errors import (
     ContextStateError,
     DuplicateGraphError,
@@ -27,6 +28,7 @@ from quiver.errors import (
 )
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
+from quiver.ir import dtypes
 from quiver.ir.edit import initializers_as_inputs
 from quiver.runtime import sections
 from quiver.runtime.graph import Graph
@@ -125,6 +127,9 @@ class Context:
 
     def finalize(self) -> Context:
         """Writes the binary (QnnGraph_finalize for all graphs) and maps it; the context is then executable."""
+        return self._finalize(prepare_ahead=False)
+
+    def _finalize(self, prepare_ahead: bool) -> Context:
         if self.finalized:
             self._apply_staged(list(self._staged))
             return self
@@ -132,6 +137,8 @@ class Context:
             raise ContextStateError("the context is closed; load it again with Context.from_binary()")
         if self._writer is None:
             raise ContextStateError("the context has no graphs; add at least one with add_graph() before finalize()")
+        if prepare_ahead:
+            self._prepare_ahead(self._writer)
         path = self._writer.finish()
         self._temp_path = path
         # only the process that wrote it removes it: a forked child exiting must not take the parent's file
@@ -139,15 +146,18 @@ class Context:
         self._attach(Store(self._backend, ContextFile.open(path), self._memory_limit_hint_mb), None)
         return self
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, prepare_ahead: bool = True) -> Path:
         """Writes the context binary to `path` atomically (finalizing first if needed).
 
         What is written is what this context holds (its mapping), whatever now lies at the path it was
-        loaded from.
+        loaded from. A context not finalized yet is first prepared ahead for its backend where the backend
+        can (`prepare_ahead`: the cpu backend stores ONNX Runtime's optimized form of each graph, which
+        makes opening it faster with the same ORT); `finalize()` alone prepares nothing ahead, as a
+        context used in the process that built it would gain nothing from it.
         """
         from quiver.formats.writer import publish, write_atomically
 
-        self.finalize()
+        self._finalize(prepare_ahead)
         destination = Path(path)
         file = self.file
         if self._temp_path is not None:
@@ -159,8 +169,37 @@ class Context:
             write_atomically(destination, file.buffer)
         return destination
 
+    def _prepare_ahead(self, writer: ContextWriter) -> None:
+        """Stores the backend's own form of each graph next to its skeleton, where the backend makes one."""
+        backend = self._backend
+        if not isinstance(backend, AheadOfTimeBackend):
+            return
+        from quiver.formats.writer import PreparedRecord
+        from quiver.ir.proto import ModelProto
+
+        views = writer.written_weights()
+        index_of = {id(view): index for index, view in enumerate(views)}
+        for name, (skeleton, mapping, updateable) in writer.graphs.items():
+            model = ModelProto.FromString(skeleton)
+            if updateable:  # as at run time (`_finalized_graph`): fed with each run
+                model = initializers_as_inputs(model, updateable)
+            weights = {t: views[i] for t, i in mapping.items() if t not in updateable}
+            form = backend.prepare_ahead(FinalizedGraph(name, model, weights, (), ()))
+            if form is None:
+                continue
+            prepared = form.model()
+            types = {t.name: t.data_type for t in prepared.graph.initializer}
+            indices = {}
+            for tensor, array in form.weights.items():
+                index = index_of.get(id(array))
+                if index is None:  # a tensor the backend's preparation made (a folded constant)
+                    index = writer.add_weight(dtypes.name_of_onnx(types[tensor]), array.shape, [array.tobytes()])
+                indices[tensor] = index
+            writer.add_prepared(name, PreparedRecord(form.runtime, form.source, prepared.SerializeToString(), indices))
+
     def get_binary(self) -> bytes:
-        """The context binary as bytes (QnnContext_getBinary)."""
+        """The context binary as bytes (QnnContext_getBinary): what `save()` writes, prepared ahead alike."""
+        self._finalize(prepare_ahead=True)
         return bytes(self.file.buffer)
 
     # --- loading ----------------------------------------------------------------------------------
@@ -293,7 +332,16 @@ class Context:
         if entry.updateable:  # fed with each run, so replacing them never rebuilds the backend state
             model = initializers_as_inputs(model, entry.updateable)
         tuning = store.tuning.get(name, {})
-        return FinalizedGraph(name, model, weights, info.inputs, info.outputs, store.file.file_backed, tuning)
+        prepared = tuple(
+            PreparedGraph(
+                form.runtime,
+                form.source,
+                partial(store.prepared_model, name, number),
+                {t: store.weight_view(i) for t, i in form.weights.items()},
+            )
+            for number, form in enumerate(entry.prepared)
+        )
+        return FinalizedGraph(name, model, weights, info.inputs, info.outputs, store.file.file_backed, tuning, prepared)
 
     def _encodings(self, name: str) -> EncodingSet:
         """The encodings of a graph's quantized tensors, from the values in use now (sections included)."""
@@ -439,7 +487,7 @@ class Context:
 
     def weight_stats(self) -> WeightStats:
         file = self.file
-        referenced = [i for name in file.graphs for i in file.graphs[name].weights.values()]
+        referenced = [i for graph in file.graphs.values() for i in graph.weight_indices]
         return WeightStats(
             unique_bytes=sum(w.length for w in file.weights),
             referenced_bytes=sum(file.weights[i].length for i in referenced),

@@ -47,29 +47,35 @@ class _Live:
 
 
 def _parse_skeleton(file: ContextFile, name: str) -> ModelProto:
+    return parse_mapped_skeleton(file, file.skeleton(name), file.graphs[name].weights, f"graph {name!r}")
+
+
+def parse_mapped_skeleton(file: ContextFile, data: bytes, mapping: dict[str, int], what: str) -> ModelProto:
+    """A skeleton parsed and checked against its weight map: one placeholder per mapped weight, of its
+    dtype and shape (a backend binds the weights' bytes to these, so a mismatch must never reach it)."""
     model = ModelProto()
     try:
-        model.ParseFromString(file.skeleton(name))
+        model.ParseFromString(data)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise InvalidHeaderError(
-            f"{file.source}: graph {name!r} is not a valid ONNX structure ({exc}); rebuild the context"
+            f"{file.source}: {what} is not a valid ONNX structure ({exc}); rebuild the context"
         ) from None
     placeholders = {t.name: t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
-    mapping = file.graphs[name].weights
     if set(placeholders) != set(mapping):
         raise InvalidHeaderError(
-            f"{file.source}: graph {name!r} weight map does not match its initializers; rebuild the context"
+            f"{file.source}: {what} weight map does not match its initializers; rebuild the context"
         )
     for tensor_name, index in mapping.items():
         tensor, weight = placeholders[tensor_name], file.weights[index]
+        where = tensor.external_data
         if (
             tensor.data_type != dtypes.onnx_of(weight.dtype)
             or tuple(tensor.dims) != weight.shape
-            or [(e.key, e.value) for e in tensor.external_data] != [("location", WEIGHT_LOCATION)]
+            or len(where) != 1
+            or (where[0].key, where[0].value) != ("location", WEIGHT_LOCATION)
         ):
             raise InvalidHeaderError(
-                f"{file.source}: graph {name!r} initializer {tensor_name!r} does not match weight {index}; "
-                "rebuild the context"
+                f"{file.source}: {what} initializer {tensor_name!r} does not match weight {index}; rebuild the context"
             )
     return model
 
@@ -144,6 +150,13 @@ class Store:
             if info is None:
                 info = self._infos[name] = _describe(self.file, name)
             return info
+
+    def prepared_model(self, name: str, number: int) -> ModelProto:
+        """A graph's prepared form `number` (format 1.6), parsed and checked against its weight map."""
+        self._check_open()
+        form = self.file.graphs[name].prepared[number]
+        data = self.file.prepared_skeleton(name, number)
+        return parse_mapped_skeleton(self.file, data, form.weights, f"graph {name!r} prepared form {number}")
 
     def weight_view(self, index: int) -> np.ndarray:
         with self._lock:

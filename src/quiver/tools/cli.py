@@ -297,6 +297,10 @@ def _print_summary(report: dict[str, Any]) -> None:
         "context file",
         f"{_mb(report['size_bytes'])} ({report['size_bytes'] / max(w['unique_bytes'], 1):.4f} x unique weights)",
     )
+    runtimes = sorted({runtime for g in report["graphs"] for runtime in g.get("prepared_for", [])})
+    for runtime in runtimes:
+        count = sum(runtime in g.get("prepared_for", []) for g in report["graphs"])
+        summary.add_row("prepared for", f"{runtime} ({count} of {len(report['graphs'])} graphs)")
     console.print(summary)
 
 

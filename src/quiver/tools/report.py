@@ -35,13 +35,13 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
     file = context.file
     users: dict[int, list[str]] = defaultdict(list)
     for name, entry in file.graphs.items():
-        for index in set(entry.weights.values()):
+        for index in entry.weight_indices:
             users[index].append(name)
     stats = context.weight_stats()
     graphs = []
     for name in context.graph_names:
         graph = context.graph(name)
-        indices = set(file.graphs[name].weights.values())
+        indices = file.graphs[name].weight_indices
         shared_with: dict[str, int] = defaultdict(int)
         for index in indices:
             for other in users[index]:
@@ -60,6 +60,7 @@ def describe_context(context: Context, source: str | None = None) -> dict[str, A
                 },
                 "shared_with": dict(sorted(shared_with.items())),
                 "updateable": list(file.graphs[name].updateable),
+                "prepared_for": [form.runtime for form in file.graphs[name].prepared],  # format 1.6
             }
         )
     return {
