@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from quiver.backends.base import (
     AheadOfTimeBackend,
+    AheadOfTimeForm,
     Backend,
     Executable,
     FinalizedGraph,
     PreparedGraph,
+    StoredWeight,
+    WeightFile,
     available_backends,
     get_backend,
     register_backend,
@@ -55,12 +58,15 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AheadOfTimeBackend",
+    "AheadOfTimeForm",
     "Backend",
     "CpuBackend",
     "Executable",
     "FinalizedGraph",
     "PreparedGraph",
     "ReferenceBackend",
+    "StoredWeight",
+    "WeightFile",
     "available_backends",
     "get_backend",
     "register_backend",

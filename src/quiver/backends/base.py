@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -49,6 +50,35 @@ class PreparedGraph:
     source: str  # SHA-256 (hex) of what it was made from, as the backend computes it
     model: Callable[[], onnx.ModelProto]  # read, parsed and checked when asked for
     weights: Mapping[str, np.ndarray]  # its placeholders' values: the context's weights
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """Where one weight's bytes lie in the file being written, and their SHA-256 (the content key)."""
+
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """The weights of a graph as the context being written holds them, for `prepare_ahead` only: a runtime
+    that reads external data itself (ONNX Runtime) reads them from there, as it would from any model."""
+
+    path: Path
+    weights: Mapping[str, StoredWeight]  # by the graph's initializer names
+
+
+@dataclass(frozen=True)
+class AheadOfTimeForm:
+    """What `prepare_ahead` makes; the context stores it as a prepared form of the graph (format 1.6)."""
+
+    runtime: str  # as in PreparedGraph
+    source: str
+    model: onnx.ModelProto  # large initializers are data-less placeholders, each in `reused` or `added`
+    reused: Mapping[str, str]  # placeholder -> the graph's initializer holding the same bytes
+    added: Mapping[str, np.ndarray]  # placeholder -> a tensor the preparation made (a folded constant)
 
 
 @dataclass(frozen=True)
@@ -110,8 +140,9 @@ class Backend(Protocol):
 class AheadOfTimeBackend(Backend, Protocol):
     """A backend that does part of its preparation when a context is built and stores the result in it."""
 
-    def prepare_ahead(self, graph: FinalizedGraph) -> PreparedGraph | None:
-        """The graph in this backend's own form, or None where that would gain nothing or cost bytes."""
+    def prepare_ahead(self, graph: FinalizedGraph, stored: WeightFile) -> AheadOfTimeForm | None:
+        """The graph in this backend's own form, or None where that would gain nothing or cost bytes.
+        `graph` has no weight views here: they are in `stored`, the file being written."""
         ...
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from quiver.backends import _ort_capi, cpu_prepared
-from quiver.backends.base import FinalizedGraph, Knob, PreparedGraph
+from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, WeightFile
 from quiver.backends.cpu_settings import (
     DEFAULT_ACCURACY_LEVEL,
     KNOB_SPACE_VERSION,
@@ -574,14 +574,12 @@ class CpuBackend:
             keep_forever(self._container)
             self._container = None
 
-    def prepare_ahead(self, graph: FinalizedGraph) -> PreparedGraph | None:
+    def prepare_ahead(self, graph: FinalizedGraph, stored: WeightFile) -> AheadOfTimeForm | None:
         """ORT's optimized form of the graph, to store in the context (see `cpu_prepared`)."""
         settings = self.settings_for(graph)
         model, _ = _session_model(graph, settings)
-        data = model.SerializeToString()
-        source = cpu_prepared.source_digest(data, settings.accuracy_level)
-        portable = dataclasses.replace(graph, model=model)
-        return cpu_prepared.prepare(portable, data, source, _config(settings, prepack=False), _ort_log_severity)
+        source = cpu_prepared.source_digest(model.SerializeToString(), settings.accuracy_level)
+        return cpu_prepared.prepare(model, stored, source, settings.config(prepack=False), _ort_log_severity)
 
     def prepare(self, graph: FinalizedGraph) -> CpuExecutable:
         for tensor in graph.model.graph.initializer:

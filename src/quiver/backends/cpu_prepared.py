@@ -13,16 +13,16 @@ node is then opened with ORT's optimizers off: what they would do was done at bu
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import onnxruntime as ort
 
-from quiver.backends.base import FinalizedGraph, PreparedGraph
+from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
 from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes
 from quiver.ir.proto import ModelProto, TensorProto
@@ -65,10 +65,24 @@ def open_level(model: ModelProto, level: str) -> str:
 
 
 def prepare(
-    graph: FinalizedGraph, model: bytes, source: str, config: Mapping[str, str], log_severity: int
-) -> PreparedGraph | None:
-    """ORT's "extended" optimization of `model` (the session model of `graph`), its large initializers
-    mapped back to the graph's weights; None if ORT cannot save it or it would add too many bytes."""
+    model: ModelProto, stored: WeightFile, source: str, config: Mapping[str, str], log_severity: int
+) -> AheadOfTimeForm | None:
+    """ORT's "extended" optimization of `model` (a graph's session model), its large initializers mapped
+    back to the graph's weights; None if ORT cannot save it or it would add too many bytes.
+
+    ORT reads the weights from the file being written, as external data of a copy of `model` (given as
+    arrays instead, ORT copies them all: measured, 2.5x the model's size in memory at build).
+    """
+    readable = ModelProto()
+    readable.CopyFrom(model)
+    placeholders = {}
+    for tensor in readable.graph.initializer:
+        where = stored.weights.get(tensor.name)
+        if tensor.data_location == TensorProto.EXTERNAL and where is not None:
+            placeholders[tensor.name] = (tensor.data_type, tuple(tensor.dims))
+            del tensor.external_data[:]
+            for key, value in (("location", stored.path.name), ("offset", where.offset), ("length", where.length)):
+                tensor.external_data.add(key=key, value=str(value))
     with tempfile.TemporaryDirectory(prefix="quiver-prepare-") as folder:
         target = Path(folder) / "prepared.onnx"
         options = ort.SessionOptions()
@@ -78,45 +92,56 @@ def prepare(
         options.optimized_model_filepath = str(target)
         entries = {
             **config,
+            "session.model_external_initializers_file_folder_path": str(stored.path.parent),
             "session.disable_prepacking": "1",
             "session.optimized_model_external_initializers_file_name": "prepared.data",
             "session.optimized_model_external_initializers_min_size_in_bytes": str(INLINE_LIMIT),
         }
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
-        # every weight readable: the optimizers may fold or fuse any of them, as they do on a plain .onnx
-        values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in graph.weights.items()}
-        if values:
-            options.add_external_initializers(list(values), list(values.values()))
         try:
-            ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(readable.SerializeToString(), options, providers=["CPUExecutionProvider"])
             prepared = ModelProto.FromString(target.read_bytes())
         except Exception:  # noqa: BLE001 - what ORT cannot prepare now it prepares at open, as before
             return None
         data_path = Path(folder) / "prepared.data"  # absent when no initializer is large enough to go there
-        size = data_path.stat().st_size if data_path.exists() else 0
-        with open(data_path if size else os.devnull, "rb") as file:
-            data = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) if size else b""
-            weights = _map_weights(prepared, data, graph.weights)
-            del data
-    if weights is None:
+        with open(data_path if data_path.exists() else os.devnull, "rb") as data, open(stored.path, "rb") as weights:
+            mapped = _map_weights(prepared, data, _Originals(weights, stored, placeholders))
+    if mapped is None:
         return None
-    stored = {id(array) for array in graph.weights.values()}
-    added = prepared.ByteSize() + sum(a.nbytes for a in weights.values() if id(a) not in stored)
-    if added > _ADDED_BYTES_BUDGET * sum(a.nbytes for a in graph.weights.values()):
+    reused, added = mapped
+    budget = _ADDED_BYTES_BUDGET * sum(w.length for w in stored.weights.values())
+    if prepared.ByteSize() + sum(a.nbytes for a in added.values()) > budget:
         return None
-    return PreparedGraph(RUNTIME, source, lambda: prepared, weights)
+    return AheadOfTimeForm(RUNTIME, source, prepared, reused, added)
+
+
+class _Originals:
+    """The graph's weights in the file being written: found by name, or by content where ORT renamed one."""
+
+    def __init__(self, file: BinaryIO, stored: WeightFile, layouts: Mapping[str, tuple[int, tuple[int, ...]]]) -> None:
+        self._file, self._stored, self._layouts = file, stored, layouts
+        self._by_sha = {where.sha256: name for name, where in stored.weights.items() if name in layouts}
+
+    def same_as(self, name: str, layout: tuple[int, tuple[int, ...]], data: bytes) -> str | None:
+        """The original initializer holding exactly `data` with this (ONNX type, dims), if any."""
+        candidate = name if name in self._layouts else self._by_sha.get(hashlib.sha256(data).hexdigest())
+        if candidate is None or self._layouts[candidate] != layout:
+            return None
+        where = self._stored.weights[candidate]
+        same = where.length == len(data) and os.pread(self._file.fileno(), where.length, where.offset) == data
+        return candidate if same else None
 
 
 def _map_weights(
-    prepared: ModelProto, data: mmap.mmap | bytes, originals: Mapping[str, np.ndarray]
-) -> dict[str, np.ndarray] | None:
-    """The prepared model's external initializers as the graph's own weight arrays where ORT left the
-    bytes as they were (whatever it named them) or as new arrays; each becomes a placeholder."""
-    by_layout: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
-    for array in originals.values():
-        by_layout.setdefault((array.dtype.str, array.shape), []).append(array)
-    weights: dict[str, np.ndarray] = {}
+    prepared: ModelProto, data: BinaryIO, originals: _Originals
+) -> tuple[dict[str, str], dict[str, np.ndarray]] | None:
+    """The prepared model's external initializers as the graph's own weights where ORT left their bytes
+    as they were, or as new tensors; each becomes a placeholder. Tensors are read one at a time, not
+    mapped: a build's memory stays bounded by one model plus a tensor."""
+    size = os.fstat(data.fileno()).st_size
+    reused: dict[str, str] = {}
+    added: dict[str, np.ndarray] = {}
     for tensor in prepared.graph.initializer:
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
@@ -127,15 +152,14 @@ def _map_weights(
         except Exception:  # noqa: BLE001 - a type Quiver does not store as a weight
             return None
         shape = tuple(tensor.dims)
-        if dtype.itemsize * int(np.prod(shape, dtype=np.int64)) != length or offset + length > len(data):
+        if dtype.itemsize * int(np.prod(shape, dtype=np.int64)) != length or offset + length > size:
             return None  # packed sub-byte types: not stored this way
-        raw = np.frombuffer(data, np.uint8, length, offset)
-        candidates = by_layout.get((dtype.str, shape), [])
-        named = originals.get(tensor.name)
-        if named is not None:
-            candidates = [named, *candidates]
-        same = next((a for a in candidates if np.array_equal(a.reshape(-1).view(np.uint8), raw)), None)
-        weights[tensor.name] = raw.copy().view(dtype).reshape(shape) if same is None else same
+        raw = os.pread(data.fileno(), length, offset)
+        same = originals.same_as(tensor.name, (tensor.data_type, shape), raw)
+        if same is None:
+            added[tensor.name] = np.frombuffer(raw, dtype).reshape(shape)
+        else:
+            reused[tensor.name] = same
         del tensor.external_data[:]
         tensor.external_data.add(key="location", value=WEIGHT_LOCATION)
-    return weights
+    return reused, added

@@ -6,7 +6,6 @@ import enum
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import tempfile
@@ -16,8 +15,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
-
-import numpy as np
 
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
@@ -125,20 +122,12 @@ class TensorFileWriter:
         self._by_key[key] = len(self._weights) - 1
         return len(self._weights) - 1
 
-    def written_weights(self) -> list[np.ndarray]:
-        """Read-only views of the weights written so far, for work done before the file is finished
-        (a backend preparing graphs ahead). They map the temporary file: no weight is copied."""
+    def flushed_path(self) -> Path:
+        """The temporary file, everything written so far flushed: for reading weights back before the
+        file is finished (a backend preparing graphs ahead hands it to its runtime)."""
         self._require(_State.WEIGHTS)
         self._file.flush()
-        if not self._weights:
-            return []
-        mapping = mmap.mmap(self._file.fileno(), self._end, access=mmap.ACCESS_READ)
-        return [
-            np.frombuffer(mapping, dtypes.numpy_of(w.dtype), w.length // dtypes.itemsize(w.dtype), w.offset).reshape(
-                w.shape
-            )
-            for w in self._weights
-        ]
+        return self._path
 
     def _check_indices(self, graph: str, weights: Mapping[str, int]) -> None:
         for index in weights.values():

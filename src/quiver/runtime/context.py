@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from quiver.backends import AheadOfTimeBackend, Backend, FinalizedGraph, PreparedGraph, get_backend
+from quiver.backends import (
+    AheadOfTimeBackend,
+    Backend,
+    FinalizedGraph,
+    PreparedGraph,
+    StoredWeight,
+    WeightFile,
+    get_backend,
+)
 from quiver.errors import (
     ContextStateError,
     DuplicateGraphError,
@@ -177,25 +185,27 @@ class Context:
         from quiver.formats.writer import PreparedRecord
         from quiver.ir.proto import ModelProto
 
-        views = writer.written_weights()
-        index_of = {id(view): index for index, view in enumerate(views)}
+        records = writer.weights
         for name, (skeleton, mapping, updateable) in writer.graphs.items():
             model = ModelProto.FromString(skeleton)
             if updateable:  # as at run time (`_finalized_graph`): fed with each run
                 model = initializers_as_inputs(model, updateable)
-            weights = {t: views[i] for t, i in mapping.items() if t not in updateable}
-            form = backend.prepare_ahead(FinalizedGraph(name, model, weights, (), ()))
+            stored = {
+                t: StoredWeight(records[i].offset, records[i].length, records[i].sha256)
+                for t, i in mapping.items()
+                if t not in updateable
+            }
+            form = backend.prepare_ahead(
+                FinalizedGraph(name, model, {}, (), ()), WeightFile(writer.flushed_path(), stored)
+            )
             if form is None:
                 continue
-            prepared = form.model()
-            types = {t.name: t.data_type for t in prepared.graph.initializer}
-            indices = {}
-            for tensor, array in form.weights.items():
-                index = index_of.get(id(array))
-                if index is None:  # a tensor the backend's preparation made (a folded constant)
-                    index = writer.add_weight(dtypes.name_of_onnx(types[tensor]), array.shape, [array.tobytes()])
-                indices[tensor] = index
-            writer.add_prepared(name, PreparedRecord(form.runtime, form.source, prepared.SerializeToString(), indices))
+            indices = {tensor: mapping[original] for tensor, original in form.reused.items()}
+            types = {t.name: t.data_type for t in form.model.graph.initializer}
+            for tensor, array in form.added.items():  # tensors the preparation made (a folded constant)
+                indices[tensor] = writer.add_weight(dtypes.name_of_onnx(types[tensor]), array.shape, [array.tobytes()])
+            record = PreparedRecord(form.runtime, form.source, form.model.SerializeToString(), indices)
+            writer.add_prepared(name, record)
 
     def get_binary(self) -> bytes:
         """The context binary as bytes (QnnContext_getBinary): what `save()` writes, prepared ahead alike."""
