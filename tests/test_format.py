@@ -392,3 +392,12 @@ def test_each_broken_prepared_form_has_its_error(tmp_path: Path, mutate: Callabl
 
     with pytest.raises(error, match=match):
         ContextFile(_rewrite_header(_with_prepared(tmp_path), change_g1))
+
+
+def test_the_crc32_in_use_is_zlibs_over_chunks_and_views() -> None:
+    from quiver.formats.checksums import crc32
+
+    data = np.random.default_rng(3).integers(0, 256, 3_000_001, dtype=np.uint8).tobytes()
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[1_000_000:], crc32(data[:1_000_000])) == zlib.crc32(data)  # continued, as the writer streams
+    assert crc32(memoryview(data)[7:99_999]) == zlib.crc32(data[7:99_999])

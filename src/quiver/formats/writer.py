@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from quiver.formats._layout import (
     align_for,
     align_up,
 )
+from quiver.formats.checksums import crc32
 from quiver.ir import dtypes
 
 _W = TypeVar("_W", bound="TensorFileWriter")
@@ -106,7 +106,7 @@ class TensorFileWriter:
         written = 0
         for chunk in chunks:
             digest.update(chunk)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             self._file.write(chunk)
             written += len(chunk)
         if written != expected:
