@@ -116,3 +116,7 @@ def test_only_a_form_with_layout_sensitive_nodes_keeps_onnx_runtimes_layout_pass
         node = onnx.helper.make_node(op, ["x", "x"][: 2 if op in ("Conv", "MatMul") else 1], ["y"])
         model = onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y]))
         assert cpu_prepared.open_level(model, "all") == level, op
+    conv = onnx.helper.make_graph([onnx.helper.make_node("Conv", ["x", "x"], ["y"])], "body", [], [y])
+    branch = onnx.helper.make_node("If", ["c"], ["y"], then_branch=conv, else_branch=conv)
+    nested = onnx.helper.make_model(onnx.helper.make_graph([branch], "g", [x], [y]))
+    assert cpu_prepared.open_level(nested, "all") == "all"  # a Conv in a subgraph counts too

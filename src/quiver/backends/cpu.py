@@ -396,7 +396,7 @@ class CpuExecutable:
             self._forget_sources()
 
     def _use(self, graph: FinalizedGraph, model: bytes, settings: SessionSettings) -> None:
-        """Sessions are made from this form of the graph (`model`: its ModelProto serialized), so."""
+        """Sessions are made from this form of the graph (`model`: its ModelProto serialized), with `settings`."""
         self._graph = graph
         self._session_settings = settings
         # Only pages of a file mapping can be dropped: private memory would lose its contents.

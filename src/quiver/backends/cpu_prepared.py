@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -25,7 +25,7 @@ import onnxruntime as ort
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
 from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes
-from quiver.ir.proto import ModelProto, TensorProto
+from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, TensorProto
 
 RUNTIME = f"onnxruntime {ort.__version__}"
 # What a prepared form may add to the context (its skeleton and the new tensors of its fusions), as a
@@ -61,7 +61,19 @@ _LAYOUT_OPS = frozenset(
 
 def open_level(model: ModelProto, level: str) -> str:
     """The optimization level (a SessionSettings name) a session over the prepared `model` is made at."""
-    return level if any(node.op_type in _LAYOUT_OPS for node in model.graph.node) else "disabled"
+    return level if any(op in _LAYOUT_OPS for op in _op_types(model.graph)) else "disabled"
+
+
+def _op_types(graph: GraphProto) -> Iterator[str]:
+    """The op type of every node, in subgraphs (If/Loop/Scan bodies) too."""
+    for node in graph.node:
+        yield node.op_type
+        for attribute in node.attribute:
+            if attribute.type == AttributeProto.GRAPH:
+                yield from _op_types(attribute.g)
+            elif attribute.type == AttributeProto.GRAPHS:
+                for subgraph in attribute.graphs:
+                    yield from _op_types(subgraph)
 
 
 def prepare(

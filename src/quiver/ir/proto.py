@@ -36,13 +36,14 @@ def _generated() -> ModuleType:
 
 
 if TYPE_CHECKING:
-    from onnx import AttributeProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
+    from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 else:
     _pb = _generated()
     AttributeProto = _pb.AttributeProto
+    GraphProto = _pb.GraphProto
     ModelProto = _pb.ModelProto
     NodeProto = _pb.NodeProto
     TensorProto = _pb.TensorProto
     ValueInfoProto = _pb.ValueInfoProto
 
-__all__ = ["AttributeProto", "ModelProto", "NodeProto", "TensorProto", "ValueInfoProto"]
+__all__ = ["AttributeProto", "GraphProto", "ModelProto", "NodeProto", "TensorProto", "ValueInfoProto"]
