@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,10 @@ def target_server(host: str, port: int, token: str | None, max_store_mb: int, id
         idle_timeout_s=idle_timeout_s,
     )
     console.print(f"quiver target server on {server.host}:{server.port} (Ctrl-C stops it)")
+    # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: a shell starts background jobs with
+    # SIGINT ignored, and Python then leaves it ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

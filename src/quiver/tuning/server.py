@@ -331,7 +331,12 @@ class TargetServer:
         return self
 
     def close(self) -> None:
-        self._server.shutdown()
+        """Stops serving. `shutdown()` only for the background thread of `start()`: after `serve_forever()`
+        in the caller's thread has ended (Ctrl-C), it could wait forever had the interrupt landed before
+        socketserver marked the loop as ended."""
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread = None
         self._server.server_close()
 
     def __enter__(self) -> TargetServer:
