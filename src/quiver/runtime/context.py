@@ -59,6 +59,12 @@ class WeightStats:
     referenced_count: int
 
 
+def _as_the_backend_gets_it(skeleton: onnx.ModelProto, updateable: Sequence[str]) -> onnx.ModelProto:
+    """A graph's model as backends are given it: updateable tensors are inputs, fed with each run, so
+    replacing them never rebuilds the backend's state."""
+    return initializers_as_inputs(skeleton, updateable) if updateable else skeleton
+
+
 def _graph_name(graph: str | Graph) -> str:
     return graph.name if isinstance(graph, Graph) else graph
 
@@ -187,9 +193,7 @@ class Context:
 
         records = writer.weights
         for name, (skeleton, mapping, updateable) in writer.graphs.items():
-            model = ModelProto.FromString(skeleton)
-            if updateable:  # as at run time (`_finalized_graph`): fed with each run
-                model = initializers_as_inputs(model, updateable)
+            model = _as_the_backend_gets_it(ModelProto.FromString(skeleton), updateable)
             stored = {
                 t: StoredWeight(records[i].offset, records[i].length, records[i].sha256)
                 for t, i in mapping.items()
@@ -338,9 +342,7 @@ class Context:
         info = store.info(name)
         entry = store.file.graphs[name]
         weights = {t: store.weight_view(i) for t, i in entry.weights.items() if t not in entry.updateable}
-        model = info.skeleton
-        if entry.updateable:  # fed with each run, so replacing them never rebuilds the backend state
-            model = initializers_as_inputs(model, entry.updateable)
+        model = _as_the_backend_gets_it(info.skeleton, entry.updateable)
         tuning = store.tuning.get(name, {})
         prepared = tuple(
             PreparedGraph(
