@@ -120,3 +120,37 @@ def test_only_a_form_with_layout_sensitive_nodes_keeps_onnx_runtimes_layout_pass
     branch = onnx.helper.make_node("If", ["c"], ["y"], then_branch=conv, else_branch=conv)
     nested = onnx.helper.make_model(onnx.helper.make_graph([branch], "g", [x], [y]))
     assert cpu_prepared.open_level(nested, "all") == "all"  # a Conv in a subgraph counts too
+
+
+def test_a_lora_graphs_prepared_form_follows_sections_and_strengths_as_the_reference_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quiver.lora.create import ALPHA_INPUT, use_case_values
+    from tests.test_lora_create import BASE_WEIGHTS, ORDER, dynamo_like_model
+    from tests.test_lora_inputs import write_adapter
+    from tests.test_lora_strengths import CHAIN, _lora_graph, load_peft_adapter, updateable_tensors
+
+    modules = {m: (i, o) for m, i, o in CHAIN}
+    config = {"lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    first = write_adapter(tmp_path / "a", {**config, "r": 4}, seed=1, modules=modules)
+    second = write_adapter(tmp_path / "b", {**config, "r": 2}, seed=2, modules=modules)
+    adapters = {ORDER[0]: load_peft_adapter(first), ORDER[1]: load_peft_adapter(second)}
+    lora_model, slots = _lora_graph(adapters, dynamo_like_model(BASE_WEIGHTS))
+    monkeypatch.setattr(cpu_prepared, "_ADDED_BYTES_BUDGET", 1e6)  # this model is tiny: keep its form anyway
+    with quiver.Context.create("cpu", workdir=tmp_path) as context:
+        context.add_graph("g", lora_model, updateable=updateable_tensors(slots))
+        path = context.save(tmp_path / "lora.qctx")
+    assert ContextFile.open(path).graphs["g"].prepared
+    x = np.random.default_rng(4).standard_normal((3, 16)).astype(np.float32)
+    runs: dict[str, list[np.ndarray]] = {}
+    for backend in ("cpu", "reference"):
+        with quiver.Context.from_binary(path, backend=backend) as loaded:
+            graph = loaded.graph("g")
+            graph.update_tensors(use_case_values(slots, adapters, ORDER, ORDER))
+            graph.finalize()
+            strengths = [[1.0, 1.0], [0.5, 0.0], [0.0, 2.0]]
+            runs[backend] = [graph.execute({"x": x, ALPHA_INPUT: np.array(s, np.float32)})["y"] for s in strengths]
+            if backend == "cpu":
+                assert all(e.prepared for e in executables(loaded).values())
+    for ours, exact in zip(runs["cpu"], runs["reference"]):
+        np.testing.assert_allclose(ours, exact, atol=1e-5, rtol=1e-5)
