@@ -154,3 +154,11 @@ def test_a_lora_graphs_prepared_form_follows_sections_and_strengths_as_the_refer
                 assert all(e.prepared for e in executables(loaded).values())
     for ours, exact in zip(runs["cpu"], runs["reference"]):
         np.testing.assert_allclose(ours, exact, atol=1e-5, rtol=1e-5)
+
+
+def test_a_graph_over_the_size_limit_is_left_to_be_prepared_at_open(
+    family: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_prepared, "_LARGEST_PREPARED", 1 << 20)  # the family's graphs weigh more
+    saved = ContextFile.open(_save(family, tmp_path / "large.qctx"))
+    assert all(not g.prepared for g in saved.graphs.values())

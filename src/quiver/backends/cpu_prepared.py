@@ -32,6 +32,9 @@ RUNTIME = f"onnxruntime {ort.__version__}"
 # 8-bit MatMulNBits fusion) would store them twice, and a small quantized graph's skeleton (its scales
 # inline) weighs as much as a tenth of its weights: both are left to the open, as before.
 _ADDED_BYTES_BUDGET = 0.01
+# ORT writes the optimized graph's every weight out again while it prepares it (a copy of this size in the
+# system's temporary folder, for as long as the preparation takes). Larger graphs are prepared at open.
+_LARGEST_PREPARED = 4 << 30
 _EXTENDED = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
 
 
@@ -86,6 +89,8 @@ def prepare(
     """
     import tempfile  # building only: opening a context does not pay for it (~3 ms of imports)
 
+    if sum(where.length for where in stored.weights.values()) > _LARGEST_PREPARED:
+        return None
     readable = ModelProto()
     readable.CopyFrom(model)
     placeholders = {}
