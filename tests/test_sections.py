@@ -195,7 +195,7 @@ def test_a_section_from_a_path_is_a_private_copy_of_its_file(
     maker.finalize()
     data = maker.get_binary_section("lora")
     (tmp_path / "s.qsec").write_bytes(data)
-    section = SectionFile.open(tmp_path / "s.qsec", persistent=False, checked=True)
+    section = SectionFile.open(tmp_path / "s.qsec", persistent=False)
     assert bytes(section.buffer) == data and not section.file_backed and section.damage() == []
     (tmp_path / "s.qsec").write_bytes(bytes(len(data)))  # rewritten in place: the copy keeps its bytes
     assert bytes(section.buffer) == data

@@ -136,8 +136,7 @@ class _VerifiedSections:
             if cached is not None:
                 self._sections.move_to_end(identity)
                 return cached
-        # checked while it is copied; the reader says why it cannot be read
-        section = _verified(SectionFile.open(path, persistent=False, checked=True))
+        section = _verified(SectionFile.open(path, persistent=False))  # the reader says why it cannot
         if identity:
             with self._lock:
                 self._sections[identity] = section
