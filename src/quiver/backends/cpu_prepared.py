@@ -93,11 +93,11 @@ def prepare(
         return None
     readable = ModelProto()
     readable.CopyFrom(model)
-    placeholders = {}
+    layouts = {}
     for tensor in readable.graph.initializer:
         where = stored.weights.get(tensor.name)
         if tensor.data_location == TensorProto.EXTERNAL and where is not None:
-            placeholders[tensor.name] = (tensor.data_type, tuple(tensor.dims))
+            layouts[tensor.name] = (tensor.data_type, tuple(tensor.dims))
             del tensor.external_data[:]
             for key, value in (("location", stored.path.name), ("offset", where.offset), ("length", where.length)):
                 tensor.external_data.add(key=key, value=str(value))
@@ -123,14 +123,14 @@ def prepare(
         except Exception:  # noqa: BLE001 - what ORT cannot prepare now it prepares at open, as before
             return None
         data_path = Path(folder) / "prepared.data"  # absent when no initializer is large enough to go there
+        budget = _ADDED_BYTES_BUDGET * sum(w.length for w in stored.weights.values()) - prepared.ByteSize()
+        if budget < 0:
+            return None  # its skeleton alone weighs too much (a small quantized graph's, scales inline)
         with open(data_path if data_path.exists() else os.devnull, "rb") as data, open(stored.path, "rb") as weights:
-            mapped = _map_weights(prepared, data, _Originals(weights, stored, placeholders))
+            mapped = _map_weights(prepared, data, _Originals(weights, stored, layouts), budget)
     if mapped is None:
         return None
     reused, added = mapped
-    budget = _ADDED_BYTES_BUDGET * sum(w.length for w in stored.weights.values())
-    if prepared.ByteSize() + sum(a.nbytes for a in added.values()) > budget:
-        return None
     return AheadOfTimeForm(RUNTIME, source, prepared, reused, added)
 
 
@@ -152,11 +152,11 @@ class _Originals:
 
 
 def _map_weights(
-    prepared: ModelProto, data: BinaryIO, originals: _Originals
+    prepared: ModelProto, data: BinaryIO, originals: _Originals, budget: float
 ) -> tuple[dict[str, str], dict[str, np.ndarray]] | None:
     """The prepared model's external initializers as the graph's own weights where ORT left their bytes
-    as they were, or as new tensors; each becomes a placeholder. Tensors are read one at a time, not
-    mapped: a build's memory stays bounded by one model plus a tensor."""
+    as they were, or as new tensors (None once those pass `budget` bytes); each becomes a placeholder.
+    Tensors are read one at a time, not mapped: a build's memory stays bounded by one model plus a tensor."""
     size = os.fstat(data.fileno()).st_size
     reused: dict[str, str] = {}
     added: dict[str, np.ndarray] = {}
@@ -175,6 +175,9 @@ def _map_weights(
         raw = os.pread(data.fileno(), length, offset)
         same = originals.same_as(tensor.name, (tensor.data_type, shape), raw)
         if same is None:
+            budget -= length
+            if budget < 0:
+                return None  # a fusion that rewrites weights: not worth storing them twice
             added[tensor.name] = np.frombuffer(raw, dtype).reshape(shape)
         else:
             reused[tensor.name] = same
