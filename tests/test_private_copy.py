@@ -1,4 +1,4 @@
-"""Private copies of section files: exact, and independent of the file afterwards, with or without memfds."""
+"""Private copies of section files: exact, and independent of the file afterwards, whichever way they are made."""
 
 from __future__ import annotations
 
@@ -7,20 +7,30 @@ from pathlib import Path
 
 import pytest
 
+from quiver.formats import private_copy
 from quiver.formats.private_copy import read_private
 
+_WAYS = {  # how a copy is made: each way forced, as on a machine that has no better one
+    "huge pages": {},
+    "memfd": {"_huge_pages_on_request": lambda: False},
+    "one read": {"_huge_pages_on_request": lambda: False, "_copy_into_memfd": lambda fd, size: None},
+}
 
-@pytest.mark.parametrize("memfd", [True, False])
-def test_a_copy_is_exact_and_outlives_the_file(tmp_path: Path, memfd: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not memfd:
-        monkeypatch.delattr(os, "memfd_create", raising=False)  # the copy by one read, as where there is none
+
+@pytest.mark.parametrize("size", [2_000_001, 5_000_001, 6 << 20])  # under one huge page, a partial one, whole ones
+@pytest.mark.parametrize("way", list(_WAYS))
+def test_a_copy_is_exact_and_outlives_the_file(
+    tmp_path: Path, way: str, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, replacement in _WAYS[way].items():
+        monkeypatch.setattr(private_copy, name, replacement)
     path = tmp_path / "s.qsec"
-    path.write_bytes(os.urandom(2_000_001))
+    path.write_bytes(os.urandom(size))
     expected = path.read_bytes()
     with open(path, "rb") as file:
-        copy, count = read_private(file.fileno(), 2_000_001)
-    path.write_bytes(bytes(2_000_001))  # rewritten in place
-    assert count == 2_000_001 and bytes(copy) == expected
+        copy, count = read_private(file.fileno(), size)
+    path.write_bytes(bytes(size))  # rewritten in place
+    assert count == size and bytes(copy) == expected
 
 
 def test_a_file_shorter_than_its_header_says_is_copied_as_far_as_it_goes(tmp_path: Path) -> None:

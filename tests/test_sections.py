@@ -197,6 +197,7 @@ def test_a_section_from_a_path_is_a_private_copy_of_its_file(
     (tmp_path / "s.qsec").write_bytes(data)
     section = SectionFile.open(tmp_path / "s.qsec", persistent=False)
     assert bytes(section.buffer) == data and not section.file_backed and section.damage() == []
+    assert not section.weight_array(0).flags.writeable  # read-only, as over a mapped file
     (tmp_path / "s.qsec").write_bytes(bytes(len(data)))  # rewritten in place: the copy keeps its bytes
     assert bytes(section.buffer) == data
     section.close()

@@ -286,7 +286,7 @@ class TensorFile:
         self._mmap = buffer if isinstance(buffer, mmap.mmap) else None
         self._fd: int | None = None  # the mapped file, kept open to notice changes made in place
         self._identity: tuple[int, ...] = ()
-        self._private: mmap.mmap | None = None  # a private copy mapped from a memfd
+        self._private: mmap.mmap | None = None  # a private copy mapped from a memfd (closed with the file)
         self._buffer = memoryview(buffer).cast("B")
         size = len(self._buffer)
         if size < PREAMBLE_SIZE:
@@ -391,7 +391,7 @@ class TensorFile:
         (its header was parsed from the mapping, so the copy's preamble and header, which hold every
         checksum, must be the same)."""
         assert self._mmap is not None
-        view = memoryview(data).cast("B")
+        view = memoryview(data).cast("B").toreadonly()  # arrays over it are read-only, as over a mapped file
         size = len(self._buffer)
         unchanged = (
             done == size
