@@ -43,3 +43,50 @@ def test_gelu_and_quantize_dequantize_match_onnxruntime(backend: str) -> None:
         ours = context.finalize().graph("ms").execute({"x": x})["y"]
     # one quantization step: Gelu's rounding may land a value on the neighbouring grid point
     np.testing.assert_allclose(ours, expected, atol=0.02 + 1e-6, rtol=0)
+
+
+def _matmul_nbits(bits: int, k: int, zero_points: bool) -> onnx.ModelProto:
+    """A MatMulNBits of ORT's layout, with random packed bytes: every bit of every byte is a value."""
+    n, block = 24, 32
+    blocks = -(-k // block)
+    rng = np.random.default_rng(bits * 100 + k)
+    weights = [
+        numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8), "b"),
+        numpy_helper.from_array((rng.random(n * blocks) * 0.01).astype(np.float32), "scales"),
+    ]
+    if zero_points:
+        weights.append(numpy_helper.from_array(rng.integers(0, 256, n * -(-blocks * bits // 8), dtype=np.uint8), "z"))
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x", *(w.name for w in weights)],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block,
+        accuracy_level=0,  # float32 arithmetic in ORT too: the reference's dequantized weights
+    )
+    graph = helper.make_graph(
+        [node],
+        "nbits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
+        weights,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize("k", [64, 70])  # whole blocks, and a last block padded
+@pytest.mark.parametrize("bits", [2, 4, 8])  # 8: t2t's LM head; 4: its projections
+def test_matmul_nbits_on_the_reference_backend_matches_onnxruntime(bits: int, k: int, zero_points: bool) -> None:
+    model = _matmul_nbits(bits, k, zero_points)
+    x = np.random.default_rng(1).standard_normal((3, k)).astype(np.float32)
+    expected = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    with quiver.Context.create("reference") as context:
+        context.add_graph("nbits", model)
+        ours = context.finalize().graph("nbits").execute({"x": x})["y"]
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))

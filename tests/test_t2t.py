@@ -358,11 +358,12 @@ def test_the_readme_example_runs(llama: Tiny) -> None:
     exec(compile(code, "README.md", "exec"), {})
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_weight_quantized_exports_stay_close_to_float(llama: Tiny, tmp_path: Path, bits: int) -> None:
+def test_weight_quantized_exports_stay_close_to_float(llama: Tiny, tmp_path: Path, bits: int, backend: str) -> None:
     config = export(llama.folder, tmp_path, options=ExportOptions(context_size=CONTEXT, weight_bits=bits)).path
     ids = [5, 17, 42, 8, 99]
-    with Dialog.from_config(config) as dialog:
+    with Dialog(dataclasses.replace(read_dialog_config(config), backend=backend)) as dialog:
         ops = {n.op_type for n in dialog._context._require_store().info("decode").skeleton.graph.node}
         dialog.token_query(ids, max_new_tokens=1)
         logits = dialog._logits.reshape(-1).astype(np.float64)

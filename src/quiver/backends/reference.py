@@ -29,16 +29,28 @@ def _ms_gelu(self: OpRun, x: np.ndarray, approximate: str | None = None) -> tupl
 def _ms_matmul_nbits(
     self: OpRun, a: np.ndarray, b: np.ndarray, scales: np.ndarray, *rest: Any, **attributes: Any
 ) -> tuple[np.ndarray]:
-    """ORT's MatMulNBits (4 bits): B [N, blocks, block/2] packed low nibble first, zero point 8 unless given."""
+    """ORT's MatMulNBits (2, 4 or 8 bits): B [N, blocks, block·bits/8], values packed from each byte's low
+    bits up; zero points likewise, [N, ⌈blocks·bits/8⌉] bytes, 2^(bits-1) unless given."""
     k, n, block = int(attributes["K"]), int(attributes["N"]), int(attributes["block_size"])
+    bits = int(attributes.get("bits", 4))
     blocks = b.shape[1]
-    q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, blocks, block).astype(np.float32)
-    zero: np.ndarray | float = 8.0
+    q = _unpack_bits(b, bits).reshape(n, blocks, block).astype(np.float32)
+    zero: np.ndarray | float = float(1 << (bits - 1))
     if rest and rest[0] is not None and rest[0].size:
-        packed = rest[0].reshape(n, -1)
-        zero = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks, None].astype(np.float32)
+        zero = _unpack_bits(rest[0].reshape(n, -1), bits).reshape(n, -1)[:, :blocks, None].astype(np.float32)
     weight = ((q - zero) * scales.reshape(n, blocks, 1).astype(np.float32)).reshape(n, -1)[:, :k]
     return ((a.astype(np.float32) @ weight.T).astype(a.dtype),)
+
+
+def _unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Each byte's 8/bits values, lowest bits first, along a new last axis (then merged into the last)."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"MatMulNBits with {bits} bits is not supported; ONNX Runtime's has 2, 4 or 8")
+    if bits == 8:
+        return packed
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)
+    values = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)
+    return values.reshape(*packed.shape[:-1], -1)
 
 
 def _ms_fused_matmul(self: OpRun, a: np.ndarray, b: np.ndarray, **attributes: Any) -> tuple[np.ndarray]:
