@@ -43,7 +43,7 @@ def _ms_matmul_nbits(
 
 
 def _unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
-    """Each byte's 8/bits values, lowest bits first, along a new last axis (then merged into the last)."""
+    """Each byte's 8/bits values, lowest bits first, in its place: the last axis grows 8/bits times."""
     if bits not in (2, 4, 8):
         raise ValueError(f"MatMulNBits with {bits} bits is not supported; ONNX Runtime's has 2, 4 or 8")
     if bits == 8:
