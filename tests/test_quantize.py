@@ -17,6 +17,7 @@ from quiver.formats.encodings import load_encodings
 from quiver.passes.quantize import QuantizeOptions, quantize
 from quiver.tools.accuracy import accuracy_report, sqnr_db
 from quiver.tools.family import TransformerShape, build_model, family_weights, sample_input_ids
+from tests.helpers import ort_fuses_8_bit_weights
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import quiver as run_quiver
 
@@ -33,6 +34,15 @@ def _ort(model: onnx.ModelProto | Path, ids: np.ndarray, accuracy_level: int = D
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     return session.run(None, {"input_ids": ids})[0]
+
+
+def _bound(level: int, steps: float, theirs: np.ndarray) -> float:
+    """How far Quiver's output may be from ORT's on the QDQ file at `level`: `steps` of the output's
+    encoding where both compute alike. An ORT without its own 8-bit MatMulNBits fusion (before 1.32)
+    computes the 8-bit weights in float32 at any level, where Quiver's context (rewritten at build, as
+    ORT 1.32 rewrites them) quantizes activations to int8 at level 4: int8 rounding noise, a few % of the
+    output's range (the level-0 rows check the rewrite's math exactly)."""
+    return steps if level == 0 or ort_fuses_8_bit_weights() else 0.05 * float(np.abs(theirs).max())
 
 
 # Quiver's backends beside the ORT accuracy level each should match: cpu by default computes as ORT does
@@ -108,7 +118,7 @@ def test_the_qdq_model_runs_the_same_in_onnx_runtime_and_quiver(
         theirs = _ort(a16w8["model"], ids, level)
         with quiver.Context.from_binary(path, backend=backend) as runtime:
             ours = runtime.graph("a16w8").execute({"input_ids": ids})["last_hidden_state"]
-        assert np.abs(ours - theirs).max() <= steps * step * 1.001, backend
+        assert np.abs(ours - theirs).max() <= _bound(level, steps * step * 1.001, theirs), backend
 
 
 def test_a16w8_sentence_embeddings_keep_cosine_and_the_context_shrinks(
@@ -203,7 +213,8 @@ def _runs_the_same(model_path: Path, tmp_path: Path, encodings: dict) -> None:
     for backend, steps in (("cpu", 1), ("reference", 8)):  # as in the a16w8 test
         with quiver.Context.from_binary(path, backend=backend) as runtime:
             ours = runtime.graph("q").execute({"input_ids": ids})["last_hidden_state"]
-        assert np.abs(ours - theirs).max() <= steps * step, backend
+        bound = _bound(DEFAULT_ACCURACY_LEVEL, steps * step, theirs) if backend == "cpu" else steps * step
+        assert np.abs(ours - theirs).max() <= bound, backend
 
 
 def test_ort_overrides_with_convert_give_16_to_8_bit_conversions(encoder: dict[str, Path], tmp_path: Path) -> None:
@@ -344,7 +355,8 @@ def test_a_weight_is_shared_only_when_bytes_and_encoding_match(tmp_path: Path) -
     assert report["weights"]["unique_count"] == 2  # a and same share; rescaled has its own copy
     (conflict,) = report["encoding_conflicts"]
     tensors = [copy["tensors"] for copy in conflict["copies"]]
-    assert sorted(tensors) == [["a:w", "same:w"], ["rescaled:w"]]
+    # stored in MatMulNBits' layout (passes/nbits.py): the integers' name gains ".nbits"
+    assert sorted(tensors) == [["a:w.nbits", "same:w.nbits"], ["rescaled:w.nbits"]]
     assert sorted(copy["encoding"]["scale"][0] for copy in conflict["copies"]) == pytest.approx([0.1, 0.2])
     for name in models:
         onnx.save(models[name], tmp_path / f"{name}.onnx")

@@ -17,6 +17,7 @@ from quiver.backends.base import FinalizedGraph
 from quiver.errors import BackendError
 from quiver.ir import dtypes
 from quiver.ir.edit import initializers_as_inputs
+from quiver.ir.nibbles import unpack_bits
 from quiver.ir.ops import MS_DOMAIN
 
 
@@ -34,23 +35,12 @@ def _ms_matmul_nbits(
     k, n, block = int(attributes["K"]), int(attributes["N"]), int(attributes["block_size"])
     bits = int(attributes.get("bits", 4))
     blocks = b.shape[1]
-    q = _unpack_bits(b, bits).reshape(n, blocks, block).astype(np.float32)
+    q = unpack_bits(b, bits).reshape(n, blocks, block).astype(np.float32)
     zero: np.ndarray | float = float(1 << (bits - 1))
     if rest and rest[0] is not None and rest[0].size:
-        zero = _unpack_bits(rest[0].reshape(n, -1), bits).reshape(n, -1)[:, :blocks, None].astype(np.float32)
+        zero = unpack_bits(rest[0].reshape(n, -1), bits).reshape(n, -1)[:, :blocks, None].astype(np.float32)
     weight = ((q - zero) * scales.reshape(n, blocks, 1).astype(np.float32)).reshape(n, -1)[:, :k]
     return ((a.astype(np.float32) @ weight.T).astype(a.dtype),)
-
-
-def _unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
-    """Each byte's 8/bits values, lowest bits first, in its place: the last axis grows 8/bits times."""
-    if bits not in (2, 4, 8):
-        raise ValueError(f"MatMulNBits with {bits} bits is not supported; ONNX Runtime's has 2, 4 or 8")
-    if bits == 8:
-        return packed
-    shifts = np.arange(0, 8, bits, dtype=np.uint8)
-    values = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)
-    return values.reshape(*packed.shape[:-1], -1)
 
 
 def _ms_fused_matmul(self: OpRun, a: np.ndarray, b: np.ndarray, **attributes: Any) -> tuple[np.ndarray]:

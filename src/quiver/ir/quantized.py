@@ -15,9 +15,11 @@ import numpy as np
 import onnx
 
 from quiver.formats.encodings import Encoding, EncodingSet
+from quiver.ir.nibbles import unpack_bits
 
 SMALL_ENCODING = 8  # scales listed in the descriptor up to this count; larger ones only by hash
 QUANTIZED_SUFFIX = "_quantized"  # ORT's name for a weight's integers: <float name>_quantized
+NBITS_SUFFIX = ".nbits"  # a weight's integers in MatMulNBits' layout (passes/nbits.py): <integers' name>.nbits
 _OUTPUT_RENAME_SUFFIX = "_QuantizeLinear_Input"  # ORT renames the producer of a quantized graph output
 
 
@@ -57,9 +59,18 @@ def weight_encodings(
             block = int(attributes.get("block_size", 0) or 0)
             axis: int | None = int(attributes.get("axis", 1))
         elif node.op_type == "MatMulNBits" and len(node.input) > 2 and node.input[1] in weights:
-            name, scale_name = node.input[1], node.input[2]
-            zero_name = node.input[3] if len(node.input) > 3 else ""
-            block, axis = int(attributes.get("block_size", 0)), None
+            # keyed on the encoding as the DequantizeLinear it replaced read it: one scale, or one per
+            # column, stays short enough to list (its scales are stored repeated per block)
+            encoding = _nbits_encoding(node, value_of)
+            if encoding is not None:
+                result[node.input[1]] = _descriptor(
+                    node.op_type,
+                    np.array(encoding.scale, np.float32),
+                    np.array(encoding.zero_point, np.int64),
+                    encoding.axis,
+                    encoding.block_size,
+                )
+            continue
         else:
             continue
         scale = value_of(scale_name)
@@ -104,6 +115,11 @@ def graph_encodings(
     for node in model.graph.node:
         if not node.input:
             continue  # malformed: the backend refuses the graph; there is no encoding to read
+        if node.op_type == "MatMulNBits" and node.input[1] in constants:
+            name = node.input[1].removesuffix(NBITS_SUFFIX).removesuffix(QUANTIZED_SUFFIX)
+            if name not in result.tensors and (encoding := _nbits_encoding(node, value_of)) is not None:
+                result.tensors[name] = encoding
+            continue
         if node.op_type == "DequantizeLinear" and node.input[0] in constants:
             name, kind = node.input[0].removesuffix(QUANTIZED_SUFFIX), "param"
         elif node.op_type == "QuantizeLinear" and node.input[0] not in constants:
@@ -113,3 +129,43 @@ def graph_encodings(
         if name not in result.tensors and (encoding := _encoding_at(node, kind, value_of)) is not None:
             result.tensors[name] = encoding
     return result
+
+
+def _nbits_encoding(node: onnx.NodeProto, value_of: Callable[[str], np.ndarray | None]) -> Encoding | None:
+    """A MatMulNBits weight's encoding as the DequantizeLinear it replaced read it (weight [K, N]): one
+    scale, a scale per column (axis 1) where every block of a column has the same, else per block along
+    K (axis 0); signed and symmetric where every zero point is the default, 2^(bits-1) (an unsigned
+    weight with that zero point reads the same)."""
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    bits, n, block = int(attributes.get("bits", 4)), int(attributes["N"]), int(attributes["block_size"])
+    scale = value_of(node.input[2])
+    if scale is None or scale.size % n:
+        return None
+    scales = scale.astype(np.float64).reshape(n, -1)  # [N, blocks]
+    middle = 1 << (bits - 1)
+    zero_name = node.input[3] if len(node.input) > 3 else ""
+    packed = value_of(zero_name) if zero_name else None
+    if zero_name and packed is None:
+        return None
+    if packed is None:
+        zeros = np.full(scales.shape, middle, np.int64)
+    else:
+        zeros = unpack_bits(packed.reshape(n, -1), bits)[:, : scales.shape[1]].astype(np.int64)
+    symmetric = bool((zeros == middle).all())
+    values = np.zeros_like(zeros) if symmetric else zeros
+    per_column = bool((scales == scales[:, :1]).all() and (values == values[:, :1]).all())
+    if per_column and (scales == scales.flat[0]).all() and (values == values.flat[0]).all():
+        scales, values = scales[:1, 0], values[:1, 0]  # one scale in all
+    elif per_column:
+        scales, values = scales[:, 0], values[:, 0]
+    else:  # the DequantizeLinear's layout: [blocks, N]
+        scales, values = scales.T, values.T
+    return Encoding(
+        f"int{bits}" if symmetric else f"uint{bits}",
+        tuple(float(s) for s in scales.ravel()),
+        tuple(int(z) for z in values.ravel()),
+        symmetric=symmetric,
+        axis=(1 if per_column else 0) if scales.size > 1 else None,
+        block_size=None if per_column else block,
+        kind="param",
+    )

@@ -187,7 +187,7 @@ def convert(
         model.ir_version = 4
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
-    to_matmul_nbits(model, base)  # before the dtype checks: 4-bit weights leave as packed uint8
+    to_matmul_nbits(model, base, keep=updateable)  # before the dtype checks: 4-bit weights leave as packed uint8
     check_operators(model, label)
     graph = model.graph
     _strip_node_metadata(graph)

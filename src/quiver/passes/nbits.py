@@ -1,13 +1,19 @@
-"""4-bit block-quantized MatMul weights (DequantizeLinear-21 of int4/uint4, blocks along K) -> MatMulNBits.
+"""Quantized MatMul weights -> ONNX Runtime's MatMulNBits, at build time.
 
-A context stores the 4-bit values packed two per byte as plain uint8 tensors, and the cpu backend runs
-ONNX Runtime's MatMulNBits kernel on them instead of dequantizing every weight on every run. Layout
-(ORT's contrib op): B [N, k_blocks, block_size / 2] with element k of a block in the low nibble when k
-is even; q counted from 0 (q + 8 for int4), zero point 8 unless given; scales [N, k_blocks].
+Two patterns: 4-bit blocks along K (DequantizeLinear-21 of int4/uint4), and 8-bit weights with a scale
+per output column or one in all (int8/uint8, as per-channel quantizers make them). A context stores the
+values in MatMulNBits' layout as plain uint8 tensors, and the cpu backend runs ORT's kernel on them
+instead of dequantizing every weight on every run (ORT 1.32 fuses the 8-bit pairs itself when a session
+is made, older versions do not: done here, every version runs the same kernel, and a graph opens
+without that rewrite). Layout (ORT's contrib op): B [N, k_blocks, block_size * bits / 8], values
+packed from each byte's low bits up; q counted from 0 (q + 8 for int4, q + 128 for int8); zero point
+2^(bits-1) unless given; scales [N, k_blocks]. MatMuls reading an 8-bit activation keep their
+DequantizeLinear: ORT runs those in integers (its QDQ fusions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +24,11 @@ from onnx.external_data_helper import load_external_data_for_tensor
 from quiver.ir import nibbles
 from quiver.ir.nibbles import pack_nibbles
 from quiver.ir.ops import MS_DOMAIN
+from quiver.ir.quantized import NBITS_SUFFIX
 
-_FOUR_BIT = {onnx.TensorProto.INT4: 8, onnx.TensorProto.UINT4: 0}  # shift that makes q unsigned
+_FOUR_BIT: dict[int, int] = {onnx.TensorProto.INT4: 8, onnx.TensorProto.UINT4: 0}  # shift that makes q unsigned
+_EIGHT_BIT: dict[int, int] = {onnx.TensorProto.INT8: 128, onnx.TensorProto.UINT8: 0}
+_EIGHT_BIT_BLOCK = 32  # ORT's block for the 8-bit pairs it fuses itself (session.qdq_matmulnbits_block_size)
 
 
 def _array(tensor: onnx.TensorProto, base: Path | None) -> np.ndarray:
@@ -48,60 +57,55 @@ def _attributes(node: onnx.NodeProto) -> dict[str, int]:
     return {a.name: int(a.i) for a in node.attribute if a.type == onnx.AttributeProto.INT}
 
 
-def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None) -> int:
-    """Rewrites each 4-bit DQ -> MatMul(B) pair in place; returns how many weights were rewritten."""
+def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None, keep: Collection[str] = ()) -> int:
+    """Rewrites each fitting DQ -> MatMul(B) pair in place; returns how many weights were rewritten.
+
+    `keep`: tensors that must stay as they are (updateable ones: sections and updates give their values
+    in the source's layout)."""
     graph = model.graph
     constants = {t.name: t for t in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
+    producers: dict[str, onnx.NodeProto] = {}
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
+        for name in node.output:
+            producers[name] = node
+    graph_outputs = {o.name for o in graph.output}
     removed: set[str] = set()
     rewritten = 0
     for dq in list(graph.node):
-        if dq.op_type != "DequantizeLinear" or dq.input[0] not in constants:
+        if dq.op_type != "DequantizeLinear" or dq.input[0] not in constants or any(i in keep for i in dq.input):
+            continue
+        users = consumers.get(dq.output[0], [])
+        if (
+            not users
+            or dq.output[0] in graph_outputs
+            or not all(name in constants for name in dq.input[1:] if name)
+            or not all(
+                u.op_type == "MatMul" and u.input[1] == dq.output[0] and u.input[0] != dq.output[0] for u in users
+            )
+        ):
             continue
         weight = constants[dq.input[0]]
-        attributes = _attributes(dq)
-        users = consumers.get(dq.output[0], [])
-        fits = (
-            weight.data_type in _FOUR_BIT
-            and len(weight.dims) == 2
-            and attributes.get("axis", 1) == 0
-            and attributes.get("block_size", 0) >= 16
-            and len(dq.input) >= 2
-            and all(name in constants for name in dq.input[1:])
-            and users
-            and all(u.op_type == "MatMul" and u.input[1] == dq.output[0] and u.input[0] != dq.output[0] for u in users)
-            and dq.output[0] not in {o.name for o in graph.output}
-        )
-        if not fits:
+        if weight.data_type in _FOUR_BIT:
+            found = _four_bit_blocks(dq, weight, constants, base)
+        elif weight.data_type in _EIGHT_BIT and not any(
+            _from_8_bit_quantizer(u.input[0], producers, constants) for u in users
+        ):
+            found = _eight_bit_columns(dq, weight, constants, base)
+        else:
             continue
-        block = attributes["block_size"]
+        if found is None:
+            continue
+        bits, block, packed, scales, zeros = found
         k, n = weight.dims
-        blocks = -(-k // block)
-        shift = _FOUR_BIT[weight.data_type]
-        q = _array(weight, base).astype(np.int16) + shift  # [K, N], now 0..15
-        scale = _array(constants[dq.input[1]], base).astype(np.float32).reshape(blocks, n)
-        zero = (
-            _array(constants[dq.input[2]], base).astype(np.int16).reshape(blocks, n) + shift
-            if len(dq.input) > 2 and dq.input[2]
-            else np.full((blocks, n), shift, np.int16)
-        )
-        padded = np.full((blocks * block, n), 8, np.int16)
-        padded[:k] = q
-        packed = pack_nibbles(padded.T.reshape(n, blocks, block))  # [N, blocks, block / 2]
         stem = dq.input[0]
-        inputs = [f"{stem}.nbits", f"{stem}.nbits_scales"]
-        new_tensors = [
-            numpy_helper.from_array(packed, inputs[0]),
-            numpy_helper.from_array(np.ascontiguousarray(scale.T), inputs[1]),
-        ]
-        if (zero != 8).any():  # MatMulNBits' default zero point is 8
-            zero_t = np.full((n, blocks + blocks % 2), 8, np.int16)
-            zero_t[:, :blocks] = zero.T
-            inputs.append(f"{stem}.nbits_zero_points")
-            new_tensors.append(numpy_helper.from_array(pack_nibbles(zero_t).reshape(-1), inputs[2]))
+        inputs = [f"{stem}{NBITS_SUFFIX}", f"{stem}{NBITS_SUFFIX}_scales"]
+        new_tensors = [numpy_helper.from_array(packed, inputs[0]), numpy_helper.from_array(scales, inputs[1])]
+        if zeros is not None:
+            inputs.append(f"{stem}{NBITS_SUFFIX}_zero_points")
+            new_tensors.append(numpy_helper.from_array(zeros, inputs[2]))
         graph.initializer.extend(new_tensors)
         for user in users:
             replacement = helper.make_node(
@@ -112,7 +116,7 @@ def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None) -> int:
                 domain=MS_DOMAIN,
                 K=k,
                 N=n,
-                bits=4,
+                bits=bits,
                 block_size=block,
             )
             user.CopyFrom(replacement)
@@ -127,3 +131,78 @@ def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None) -> int:
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return rewritten
+
+
+_NBits = tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None]  # bits, block, B, scales, zero points
+
+
+def _four_bit_blocks(
+    dq: onnx.NodeProto, weight: onnx.TensorProto, constants: dict[str, onnx.TensorProto], base: Path | None
+) -> _NBits | None:
+    """int4/uint4 blocks along K (DequantizeLinear-21's block_size) as MatMulNBits' 4-bit layout."""
+    attributes = _attributes(dq)
+    if len(weight.dims) != 2 or attributes.get("axis", 1) != 0 or attributes.get("block_size", 0) < 16:
+        return None
+    block = attributes["block_size"]
+    k, n = weight.dims
+    blocks = -(-k // block)
+    shift = _FOUR_BIT[weight.data_type]
+    q = _array(weight, base).astype(np.int16) + shift  # [K, N], now 0..15
+    scale = _array(constants[dq.input[1]], base).astype(np.float32).reshape(blocks, n)
+    zero = (
+        _array(constants[dq.input[2]], base).astype(np.int16).reshape(blocks, n) + shift
+        if len(dq.input) > 2 and dq.input[2]
+        else np.full((blocks, n), shift, np.int16)
+    )
+    padded = np.full((blocks * block, n), 8, np.int16)
+    padded[:k] = q
+    packed = pack_nibbles(padded.T.reshape(n, blocks, block))  # [N, blocks, block / 2]
+    zeros = None
+    if (zero != 8).any():  # MatMulNBits' default zero point is 8
+        zero_t = np.full((n, blocks + blocks % 2), 8, np.int16)
+        zero_t[:, :blocks] = zero.T
+        zeros = pack_nibbles(zero_t).reshape(-1)
+    return 4, block, packed, np.ascontiguousarray(scale.T), zeros
+
+
+def _eight_bit_columns(
+    dq: onnx.NodeProto, weight: onnx.TensorProto, constants: dict[str, onnx.TensorProto], base: Path | None
+) -> _NBits | None:
+    """int8/uint8 weights with a scale per column (or one in all) as MatMulNBits' 8-bit layout, in
+    blocks of 32 along K with each column's scale repeated: what ONNX Runtime (1.32) makes of the same
+    pair at session creation, so it computes the same numbers, and older versions do too."""
+    attributes = _attributes(dq)
+    scale = _array(constants[dq.input[1]], base)
+    if len(weight.dims) != 2 or "block_size" in attributes or scale.dtype != np.float32:
+        return None
+    k, n = weight.dims
+    if scale.size != 1 and (scale.shape != (n,) or attributes.get("axis", 1) not in (1, -1)):
+        return None  # scales along K, or a shape MatMulNBits has no place for
+    blocks = -(-k // _EIGHT_BIT_BLOCK)
+    shift = _EIGHT_BIT[weight.data_type]
+    zero = (
+        _array(constants[dq.input[2]], base).astype(np.int16).reshape(-1) + shift
+        if len(dq.input) > 2 and dq.input[2]
+        else np.full(1, shift, np.int16)
+    )
+    padded = np.empty((blocks * _EIGHT_BIT_BLOCK, n), np.uint8)
+    padded[:k] = (_array(weight, base).astype(np.int16) + shift).astype(np.uint8)  # [K, N], now 0..255
+    padded[k:] = np.broadcast_to(zero.astype(np.uint8), (n,))  # padding dequantizes to 0
+    packed = np.ascontiguousarray(padded.T.reshape(n, blocks, _EIGHT_BIT_BLOCK))
+    scales = np.repeat(np.broadcast_to(scale.reshape(-1), (n,)), blocks).astype(np.float32)  # [N * blocks]
+    zeros = None
+    if (zero != 128).any():  # MatMulNBits' default zero point at 8 bits is 128
+        zeros = np.repeat(np.broadcast_to(zero, (n,)), blocks).astype(np.uint8)
+    return 8, _EIGHT_BIT_BLOCK, packed, scales, zeros
+
+
+def _from_8_bit_quantizer(
+    name: str, producers: dict[str, onnx.NodeProto], constants: dict[str, onnx.TensorProto]
+) -> bool:
+    """Whether a MatMul input is an 8-bit activation (DequantizeLinear of int8/uint8): ORT runs such a
+    MatMul in integers (its QDQ fusions), which a MatMulNBits would take away."""
+    producer = producers.get(name)
+    if producer is None or producer.op_type != "DequantizeLinear":
+        return False
+    zero = constants.get(producer.input[2]) if len(producer.input) > 2 and producer.input[2] else None
+    return zero is None or zero.data_type in _EIGHT_BIT  # no zero point: uint8
