@@ -139,3 +139,28 @@ def test_a_4_bit_block_weight_keeps_its_encoding_too() -> None:
         ours = context.graph("g").encodings().tensors["w"]
     assert (ours.dtype, ours.symmetric, ours.axis, ours.block_size) == ("int4", True, 0, block)
     assert ours.scale == pytest.approx(scale.ravel().tolist()) and not any(ours.zero_point)
+
+
+def test_integers_read_by_two_dequantizers_are_rewritten_once() -> None:
+    weight, scale, zero = _CASES["int8 per column"]
+    tensors = [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(zero, "z"),
+               numpy_helper.from_array(scale, "s1"), numpy_helper.from_array(scale * 2, "s2")]  # fmt: skip
+    nodes = [
+        helper.make_node("DequantizeLinear", ["w", "s1", "z"], ["w1"], axis=1),
+        helper.make_node("DequantizeLinear", ["w", "s2", "z"], ["w2"], axis=1),
+        helper.make_node("MatMul", ["x", "w1"], ["y1"]),
+        helper.make_node("MatMul", ["x", "w2"], ["y2"]),
+        helper.make_node("Add", ["y1", "y2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, N])], tensors,
+    )  # fmt: skip
+    x = np.random.default_rng(2).standard_normal((2, K)).astype(np.float32)
+    expected = x.astype(np.float64) @ (weight.astype(np.float64) * scale * 3)  # s1 + s2 = 3 s1
+    with quiver.Context.create(CpuBackend(accuracy_level=0)) as context:
+        context.add_graph("g", helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+        context.finalize()
+        assert sorted(_skeleton_ops(context)) == ["Add", "DequantizeLinear", "MatMul", "MatMulNBits"]
+        ours = context.graph("g").execute({"x": x})["y"]
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))

@@ -102,6 +102,9 @@ def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None, keep: Coll
         k, n = weight.dims
         stem = dq.input[0]
         inputs = [f"{stem}{NBITS_SUFFIX}", f"{stem}{NBITS_SUFFIX}_scales"]
+        if inputs[0] in constants:
+            continue  # the same integers read by another DequantizeLinear too, rewritten already
+        constants[inputs[0]] = weight  # taken
         new_tensors = [numpy_helper.from_array(packed, inputs[0]), numpy_helper.from_array(scales, inputs[1])]
         if zeros is not None:
             inputs.append(f"{stem}{NBITS_SUFFIX}_zero_points")
