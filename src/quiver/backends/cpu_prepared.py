@@ -29,8 +29,9 @@ from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, TensorProto
 RUNTIME = f"onnxruntime {ort.__version__}"
 # What a prepared form may add to the context (its skeleton and the new tensors of its fusions), as a
 # share of the graph's weight bytes: more, and the form is not kept. A fusion that rewrites weights (ORT's
-# 8-bit MatMulNBits fusion) would store them twice, and a small quantized graph's skeleton (its scales
-# inline) weighs as much as a tenth of its weights: both are left to the open, as before.
+# 8-bit MatMulNBits fusion, on pairs `quiver build` has not rewritten itself) would store them twice, and
+# a small quantized graph's skeleton (its scales inline) weighs as much as a tenth of its weights: both
+# are left to the open, as before.
 _ADDED_BYTES_BUDGET = 0.01
 # ORT writes the optimized graph's every weight out again while it prepares it (a copy of this size in the
 # system's temporary folder, for as long as the preparation takes). Larger graphs are prepared at open.
