@@ -365,6 +365,8 @@ def test_weight_quantized_exports_stay_close_to_float(llama: Tiny, tmp_path: Pat
     ids = [5, 17, 42, 8, 99]
     with Dialog(dataclasses.replace(read_dialog_config(config), backend=backend)) as dialog:
         ops = {n.op_type for n in dialog._context._require_store().info("decode").skeleton.graph.node}
+        # ORT's MatMulNBitsQuantizer writes negative scales, which no encoding holds: left out, not an error
+        dialog._context.graph("decode").encodings()
         dialog.token_query(ids, max_new_tokens=1)
         logits = dialog._logits.reshape(-1).astype(np.float64)
     assert "MatMulNBits" in ops and "MatMul" not in ops  # the LM head too (at 8 bits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Container
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,14 +62,10 @@ def weight_encodings(
         elif node.op_type == "MatMulNBits" and len(node.input) > 2 and node.input[1] in weights:
             # keyed on the encoding as the DequantizeLinear it replaced read it: one scale, or one per
             # column, stays short enough to list (its scales are stored repeated per block)
-            encoding = _nbits_encoding(node, value_of)
-            if encoding is not None:
+            reading = _nbits_reading(node, value_of)
+            if reading is not None:
                 result[node.input[1]] = _descriptor(
-                    node.op_type,
-                    np.array(encoding.scale, np.float32),
-                    np.array(encoding.zero_point, np.int64),
-                    encoding.axis,
-                    encoding.block_size,
+                    node.op_type, reading.scales, reading.zeros, reading.axis, reading.block
                 )
             continue
         else:
@@ -131,17 +128,27 @@ def graph_encodings(
     return result
 
 
-def _nbits_encoding(node: onnx.NodeProto, value_of: Callable[[str], np.ndarray | None]) -> Encoding | None:
-    """A MatMulNBits weight's encoding as the DequantizeLinear it replaced read it (weight [K, N]): one
-    scale, a scale per column (axis 1) where every block of a column has the same, else per block along
-    K (axis 0); signed and symmetric where every zero point is the default, 2^(bits-1) (an unsigned
-    weight with that zero point reads the same)."""
+@dataclass(frozen=True)
+class _NBitsReading:
+    """How a MatMulNBits reads its weight, in the terms of the DequantizeLinear it replaced (weight [K, N])."""
+
+    dtype: str
+    scales: np.ndarray  # one; one per column (axis 1); or [blocks, N] (axis 0, per block)
+    zeros: np.ndarray  # the same shape
+    axis: int | None
+    block: int | None
+
+
+def _nbits_reading(node: onnx.NodeProto, value_of: Callable[[str], np.ndarray | None]) -> _NBitsReading | None:
+    """One scale, a scale per column where every block of a column has the same, else per block along K;
+    signed and symmetric where every zero point is the default, 2^(bits-1) (an unsigned weight with
+    that zero point reads the same)."""
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     bits, n, block = int(attributes.get("bits", 4)), int(attributes["N"]), int(attributes["block_size"])
     scale = value_of(node.input[2])
     if scale is None or scale.size % n:
         return None
-    scales = scale.astype(np.float64).reshape(n, -1)  # [N, blocks]
+    scales = scale.astype(np.float32).reshape(n, -1)  # [N, blocks]
     middle = 1 << (bits - 1)
     zero_name = node.input[3] if len(node.input) > 3 else ""
     packed = value_of(zero_name) if zero_name else None
@@ -152,20 +159,28 @@ def _nbits_encoding(node: onnx.NodeProto, value_of: Callable[[str], np.ndarray |
     else:
         zeros = unpack_bits(packed.reshape(n, -1), bits)[:, : scales.shape[1]].astype(np.int64)
     symmetric = bool((zeros == middle).all())
-    values = np.zeros_like(zeros) if symmetric else zeros
-    per_column = bool((scales == scales[:, :1]).all() and (values == values[:, :1]).all())
-    if per_column and (scales == scales.flat[0]).all() and (values == values.flat[0]).all():
-        scales, values = scales[:1, 0], values[:1, 0]  # one scale in all
-    elif per_column:
-        scales, values = scales[:, 0], values[:, 0]
-    else:  # the DequantizeLinear's layout: [blocks, N]
-        scales, values = scales.T, values.T
+    if symmetric:
+        zeros = np.zeros_like(zeros)
+    dtype = f"int{bits}" if symmetric else f"uint{bits}"
+    if (scales == scales[:, :1]).all() and (zeros == zeros[:, :1]).all():
+        if (scales == scales.flat[0]).all() and (zeros == zeros.flat[0]).all():
+            return _NBitsReading(dtype, scales[:1, 0], zeros[:1, 0], None, None)
+        return _NBitsReading(dtype, scales[:, 0], zeros[:, 0], 1, None)
+    return _NBitsReading(dtype, scales.T, zeros.T, 0, block)  # the DequantizeLinear's layout: [blocks, N]
+
+
+def _nbits_encoding(node: onnx.NodeProto, value_of: Callable[[str], np.ndarray | None]) -> Encoding | None:
+    """A MatMulNBits weight's encoding; none where a scale is negative (ORT's MatMulNBitsQuantizer writes
+    such, flipping the integers' sign): an encoding's scales are positive."""
+    reading = _nbits_reading(node, value_of)
+    if reading is None or not (reading.scales > 0).all():
+        return None
     return Encoding(
-        f"int{bits}" if symmetric else f"uint{bits}",
-        tuple(float(s) for s in scales.ravel()),
-        tuple(int(z) for z in values.ravel()),
-        symmetric=symmetric,
-        axis=(1 if per_column else 0) if scales.size > 1 else None,
-        block_size=None if per_column else block,
+        reading.dtype,
+        tuple(float(s) for s in reading.scales.ravel()),
+        tuple(int(z) for z in reading.zeros.ravel()),
+        symmetric=reading.dtype.startswith("int"),
+        axis=reading.axis,
+        block_size=reading.block,
         kind="param",
     )
