@@ -166,6 +166,8 @@ def measure_real_models(
             "open_to_first_output": _open(source, qctx, row, npz[case], output, repeats),
             "latency": _latency(source, qctx, row, feeds[case], rounds, iterations),
         }
+        with quiver.Context.from_binary(qctx) as context:
+            entry["context_over_unique_weights"] = qctx.stat().st_size / context.weight_stats().unique_bytes
         if "a16" in row:
             entry["context_over_float_weights"] = qctx.stat().st_size / (corpus / "minilm.onnx.data").stat().st_size
         rows[row] = entry

@@ -97,7 +97,7 @@ def test_golden_preamble_layout(good: bytes) -> None:
     magic, major, minor, flags, header_offset, header_length, file_length, sha, reserved = struct.unpack(
         "<8sHHIQQQ32sQ", good[:80]
     )
-    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 6, 0, 0)
+    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 7, 0, 0)
     assert file_length == len(good) and header_offset + header_length == len(good)
     assert sha == hashlib.sha256(good[header_offset:]).digest()
     assert good[80:DATA_START] == bytes(DATA_START - 80)
@@ -299,8 +299,9 @@ def test_random_corruption_never_escapes_as_anything_but_a_quiver_error(good: by
             pass
 
 
-def _reseal_skeleton(data: bytes, graph: str, skeleton: bytes) -> bytes:
-    """Replaces a graph's skeleton bytes (same length) and fixes its checksum: damage the checksum cannot see."""
+def _reseal_skeleton(data: bytes, graph: str, skeleton: bytes, **fields: object) -> bytes:
+    """Replaces a graph's stored skeleton bytes (same length), stored as they are (not deflated) unless
+    `fields` say otherwise, and fixes its checksum: damage the checksum cannot see."""
     file = ContextFile(data)
     entry = file.graphs[graph]
     assert len(skeleton) == entry.length
@@ -310,8 +311,38 @@ def _reseal_skeleton(data: bytes, graph: str, skeleton: bytes) -> bytes:
         for g in header["graphs"]:
             if g["name"] == graph:
                 g["sha256"] = hashlib.sha256(skeleton).hexdigest()
+                g.pop("compression", None)
+                g.pop("inflated_length", None)
+                g.update(fields)
 
     return _rewrite_header(body, fix)
+
+
+def test_skeletons_are_stored_deflated_and_read_back_whole(family_context: Path) -> None:
+    file = ContextFile(family_context.read_bytes())
+    entry = file.graphs["base"]
+    assert entry.inflated_length is not None and entry.length < entry.inflated_length
+    assert len(file.skeleton("base")) == entry.inflated_length
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"compression": "zlib", "inflated_length": 10}, "does not inflate to the 10 bytes"),
+        ({"compression": "lz4", "inflated_length": 10}, "compression 'lz4' is not one this Quiver reads"),
+        ({"inflated_length": 10}, "inflated_length but no compression"),
+        ({"compression": "zlib", "inflated_length": 1 << 40}, "more than deflate can give"),
+    ],
+)
+def test_a_deflated_skeleton_that_lies_about_its_length_is_refused(
+    family_context: Path, fields: dict, message: str
+) -> None:
+    data = family_context.read_bytes()
+    file = ContextFile(data)
+    entry = file.graphs["base"]
+    stored = bytes(file.buffer[entry.offset : entry.offset + entry.length])  # the real deflated bytes
+    with pytest.raises(quiver.InvalidHeaderError, match=message):
+        quiver.Context.from_binary(_reseal_skeleton(data, "base", stored, **fields)).graph("base")
 
 
 def test_a_skeleton_that_is_not_onnx_is_refused_when_its_graph_is_opened(family_context: Path) -> None:

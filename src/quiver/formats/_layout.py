@@ -8,8 +8,8 @@ from dataclasses import dataclass
 MAGIC = b"QCTX\r\n\x1a\n"
 SECTION_MAGIC = b"QSEC\r\n\x1a\n"
 MAJOR = 1
-MINOR = 6  # 1.1: graphs[].updateable; 1.2: weights[].encoding; 1.3: narrow section tensors; 1.4: tuning;
-# 1.5: weights[].crc32; 1.6: graphs[].prepared
+MINOR = 7  # 1.1: graphs[].updateable; 1.2: weights[].encoding; 1.3: narrow section tensors; 1.4: tuning;
+# 1.5: weights[].crc32; 1.6: graphs[].prepared; 1.7: deflated skeletons (graphs[].compression)
 PREAMBLE = struct.Struct("<8sHHIQQQ32sQ")
 PREAMBLE_SIZE = PREAMBLE.size  # 80
 DATA_START = 4096

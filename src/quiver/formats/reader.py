@@ -27,6 +27,7 @@ from quiver.errors import (
     TruncatedFileError,
     UnsupportedVersionError,
 )
+from quiver.formats import compression
 from quiver.formats._layout import (
     DATA_START,
     MAGIC,
@@ -72,6 +73,7 @@ class PreparedEntry:
     length: int
     sha256: str
     weights: dict[str, int]
+    inflated_length: int | None = None  # stored deflated (format 1.7): its length inflated
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class GraphEntry:
     weights: dict[str, int]
     updateable: tuple[str, ...] = ()  # weights a binary section may replace (format 1.1)
     prepared: tuple[PreparedEntry, ...] = ()  # forms prepared ahead for a runtime (format 1.6)
+    inflated_length: int | None = None  # stored deflated (format 1.7): its length inflated
 
     @property
     def weight_indices(self) -> set[int]:
@@ -188,9 +191,24 @@ def _parse_prepared(raw: Any, limit: int, weight_count: int, graph: str) -> tupl
                 length,
                 _sha(item.get("sha256"), f"{what} sha256"),
                 _parse_weight_map(item.get("weights"), weight_count, what),
+                _parse_compression(item, length, what),
             )
         )
     return tuple(entries)
+
+
+def _parse_compression(raw: dict[str, Any], length: int, what: str) -> int | None:
+    """A skeleton region's inflated length where it is stored deflated (format 1.7), else None."""
+    method = raw.get("compression")
+    if method is None:
+        if "inflated_length" in raw:
+            raise _fail(f"{what} records an inflated_length but no compression")
+        return None
+    if method != compression.ZLIB:
+        raise _fail(f"{what} compression {method!r} is not one this Quiver reads ({compression.ZLIB!r})")
+    inflated = _int(raw.get("inflated_length"), f"{what} inflated_length")
+    compression.check_inflated_length(inflated, length, what)
+    return inflated
 
 
 def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
@@ -208,7 +226,14 @@ def _parse_graph(raw: Any, limit: int, weight_count: int) -> GraphEntry:
         raise _fail(f"graph {name!r} updateable must list names of its weights")
     prepared = _parse_prepared(raw.get("prepared", []), limit, weight_count, name)
     return GraphEntry(
-        name, offset, length, _sha(raw.get("sha256"), f"graph {name!r} sha256"), weights, tuple(updateable), prepared
+        name,
+        offset,
+        length,
+        _sha(raw.get("sha256"), f"graph {name!r} sha256"),
+        weights,
+        tuple(updateable),
+        prepared,
+        _parse_compression(raw, length, f"graph {name!r}"),
     )
 
 
@@ -543,14 +568,19 @@ class ContextFile(TensorFile):
         return data
 
     def skeleton(self, name: str) -> bytes:
-        """The graph's ONNX structure, its checksum verified."""
+        """The graph's ONNX structure, its checksum verified (inflated where stored deflated)."""
         g = self.graphs[name]
-        return self._checked_region(g.offset, g.length, g.sha256, f"graph {name!r}")
+        return self._skeleton_at(g.offset, g.length, g.sha256, g.inflated_length, f"graph {name!r}")
 
     def prepared_skeleton(self, name: str, number: int) -> bytes:
-        """A prepared form's ONNX structure (format 1.6), its checksum verified."""
+        """A prepared form's ONNX structure (format 1.6), its checksum verified (inflated where stored deflated)."""
         p = self.graphs[name].prepared[number]
-        return self._checked_region(p.offset, p.length, p.sha256, f"graph {name!r} prepared form {number}")
+        what = f"graph {name!r} prepared form {number}"
+        return self._skeleton_at(p.offset, p.length, p.sha256, p.inflated_length, what)
+
+    def _skeleton_at(self, offset: int, length: int, sha256: str, inflated: int | None, what: str) -> bytes:
+        data = self._checked_region(offset, length, sha256, what)
+        return data if inflated is None else compression.inflated(data, inflated, f"{self.source}: {what}")
 
     def _checksummed(self) -> list[_Check]:
         graphs: list[_Check] = [

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
+from quiver.formats import compression
 from quiver.formats._layout import (
     ALIGNMENT,
     DATA_START,
@@ -264,10 +265,16 @@ class ContextWriter(TensorFileWriter):
         self._graphs[name] = (skeleton, dict(weights), sorted(set(updateable)))
 
     def _write_region(self, data: bytes, offset: int) -> tuple[dict[str, Any], int]:
+        """A skeleton region, deflated where that makes it smaller (format 1.7): its header fields."""
         start = align_up(offset, ALIGNMENT)
+        packed = compression.deflated(data)
+        stored = data if packed is None else packed
         self._file.write(b"\0" * (start - offset))
-        self._file.write(data)
-        return {"offset": start, "length": len(data), "sha256": hashlib.sha256(data).hexdigest()}, start + len(data)
+        self._file.write(stored)
+        region: dict[str, Any] = {"offset": start, "length": len(stored), "sha256": hashlib.sha256(stored).hexdigest()}
+        if packed is not None:
+            region.update(compression=compression.ZLIB, inflated_length=len(data))
+        return region, start + len(stored)
 
     def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
         entries = []
