@@ -97,7 +97,7 @@ def test_golden_preamble_layout(good: bytes) -> None:
     magic, major, minor, flags, header_offset, header_length, file_length, sha, reserved = struct.unpack(
         "<8sHHIQQQ32sQ", good[:80]
     )
-    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 7, 0, 0)
+    assert (magic, major, minor, flags, reserved) == (b"QCTX\r\n\x1a\n", 1, 7, 0, 0)  # skeletons too small to deflate
     assert file_length == len(good) and header_offset + header_length == len(good)
     assert sha == hashlib.sha256(good[header_offset:]).digest()
     assert good[80:DATA_START] == bytes(DATA_START - 80)
@@ -201,9 +201,9 @@ def test_a_newer_minor_version_is_read(good: bytes) -> None:
     assert ContextFile(newer).minor_version == 7
 
 
-def test_non_zero_flags_are_unsupported(good: bytes) -> None:
+def test_unknown_flags_are_unsupported(good: bytes) -> None:
     with pytest.raises(quiver.UnsupportedVersionError):
-        ContextFile(good[:12] + struct.pack("<I", 1) + good[16:])
+        ContextFile(good[:12] + struct.pack("<I", 2) + good[16:])
 
 
 def test_an_absurd_header_length_is_refused_before_reading(good: bytes) -> None:
@@ -432,3 +432,18 @@ def test_the_crc32_in_use_is_zlibs_over_chunks_and_views() -> None:
     assert crc32(data) == zlib.crc32(data)
     assert crc32(data[1_000_000:], crc32(data[:1_000_000])) == zlib.crc32(data)  # continued, as the writer streams
     assert crc32(memoryview(data)[7:99_999]) == zlib.crc32(data[7:99_999])
+
+
+def test_a_reader_refuses_flags_it_does_not_know_and_deflation_the_preamble_does_not_flag(
+    family_context: Path,
+) -> None:
+    data = bytearray(family_context.read_bytes())
+    assert ContextFile(bytes(data)).flags == 1  # its skeletons are deflated: readers before 1.7 refuse it
+    unknown = bytearray(data)
+    unknown[12:16] = (0x3).to_bytes(4, "little")
+    with pytest.raises(quiver.UnsupportedVersionError, match="flags 0x3"):
+        ContextFile(bytes(unknown))
+    unflagged = bytearray(data)
+    unflagged[12:16] = (0).to_bytes(4, "little")
+    with pytest.raises(quiver.InvalidHeaderError, match="does not flag it"):
+        ContextFile(bytes(unflagged))

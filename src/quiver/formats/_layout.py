@@ -10,6 +10,7 @@ SECTION_MAGIC = b"QSEC\r\n\x1a\n"
 MAJOR = 1
 MINOR = 7  # 1.1: graphs[].updateable; 1.2: weights[].encoding; 1.3: narrow section tensors; 1.4: tuning;
 # 1.5: weights[].crc32; 1.6: graphs[].prepared; 1.7: deflated skeletons (graphs[].compression)
+DEFLATED_SKELETONS = 0x1  # preamble flag (1.7): skeleton regions may be deflated; older readers refuse the file
 PREAMBLE = struct.Struct("<8sHHIQQQ32sQ")
 PREAMBLE_SIZE = PREAMBLE.size  # 80
 DATA_START = 4096

@@ -30,6 +30,7 @@ from quiver.errors import (
 from quiver.formats import compression
 from quiver.formats._layout import (
     DATA_START,
+    DEFLATED_SKELETONS,
     MAGIC,
     MAJOR,
     MAX_HEADER,
@@ -305,6 +306,7 @@ class TensorFile:
     FORMAT = "qctx"
     WHAT = "context binary"
     REMEDY = "rebuild it with `quiver build`"
+    KNOWN_FLAGS = 0  # preamble flags this file kind may carry; any other makes it unreadable here
 
     def __init__(self, buffer: mmap.mmap | bytes | bytearray | memoryview, source: str = "<bytes>") -> None:
         self.source = source
@@ -319,7 +321,7 @@ class TensorFile:
         magic, pre = Preamble.unpack(bytes(self._buffer[:PREAMBLE_SIZE]))
         if magic != self.MAGIC:
             raise BadMagicError(f"{source} is not a Quiver {self.WHAT} (wrong magic); {self.REMEDY}")
-        if pre.major != MAJOR or pre.flags != 0:
+        if pre.major != MAJOR or pre.flags & ~self.KNOWN_FLAGS:
             raise UnsupportedVersionError(
                 f"{source} uses format {pre.major}.{pre.minor} (flags {pre.flags:#x}); this Quiver reads format "
                 f"{MAJOR}.x: upgrade Quiver or {self.REMEDY} with this version"
@@ -344,6 +346,7 @@ class TensorFile:
         if hashlib.sha256(header_bytes).digest() != pre.header_sha256:
             raise ChecksumMismatchError(f"{source}: header checksum mismatch; the file is damaged: copy it again")
         self.minor_version = pre.minor
+        self.flags = pre.flags
         self.header_offset = pre.header_offset
         self.header_sha256 = pre.header_sha256.hex()  # the file's identity: covers every region's checksum
         self._parse_header(header_bytes)
@@ -536,6 +539,8 @@ class TensorFile:
 class ContextFile(TensorFile):
     """A validated `.qctx` file: content-keyed weights plus one ONNX skeleton per graph."""
 
+    KNOWN_FLAGS = DEFLATED_SKELETONS
+
     def _parse_rest(self, header: dict[str, Any], graphs_raw: list[Any], limit: int) -> list[tuple[int, int, str]]:
         self.graphs: dict[str, GraphEntry] = {}
         for raw in graphs_raw:
@@ -546,6 +551,10 @@ class ContextFile(TensorFile):
         # 1.4: a tuned copy keeps the identity of the context it was tuned from (sections name it)
         self.identity = parse_identity(header.get("identity"), self.header_sha256)
         self.tuning = parse_tuning(header.get("tuning"), list(self.graphs))
+        deflated = any(g.inflated_length is not None or any(p.inflated_length is not None for p in g.prepared)
+                       for g in self.graphs.values())  # fmt: skip
+        if deflated and not self.flags & DEFLATED_SKELETONS:
+            raise _fail("skeletons are stored deflated but the preamble does not flag it")
         return [(offset, length, what) for what, offset, length, _ in self._skeleton_regions()]
 
     def _skeleton_regions(self) -> list[tuple[str, int, int, str]]:

@@ -114,7 +114,8 @@ def write_tuned(
         del header["tuning"]
     data = json.dumps(header, separators=(",", ":")).encode()
     offset = source.header_offset
-    preamble = Preamble(MAJOR, MINOR, 0, offset, len(data), offset + len(data), hashlib.sha256(data).digest())
+    flags = source.flags  # the regions are the source's, deflated or not
+    preamble = Preamble(MAJOR, MINOR, flags, offset, len(data), offset + len(data), hashlib.sha256(data).digest())
     fd, tmp = temporary_file(destination.name, destination.parent)
     try:
         with os.fdopen(fd, "wb") as out:

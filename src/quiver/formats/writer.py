@@ -21,6 +21,7 @@ from quiver.formats import compression
 from quiver.formats._layout import (
     ALIGNMENT,
     DATA_START,
+    DEFLATED_SKELETONS,
     MAGIC,
     MAJOR,
     MINOR,
@@ -142,6 +143,10 @@ class TensorFileWriter:
     def _header_fields(self) -> dict[str, Any]:
         return {}
 
+    def _flags(self) -> int:
+        """The preamble's flags: features a reader must know to read the file."""
+        return 0
+
     def _write_tail(self) -> None:
         self._file.seek(self._end)
         graph_entries, offset = self._write_graphs(self._end)
@@ -169,7 +174,13 @@ class TensorFileWriter:
         header_offset = max(offset, DATA_START)
         self._file.write(header)
         preamble = Preamble(
-            MAJOR, MINOR, 0, header_offset, len(header), header_offset + len(header), hashlib.sha256(header).digest()
+            MAJOR,
+            MINOR,
+            self._flags(),
+            header_offset,
+            len(header),
+            header_offset + len(header),
+            hashlib.sha256(header).digest(),
         )
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -240,6 +251,7 @@ class ContextWriter(TensorFileWriter):
         super().__init__(directory)
         self._graphs: dict[str, tuple[bytes, dict[str, int], list[str]]] = {}
         self._prepared: dict[str, list[PreparedRecord]] = {}
+        self._deflated = False  # a skeleton region was written deflated
 
     @property
     def graphs(self) -> dict[str, tuple[bytes, dict[str, int], list[str]]]:
@@ -274,7 +286,11 @@ class ContextWriter(TensorFileWriter):
         region: dict[str, Any] = {"offset": start, "length": len(stored), "sha256": hashlib.sha256(stored).hexdigest()}
         if packed is not None:
             region.update(compression=compression.ZLIB, inflated_length=len(data))
+            self._deflated = True
         return region, start + len(stored)
+
+    def _flags(self) -> int:
+        return DEFLATED_SKELETONS if self._deflated else 0
 
     def _write_graphs(self, offset: int) -> tuple[list[dict[str, Any]], int]:
         entries = []
