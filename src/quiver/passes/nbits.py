@@ -73,6 +73,7 @@ def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None, keep: Coll
             producers[name] = node
     graph_outputs = {o.name for o in graph.output}
     removed: set[str] = set()
+    written: set[str] = set()  # the MatMulNBits tensors made so far
     rewritten = 0
     for dq in list(graph.node):
         if dq.op_type != "DequantizeLinear" or dq.input[0] not in constants or any(i in keep for i in dq.input):
@@ -102,9 +103,9 @@ def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None, keep: Coll
         k, n = weight.dims
         stem = dq.input[0]
         inputs = [f"{stem}{NBITS_SUFFIX}", f"{stem}{NBITS_SUFFIX}_scales"]
-        if inputs[0] in constants:
+        if inputs[0] in written or inputs[0] in constants:
             continue  # the same integers read by another DequantizeLinear too, rewritten already
-        constants[inputs[0]] = weight  # taken
+        written.add(inputs[0])
         new_tensors = [numpy_helper.from_array(packed, inputs[0]), numpy_helper.from_array(scales, inputs[1])]
         if zeros is not None:
             inputs.append(f"{stem}{NBITS_SUFFIX}_zero_points")
