@@ -434,6 +434,15 @@ def test_the_crc32_in_use_is_zlibs_over_chunks_and_views() -> None:
     assert crc32(memoryview(data)[7:99_999]) == zlib.crc32(data[7:99_999])
 
 
+def test_a_deflated_skeleton_that_is_not_deflate_data_is_refused(family_context: Path) -> None:
+    data = family_context.read_bytes()
+    entry = ContextFile(data).graphs["base"]
+    garbage = b"\xff" * entry.length
+    damaged = _reseal_skeleton(data, "base", garbage, compression="zlib", inflated_length=entry.length)
+    with pytest.raises(quiver.InvalidHeaderError, match="does not inflate \\("):
+        quiver.Context.from_binary(damaged).graph("base")
+
+
 def test_a_reader_refuses_flags_it_does_not_know_and_deflation_the_preamble_does_not_flag(
     family_context: Path,
 ) -> None:

@@ -39,12 +39,14 @@ def inflated(data: bytes, length: int, what: str) -> bytes:
     try:
         out = inflater.decompress(data, length + 1)
     except zlib.error as exc:
-        out, problem = b"", str(exc)
-    else:
-        problem = "" if inflater.eof and not inflater.unconsumed_tail and not inflater.unused_data else "wrong length"
-    if problem or len(out) != length:
         raise InvalidHeaderError(
-            f"{what} does not inflate to the {length} bytes its header records ({problem or len(out)}); "
+            f"{what} does not inflate ({exc}); the context binary is damaged: rebuild it with `quiver build`"
+        ) from None
+    whole = inflater.eof and not inflater.unconsumed_tail and not inflater.unused_data
+    if not whole or len(out) != length:
+        given = f"{len(out)} bytes" if len(out) <= length else "more"
+        raise InvalidHeaderError(
+            f"{what} does not inflate to the {length} bytes its header records (it gives {given}); "
             "the context binary is damaged: rebuild it with `quiver build`"
         )
     return out
