@@ -230,36 +230,41 @@ def eviction(context_path: Path, seconds: float, threads: int = 4) -> dict[str, 
 # A server process: it loads and executes (packing starts in the background), then forks a worker that
 # runs every graph and ends the way gunicorn's workers do: sys.exit, with the interpreter's shutdown
 # (atexit, finalizers, joining threads).
+FORK_DELAYS = (0.0, 0.001, 0.002, 0.003, 0.005, 0.008, 0.013, 0.021)  # seconds after the first run
+
 _FORKING_SERVER = """
-import os, sys, numpy as np, quiver
+import os, sys, time, numpy as np, quiver
 from quiver.tools.family import SMALL, sample_input_ids
 ids = {"input_ids": sample_input_ids(SMALL, 1, 8, seed=4)}
 with quiver.Context.from_binary(sys.argv[1]) as reference:
     expected = {name: reference.graph(name).execute(ids) for name in reference.graph_names}
-context = quiver.Context.from_binary(sys.argv[1])
-context.graph(context.graph_names[0]).execute(ids)
 
-def all_match():
+def all_match(context):
     return all(
         np.allclose(context.graph(name).execute(ids)[k], v, rtol=1e-4, atol=1e-4)
         for name, outputs in expected.items() for k, v in outputs.items()
     )
 
-pid = os.fork()
-if pid == 0:
-    print("child", "ok" if all_match() else "wrong", flush=True)
-    sys.exit(0)
-_, status = os.waitpid(pid, 0)
-print("child exit", os.waitstatus_to_exitcode(status), flush=True)
-print("parent", "ok" if all_match() else "wrong", flush=True)
+for delay in map(float, sys.argv[2:]):
+    context = quiver.Context.from_binary(sys.argv[1])
+    context.graph(context.graph_names[0]).execute(ids)  # starts packing in the background
+    time.sleep(delay)
+    pid = os.fork()
+    if pid == 0:
+        print("child", "ok" if all_match(context) else "wrong", flush=True)
+        sys.exit(0)  # the context left open: the child's exit closes it
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+    print("parent", "ok" if all_match(context) else "wrong", flush=True)
+    context.close()
 """
 
 
-def fork_after_execute(context_path: Path, timeout: float = 60.0) -> dict[str, Any]:
-    """A server process executes a context (its packing thread still running), then forks: the child runs
-    every graph and exits normally, and the parent goes on."""
+def fork_after_execute(context_path: Path, timeout: float = 120.0) -> dict[str, Any]:
+    """A server process executes a context (its packing thread still running), then forks, at several
+    moments of that packing: each child runs every graph and exits normally, and the parent goes on."""
     server = subprocess.Popen(
-        [sys.executable, "-c", _FORKING_SERVER, str(context_path)],
+        [sys.executable, "-c", _FORKING_SERVER, str(context_path), *map(str, FORK_DELAYS)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -271,14 +276,14 @@ def fork_after_execute(context_path: Path, timeout: float = 60.0) -> dict[str, A
         os.killpg(server.pid, signal.SIGKILL)
         stdout, _ = server.communicate()
         return {"hung": True, "output": stdout}
-    result = subprocess.CompletedProcess(server.args, server.returncode, stdout, stderr)
-    lines = result.stdout.splitlines()
+    lines = stdout.splitlines()
     return {
         "hung": False,
-        "child_ok": "child ok" in lines,
-        "child_exit": next((int(line.split()[-1]) for line in lines if line.startswith("child exit")), None),
-        "parent_ok": "parent ok" in lines,
-        "stderr": result.stderr[-2000:],
+        "forks": sum(line.startswith("child exit") for line in lines),
+        "children_ok": lines.count("child ok"),
+        "child_exits": sorted({int(line.split()[-1]) for line in lines if line.startswith("child exit")}),
+        "parents_ok": lines.count("parent ok"),
+        "stderr": stderr[-2000:],
     }
 
 

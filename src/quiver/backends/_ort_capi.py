@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import onnxruntime
 
+from quiver.backends.fork_gate import ForkGate
 from quiver.errors import BackendError
 from quiver.ir.nibbles import pack_nibbles, unpack_nibbles
 
@@ -219,9 +220,30 @@ class _Api:
 
 _API: _Api | None = None
 _API_LOCK = threading.Lock()
-# Held across fork: a child never inherits it taken by a thread it does not have (a packing thread
-# loading the library), and it sees the API either whole or not loaded.
-os.register_at_fork(before=_API_LOCK.acquire, after_in_parent=_API_LOCK.release, after_in_child=_API_LOCK.release)
+# Sessions are made and dropped inside it (`fork_waits()`): a fork waits for them (see fork_gate).
+_SESSION_WORK = ForkGate()
+fork_waits = _SESSION_WORK.passing
+
+
+def _before_fork() -> None:
+    # The gate first: work inside it may still need the API lock.
+    _SESSION_WORK.close()
+    # Held across fork: a child never inherits it taken by a thread it does not have (a packing thread
+    # loading the library), and it sees the API either whole or not loaded.
+    _API_LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _API_LOCK.release()
+    _SESSION_WORK.reopen()
+
+
+def _after_fork_in_child() -> None:
+    _API_LOCK.release()
+    _SESSION_WORK.reopen_in_child()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def api() -> _Api:

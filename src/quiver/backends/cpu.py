@@ -60,6 +60,9 @@ _REDROP_EVERY = 256  # runs between two drops of packed weights' mapped pages (0
 _GLOBAL_POOLS_MESSAGE = "use_per_session_threads must be false when using a global thread pool"
 _global_thread_pools = threading.Event()
 
+# Making and dropping ORT sessions, which a fork waits for (see fork_gate); for other modules that make them.
+fork_waits = _ort_capi.fork_waits
+
 
 def use_global_thread_pools() -> None:
     """Sessions made from now on use ORT's global thread pools (call after `set_global_thread_pool_sizes`)."""
@@ -316,30 +319,31 @@ def _create_session(
     integers), and the first output must equal every later one. `c_api_only`: graphs exchanging float8
     or 4-bit tensors, which ORT's Python API cannot pass.
     """
-    try:
-        if (packed or c_api_only) and shareable and backend.profile_prefix is None:
-            try:
-                return _ort_capi.Session(
-                    weights.model,
-                    weights.shared,
-                    weights.readable,
-                    backend.container(),
-                    _config(settings, prepack=packed),
-                    settings.intra_op_num_threads,
-                    int(settings.ort_level),
-                    per_session_threads=not _global_thread_pools.is_set(),
-                    log_severity=_ort_log_severity,
-                )
-            except _ort_capi.CApiUnavailableError:
-                if c_api_only:
-                    raise BackendError(
-                        f"graph {graph.name!r} exchanges float8 or 4-bit tensors, which only ORT's C API can pass, "
-                        "and this ONNX Runtime does not offer the functions Quiver needs"
-                    ) from None
-                # no shared packing on this install: each graph packs its own copy
-        return _PythonApiSession(weights, backend, settings, packed)
-    except Exception as exc:
-        raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
+    with _ort_capi.fork_waits():  # a fork never finds ORT halfway through making a session
+        try:
+            if (packed or c_api_only) and shareable and backend.profile_prefix is None:
+                try:
+                    return _ort_capi.Session(
+                        weights.model,
+                        weights.shared,
+                        weights.readable,
+                        backend.container(),
+                        _config(settings, prepack=packed),
+                        settings.intra_op_num_threads,
+                        int(settings.ort_level),
+                        per_session_threads=not _global_thread_pools.is_set(),
+                        log_severity=_ort_log_severity,
+                    )
+                except _ort_capi.CApiUnavailableError:
+                    if c_api_only:
+                        raise BackendError(
+                            f"graph {graph.name!r} exchanges float8 or 4-bit tensors, which only ORT's C API can pass, "
+                            "and this ONNX Runtime does not offer the functions Quiver needs"
+                        ) from None
+                    # no shared packing on this install: each graph packs its own copy
+            return _PythonApiSession(weights, backend, settings, packed)
+        except Exception as exc:
+            raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
 
 _Form = tuple[FinalizedGraph, bytes, SessionSettings]  # a graph, its model serialized, how its sessions are made
@@ -433,7 +437,8 @@ class CpuExecutable:
             self.is_packed = True
         _drop_resident_pages(self._droppable)
         self._forget_sources()
-        del stand_in
+        with _ort_capi.fork_waits():  # nor halfway through dropping one
+            del stand_in
         _return_freed_memory()
 
     def run(
@@ -495,6 +500,8 @@ class CpuExecutable:
             session, self._session = self._session, None
         if self._backend.profile_prefix is not None and isinstance(session, _PythonApiSession):
             self._backend.profiles.append(session.end_profiling())  # profiling sessions are packed eagerly
+        with _ort_capi.fork_waits():  # dropped here unless a run in flight still holds it
+            del session
 
 
 class CpuBackend:

@@ -26,7 +26,7 @@ import onnxruntime
 from quiver import errors
 from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
-from quiver.backends.cpu import global_thread_pools_in_use
+from quiver.backends.cpu import fork_waits, global_thread_pools_in_use
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import write_text_atomically
 from quiver.ir import dtypes
@@ -335,7 +335,8 @@ class InferenceSession(onnxruntime.InferenceSession):
     def _plain_ort_session(source: str | Path | bytes, options: Any) -> onnxruntime.InferenceSession:
         """ORT's own session over the model, with the caller's options (ORT applies their overrides)."""
         options = options if isinstance(options, onnxruntime.SessionOptions) else None
-        return onnxruntime.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+        with fork_waits():
+            return onnxruntime.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
 
     def _ort_twin(self) -> onnxruntime.InferenceSession:
         """Plain ORT over the same model, for what runs through ORT although the model runs on Quiver: the
