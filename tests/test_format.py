@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import struct
 import zlib
@@ -16,6 +17,7 @@ import quiver
 from quiver.formats._layout import DATA_START, MAGIC, PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from quiver.formats.writer import ContextWriter, PreparedRecord
+from quiver.passes.load import TensorSource
 from tests.fuzz.harness import reseal
 
 
@@ -81,6 +83,34 @@ def test_weights_are_aligned_and_large_ones_page_aligned(tmp_path: Path) -> None
     file = ContextFile.open(_write(tmp_path, arrays))
     for weight in file.weights:
         assert weight.offset % (4096 if weight.length >= 65536 else 64) == 0
+
+
+def _zero_bytes_between_weights(file: ContextFile) -> int:
+    spans = sorted((w.offset, w.offset + w.length) for w in file.weights)
+    return sum(start - end for (_, end), (start, _) in itertools.pairwise([(0, DATA_START), *spans]))
+
+
+def test_small_weights_fill_the_slack_before_a_page_aligned_one(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    arrays: dict[str, np.ndarray] = {}
+    for i in range(4):  # a graph's order: a matrix ending mid-page (68,000 B), its scales, its biases
+        arrays[f"w{i}"] = rng.standard_normal(17000).astype(np.float32)
+        arrays[f"s{i}"] = rng.standard_normal(4500).astype(np.float32)  # 18,000 B: more than the slack
+        for j in range(3):
+            arrays[f"b{i}{j}"] = rng.standard_normal(100).astype(np.float32)  # 400 B
+    tensors = {name: TensorSource("float32", array.shape, array) for name, array in arrays.items()}
+    with ContextWriter(tmp_path) as writer:
+        mapping = writer.add_weights(tensors, {})
+        writer.add_graph("g", b"skeleton", mapping)
+        packed = ContextFile.open(writer.finish(tmp_path / "packed.qctx"))
+    assert list(mapping) == list(tensors)
+    for name, index in mapping.items():
+        np.testing.assert_array_equal(packed.weight_array(index), arrays[name])
+    in_order = ContextFile.open(_write(tmp_path, list(arrays.values())))
+    # in order, each later matrix waits for the page after its predecessor's scales and biases (~3 KB of
+    # zeros each); packed, the biases sit in the slack after each matrix and the scales go last
+    assert _zero_bytes_between_weights(in_order) > 8_000
+    assert _zero_bytes_between_weights(packed) < 2_000
 
 
 def test_the_same_input_gives_the_same_bytes(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
@@ -25,6 +25,8 @@ from quiver.formats._layout import (
     MAGIC,
     MAJOR,
     MINOR,
+    PAGE_ALIGN_FROM,
+    PAGE_ALIGNMENT,
     SECTION_MAGIC,
     Preamble,
     align_for,
@@ -36,6 +38,25 @@ from quiver.ir import dtypes
 _W = TypeVar("_W", bound="TensorFileWriter")
 # (dtype, shape, sha256 of bytes, sha256 of the encoding the bytes are read with; "" for plain tensors)
 ContentKey = tuple[str, tuple[int, ...], str, str]
+
+
+class StreamedTensor(Protocol):
+    """A tensor whose bytes come in chunks (`passes.load.TensorSource`)."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def chunks(self) -> Iterable[bytes | memoryview]: ...
+
+
+def _byte_length(dtype: str, shape: Iterable[int]) -> int:
+    length = dtypes.itemsize(dtype)
+    for dim in shape:
+        length *= int(dim)
+    return length
 
 
 class _State(enum.Enum):
@@ -98,9 +119,7 @@ class TensorFileWriter:
         """
         self._require(_State.WEIGHTS)
         shape = tuple(int(d) for d in shape)
-        expected = dtypes.itemsize(dtype)
-        for dim in shape:
-            expected *= dim
+        expected = _byte_length(dtype, shape)
         start = align_up(self._end, align_for(expected))
         self._file.seek(self._end)
         self._file.write(b"\0" * (start - self._end))
@@ -123,6 +142,41 @@ class TensorFileWriter:
         self._weights.append(WeightRecord(dtype, shape, start, written, key[2], encoding, crc))
         self._by_key[key] = len(self._weights) - 1
         return len(self._weights) - 1
+
+    def add_weights(
+        self, tensors: Mapping[str, StreamedTensor], encodings: Mapping[str, Mapping[str, Any]]
+    ) -> dict[str, int]:
+        """Stores a graph's tensors (as `add_weight`), small ones placed in the slack that page alignment
+        leaves before a large one rather than in a padding of zeros; returns each tensor's index.
+
+        A page-aligned tensor (rule 4) ends mid-page unless its length is whole pages: written in the
+        graph's order, a 4-bit MiniLM's scales and biases left 54 KB of zeros between its weights.
+        """
+        lengths = {name: _byte_length(t.dtype, t.shape) for name, t in tensors.items()}
+        small = sorted((n for n in tensors if lengths[n] < PAGE_ALIGN_FROM), key=lambda n: -lengths[n])
+        indices: dict[str, int] = {}
+
+        def add(name: str) -> None:
+            tensor = tensors[name]
+            indices[name] = self.add_weight(tensor.dtype, tensor.shape, tensor.chunks(), encodings.get(name))
+
+        def fill_to_page() -> None:
+            while small:
+                room = align_up(self._end, PAGE_ALIGNMENT) - align_up(self._end, ALIGNMENT)
+                fitting = next((n for n in small if lengths[n] <= room), None)  # the largest that fits
+                if fitting is None:
+                    return
+                small.remove(fitting)
+                add(fitting)
+
+        for name in tensors:
+            if lengths[name] >= PAGE_ALIGN_FROM:
+                fill_to_page()
+                add(name)
+        for name in tensors:
+            if name in small:
+                add(name)
+        return {name: indices[name] for name in tensors}
 
     def flushed_path(self) -> Path:
         """The temporary file, everything written so far flushed: for reading weights back before the

@@ -132,10 +132,7 @@ class Context:
 
         folder = Path(external_data_folder) if external_data_folder is not None else None
         converted = convert(model, input_shapes, name, updateable, external_data_folder=folder)
-        mapping = {
-            tensor: self._writer.add_weight(src.dtype, src.shape, src.chunks(), converted.encodings.get(tensor))
-            for tensor, src in converted.weights.items()
-        }
+        mapping = self._writer.add_weights(converted.weights, converted.encodings)
         self._writer.add_graph(name, converted.skeleton.SerializeToString(), mapping, updateable)
         self._enabled.append(name)
 
