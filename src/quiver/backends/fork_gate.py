@@ -17,6 +17,9 @@ class ForkGate:
     """Any number of threads pass at once; `close()` waits until none is inside and keeps new ones out."""
 
     def __init__(self) -> None:
+        self._open()
+
+    def _open(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._inside = 0
 
@@ -44,4 +47,4 @@ class ForkGate:
 
     def reopen_in_child(self) -> None:
         """In the child after `fork`: the only thread there is the one that forked, and nobody is inside."""
-        self.__init__()  # type: ignore[misc]
+        self._open()
