@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import fcntl
 import hashlib
@@ -153,7 +154,8 @@ class TensorFileWriter:
         graph's order, a 4-bit MiniLM's scales and biases left 54 KB of zeros between its weights.
         """
         lengths = {name: _byte_length(t.dtype, t.shape) for name, t in tensors.items()}
-        small = sorted((n for n in tensors if lengths[n] < PAGE_ALIGN_FROM), key=lambda n: -lengths[n])
+        # the small tensors not stored yet, by length: the largest that fits a slack is found by bisection
+        small = sorted((lengths[n], position, n) for position, n in enumerate(tensors) if lengths[n] < PAGE_ALIGN_FROM)
         indices: dict[str, int] = {}
 
         def add(name: str) -> None:
@@ -163,18 +165,17 @@ class TensorFileWriter:
         def fill_to_page() -> None:
             while small:
                 room = align_up(self._end, PAGE_ALIGNMENT) - align_up(self._end, ALIGNMENT)
-                fitting = next((n for n in small if lengths[n] <= room), None)  # the largest that fits
-                if fitting is None:
+                fitting = bisect.bisect_right(small, (room, len(tensors))) - 1
+                if fitting < 0:
                     return
-                small.remove(fitting)
-                add(fitting)
+                add(small.pop(fitting)[2])
 
         for name in tensors:
             if lengths[name] >= PAGE_ALIGN_FROM:
                 fill_to_page()
                 add(name)
-        for name in tensors:
-            if name in small:
+        for name in tensors:  # the rest in the graph's order
+            if name not in indices:
                 add(name)
         return {name: indices[name] for name in tensors}
 
