@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +150,40 @@ def test_weights_that_onnx_runtime_folds_reach_its_optimizers_without_a_second_t
     np.testing.assert_array_equal(first, x + table[3:403])
     np.testing.assert_array_equal(context.graph("folded").execute({"x": x})["y"], first)
     assert all(e.is_packed for e in executables(context).values())  # type: ignore[attr-defined]
+
+
+def _resident_kb_of_mapping(address: int) -> int:
+    """The resident size (kB) of the memory mapping that holds `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_mapped_weights_are_let_go_while_a_session_packs_them(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(np.arange(1 << 20, dtype=np.float32).tobytes())  # 4 MB
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # closed with its last array
+    weights = np.frombuffer(mapped, np.float32)
+    address = weights.__array_interface__["data"][0]
+    assert float(weights[::1024].sum()) > 0  # every page read, as ORT reads a weight it packs
+    assert _resident_kb_of_mapping(address) >= 4096
+    seen = []
+
+    def pack() -> str:  # a packing that takes until the pages it read are let go (or 10 s)
+        deadline = time.monotonic() + 10
+        while _resident_kb_of_mapping(address) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen.append(_resident_kb_of_mapping(address))
+        return "session"
+
+    assert cpu._packing_while_dropping([weights], pack) == "session"
+    assert seen == [0]
+    np.testing.assert_array_equal(weights[:5], np.arange(5, dtype=np.float32))  # read back from the file

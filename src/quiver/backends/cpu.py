@@ -14,7 +14,7 @@ import dataclasses
 import mmap
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
@@ -55,6 +55,7 @@ _NOTHING: Mapping[str, np.ndarray] = MappingProxyType({})
 _PAGE = mmap.PAGESIZE
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
 _REDROP_EVERY = 256  # runs between two drops of packed weights' mapped pages (0.7 ms for SmolLM2-135M)
+_DROP_WHILE_PACKING_S = 0.02  # how often mapped pages are let go while a session packs its weights
 # ORT's process-wide thread pools (`set_global_thread_pool_sizes`): once made, ORT's Python API refuses
 # sessions with threads of their own, so every session the backend makes then runs on them.
 _GLOBAL_POOLS_MESSAGE = "use_per_session_threads must be false when using a global thread pool"
@@ -149,15 +150,45 @@ def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
     so they fault in just their pages (MADV_RANDOM), not the 64 KB around each that the kernel would
     map ahead: over a conversation that made the whole table resident again.
     """
+    _advise(arrays, _MADV_DONTNEED, _MADV_RANDOM)
+
+
+def _advise(arrays: list[np.ndarray], *advice: int) -> None:
+    """madvise() on the whole pages of each array (neighbours may share the edge pages)."""
     if _LIBC is None:
         return
     for array in arrays:
         start = array.__array_interface__["data"][0]
         first = -(-start // _PAGE) * _PAGE
-        last = (start + array.nbytes) // _PAGE * _PAGE  # whole pages only: neighbours may share the edges
+        last = (start + array.nbytes) // _PAGE * _PAGE
         if last > first:
-            _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
-            _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_RANDOM)
+            for each in advice:
+                _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), each)
+
+
+def _packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], _Session]) -> _Session:
+    """Runs `create` (making a packed session) while another thread lets go, every few milliseconds,
+    of the mapped pages ORT has read so far: the process never holds the mapped originals and their
+    packed copies of every weight at once (SmolLM2-135M's peak was 1.2 GB for 0.54 GB of weights).
+
+    Pages ORT still reads fault back in from the page cache. Read-ahead stays on while it packs
+    (no MADV_RANDOM here): it reads each weight from start to end.
+    """
+    if _LIBC is None or not arrays:
+        return create()
+    done = threading.Event()
+
+    def drop_until_done() -> None:
+        while not done.wait(_DROP_WHILE_PACKING_S):
+            _advise(arrays, _MADV_DONTNEED)
+
+    dropper = threading.Thread(target=drop_until_done, name="quiver-drop-while-packing", daemon=True)
+    dropper.start()
+    try:
+        return create()
+    finally:
+        done.set()
+        dropper.join()
 
 
 def _is_static(value: ValueInfoProto) -> bool:
@@ -386,13 +417,13 @@ class CpuExecutable:
         self.prepared = prepared is not None  # sessions come from the context's prepared form (cpu_prepared)
         self._use(*(prepared or portable))
         try:
-            self._session: _Session | None = self._create(packed=self.is_packed)
+            self._session: _Session | None = self._create_first()
         except BackendError:
             if prepared is None:
                 raise
             self.prepared = False  # a prepared form this ORT refuses after all: the portable skeleton, as before
             self._use(*portable)
-            self._session = self._create(packed=self.is_packed)
+            self._session = self._create_first()
         self._upgrade_pending = settings.prepack and not self.is_packed
         self._runs_since_drop = 0
         if self.is_packed:
@@ -424,6 +455,13 @@ class CpuExecutable:
             shareable=self._shareable,
             c_api_only=self._c_api_only,
         )
+
+    def _create_first(self) -> _Session:
+        if not self.is_packed:
+            return self._create(packed=False)
+        # Packed from the start, nothing else of this graph reads the mapped weights meanwhile: let them
+        # go as they are packed. (A stand-in's runs would fault them back in on every run.)
+        return _packing_while_dropping(self._droppable, lambda: self._create(packed=True))
 
     def _build_packed_session(self) -> None:
         try:
