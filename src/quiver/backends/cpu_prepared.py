@@ -21,6 +21,7 @@ from typing import BinaryIO
 import numpy as np
 import onnxruntime as ort
 
+from quiver.backends._ort_capi import fork_waits
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
 from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes
@@ -119,7 +120,8 @@ def prepare(
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
         try:
-            ort.InferenceSession(readable.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            with fork_waits():  # a server may build contexts on a thread while another forks
+                ort.InferenceSession(readable.SerializeToString(), options, providers=["CPUExecutionProvider"])
             prepared = ModelProto.FromString(target.read_bytes())
         except Exception:  # noqa: BLE001 - what ORT cannot prepare now it prepares at open, as before
             return None
