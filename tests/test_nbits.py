@@ -164,3 +164,37 @@ def test_integers_read_by_two_dequantizers_are_rewritten_once() -> None:
         assert sorted(_skeleton_ops(context)) == ["Add", "DequantizeLinear", "MatMul", "MatMulNBits"]
         ours = context.graph("g").execute({"x": x})["y"]
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize(
+    ("bits", "zero_points"),
+    [(3, 2 * 64 * 256), (4, 5)],  # a width ORT does not have; fewer zero points than blocks
+)
+def test_a_malformed_matmul_nbits_builds_and_is_refused_when_prepared(bits: int, zero_points: int) -> None:
+    k, n, block = 4096, 64, 16  # B large enough to be stored as a weight, so its encoding is read
+    blocks = k // block
+    tensors = [
+        numpy_helper.from_array(np.zeros((n, blocks, block * bits // 8), np.uint8), "B"),
+        numpy_helper.from_array(np.ones(n * blocks, np.float32), "S"),
+        numpy_helper.from_array(np.zeros(zero_points, np.uint8), "Z"),
+    ]
+    node = helper.make_node(
+        "MatMulNBits", ["x", "B", "S", "Z"], ["y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+        tensors,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    context = quiver.Context.create("cpu")
+    context.add_graph("g", model)  # no encoding can be read from it, and building says nothing
+    context.finalize()
+    assert context.graph("g").encodings().tensors == {}
+    with pytest.raises(quiver.BackendError):
+        context.graph("g").execute({"x": np.ones((1, k), np.float32)})
+    context.close()

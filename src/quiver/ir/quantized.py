@@ -144,10 +144,10 @@ def _nbits_reading(node: onnx.NodeProto, value_of: Callable[[str], np.ndarray | 
     signed and symmetric where every zero point is the default, 2^(bits-1) (an unsigned weight with
     that zero point reads the same)."""
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    bits, n, block = int(attributes.get("bits", 4)), int(attributes["N"]), int(attributes["block_size"])
+    bits, n, block = int(attributes.get("bits", 4)), int(attributes.get("N", 0)), int(attributes.get("block_size", 0))
     scale = value_of(node.input[2])
-    if scale is None or scale.size % n:
-        return None
+    if bits not in (2, 4, 8) or n <= 0 or scale is None or scale.size % n:
+        return None  # a malformed node: no encoding to read; the backend refuses the graph with ORT's reason
     scales = scale.astype(np.float32).reshape(n, -1)  # [N, blocks]
     middle = 1 << (bits - 1)
     zero_name = node.input[3] if len(node.input) > 3 else ""
@@ -157,6 +157,8 @@ def _nbits_reading(node: onnx.NodeProto, value_of: Callable[[str], np.ndarray | 
     if packed is None:
         zeros = np.full(scales.shape, middle, np.int64)
     else:
+        if packed.size % n or packed.size // n * (8 // bits) < scales.shape[1]:
+            return None  # fewer zero points than blocks
         zeros = unpack_bits(packed.reshape(n, -1), bits)[:, : scales.shape[1]].astype(np.int64)
     symmetric = bool((zeros == middle).all())
     if symmetric:
