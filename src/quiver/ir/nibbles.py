@@ -13,7 +13,7 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
 
 def unpack_nibbles(packed: np.ndarray, count: int, signed: bool) -> np.ndarray:
     """The first `count` 4-bit values of packed bytes: int8 (sign-extended) or uint8, flat."""
-    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(-1)[:count]
+    values = unpack_bits(packed.reshape(-1), 4)[:count]
     return ((values.astype(np.int8) ^ 8) - 8) if signed else values
 
 
