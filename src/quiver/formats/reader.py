@@ -141,9 +141,7 @@ def _parse_weight(index: int, raw: Any, limit: int) -> WeightEntry:
     shape = tuple(_int(d, f"{what}.shape") for d in shape_raw)
     offset = _int(raw.get("offset"), f"{what}.offset")
     length = _int(raw.get("length"), f"{what}.length")
-    expected = dtypes.itemsize(dtype)
-    for dim in shape:  # Python ints: no overflow, and length is bounded by the file size below
-        expected *= dim
+    expected = dtypes.byte_length(dtype, shape)  # length is bounded by the file size below
     if expected != length:
         raise _fail(f"{what} is {dtype}{list(shape)} ({expected} bytes) but records {length} bytes")
     _region(offset, length, limit, what)

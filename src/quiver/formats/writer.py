@@ -53,13 +53,6 @@ class StreamedTensor(Protocol):
     def chunks(self) -> Iterable[bytes | memoryview]: ...
 
 
-def _byte_length(dtype: str, shape: Iterable[int]) -> int:
-    length = dtypes.itemsize(dtype)
-    for dim in shape:
-        length *= int(dim)
-    return length
-
-
 class _State(enum.Enum):
     WEIGHTS = "weights"
     DONE = "done"
@@ -120,7 +113,7 @@ class TensorFileWriter:
         """
         self._require(_State.WEIGHTS)
         shape = tuple(int(d) for d in shape)
-        expected = _byte_length(dtype, shape)
+        expected = dtypes.byte_length(dtype, shape)
         start = align_up(self._end, align_for(expected))
         self._file.seek(self._end)
         self._file.write(b"\0" * (start - self._end))
@@ -153,7 +146,7 @@ class TensorFileWriter:
         A page-aligned tensor (rule 4) ends mid-page unless its length is whole pages: written in the
         graph's order, a 4-bit MiniLM's scales and biases left 54 KB of zeros between its weights.
         """
-        lengths = {name: _byte_length(t.dtype, t.shape) for name, t in tensors.items()}
+        lengths = {name: dtypes.byte_length(t.dtype, t.shape) for name, t in tensors.items()}
         # the small tensors not stored yet, by length: the largest that fits a slack is found by bisection
         small = sorted((lengths[n], position, n) for position, n in enumerate(tensors) if lengths[n] < PAGE_ALIGN_FROM)
         indices: dict[str, int] = {}

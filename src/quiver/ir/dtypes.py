@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import ml_dtypes
 import numpy as np
 
@@ -85,3 +87,11 @@ def onnx_of(name: str) -> int:
 
 def itemsize(name: str) -> int:
     return int(_TABLE[name][1].itemsize)
+
+
+def byte_length(name: str, shape: Iterable[int]) -> int:
+    """The bytes a tensor of this dtype and shape takes, in Python integers (no overflow)."""
+    length = itemsize(name)
+    for dim in shape:
+        length *= int(dim)
+    return length

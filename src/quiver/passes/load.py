@@ -88,7 +88,7 @@ def _external_source(tensor: onnx.TensorProto, dtype: str, shape: tuple[int, ...
         raise ModelLoadError(f"initializer {tensor.name!r}: external data file {file} is missing")
     try:
         offset = int(info.get("offset", "0"))
-        expected = dtypes.itemsize(dtype) * int(np.prod(shape, dtype=object))
+        expected = dtypes.byte_length(dtype, shape)
         length = int(info.get("length", str(expected)))
     except ValueError:
         raise ModelLoadError(f"initializer {tensor.name!r}: external data offset/length are not integers") from None
