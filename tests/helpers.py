@@ -6,10 +6,38 @@ import functools
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import quiver
+
+
+def matmul_nbits_model(
+    weights: list[onnx.TensorProto], k: int, n: int, bits: int, block: int, batch: int, **attributes: int
+) -> onnx.ModelProto:
+    """y [batch, N] = com.microsoft::MatMulNBits(x [batch, K], *weights): B, scales[, zero points]."""
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x", *(w.name for w in weights)],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block,
+        **attributes,
+    )
+    graph = helper.make_graph(
+        [node],
+        "nbits",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, n])],
+        weights,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
 
 
 def executables(context: quiver.Context) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import quiver
+from tests.helpers import matmul_nbits_model
 
 
 def _model() -> onnx.ModelProto:
@@ -56,27 +57,8 @@ def _matmul_nbits(bits: int, k: int, zero_points: bool) -> onnx.ModelProto:
     ]
     if zero_points:
         weights.append(numpy_helper.from_array(rng.integers(0, 256, n * -(-blocks * bits // 8), dtype=np.uint8), "z"))
-    node = helper.make_node(
-        "MatMulNBits",
-        ["x", *(w.name for w in weights)],
-        ["y"],
-        domain="com.microsoft",
-        K=k,
-        N=n,
-        bits=bits,
-        block_size=block,
-        accuracy_level=0,  # float32 arithmetic in ORT too: the reference's dequantized weights
-    )
-    graph = helper.make_graph(
-        [node],
-        "nbits",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
-        weights,
-    )
-    return helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    )
+    # accuracy level 0: float32 arithmetic in ORT too, the reference's dequantized weights
+    return matmul_nbits_model(weights, k, n, bits, block, batch=3, accuracy_level=0)
 
 
 @pytest.mark.parametrize("zero_points", [False, True])

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 import quiver
 from quiver.backends.cpu import CpuBackend
 from quiver.ir.quantized import NBITS_SUFFIX
+from tests.helpers import matmul_nbits_model
 
 K, N = 70, 24  # K not a multiple of the 32-value block: the last block is padded
 
@@ -178,19 +179,7 @@ def test_a_malformed_matmul_nbits_builds_and_is_refused_when_prepared(bits: int,
         numpy_helper.from_array(np.ones(n * blocks, np.float32), "S"),
         numpy_helper.from_array(np.zeros(zero_points, np.uint8), "Z"),
     ]
-    node = helper.make_node(
-        "MatMulNBits", ["x", "B", "S", "Z"], ["y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block
-    )
-    graph = helper.make_graph(
-        [node],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
-        tensors,
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    )
+    model = matmul_nbits_model(tensors, k, n, bits, block, batch=1)
     context = quiver.Context.create("cpu")
     context.add_graph("g", model)  # no encoding can be read from it, and building says nothing
     context.finalize()
