@@ -54,7 +54,9 @@ if engine == "genai":
             generator.generate_next_token()
             count += 1
         done = time.perf_counter()
-        return len(ids) / (prefilled - start), count / (done - prefilled)
+        # The first call only samples from the prompt's logits (append_tokens ran the model): `count`
+        # calls make count - 1 runs. Decode tok/s counts runs, as Quiver's QueryResult does.
+        return len(ids) / (prefilled - start), (count - 1) / (done - prefilled)
 else:
     from quiver.backends import _ort_capi
     from quiver.t2t.config import read_dialog_config

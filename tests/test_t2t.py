@@ -74,6 +74,12 @@ def _numpy_greedy(weights: dict[str, np.ndarray], ids: list[int], count: int, de
     return new
 
 
+def _kv_cache() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """An empty KV cache, and the same arrays as the presents' output buffers (appended in place)."""
+    cache = {n: np.zeros((1, KV_HEADS, CONTEXT, HEAD_DIM), np.float32) for i in range(LAYERS) for n in past_names(i)}
+    return cache, {present_names(i)[j]: cache[past_names(i)[j]] for i in range(LAYERS) for j in (0, 1)}
+
+
 def _scaled(delta: dict[str, np.ndarray], strength: float) -> dict[str, np.ndarray]:
     return {name: value * strength for name, value in delta.items()}
 
@@ -89,10 +95,7 @@ def test_greedy_generation_follows_the_numpy_forward_pass(model: str, request: p
 
 def test_prefill_and_decode_logits_match_the_numpy_forward_pass(llama: Tiny) -> None:
     with quiver.Context.from_binary(llama.out / "model.qctx") as context:
-        cache = {
-            n: np.zeros((1, KV_HEADS, CONTEXT, HEAD_DIM), np.float32) for i in range(LAYERS) for n in past_names(i)
-        }
-        out = {present_names(i)[j]: cache[past_names(i)[j]] for i in range(LAYERS) for j in (0, 1)}
+        cache, out = _kv_cache()
         ids = [5, 17, 42, 8]
         for graph, chunk, total in (("prefill", ids[:3], 3), ("decode", ids[3:], 4)):
             feeds = {
@@ -265,6 +268,44 @@ def test_output_buffers_are_checked(llama: Tiny) -> None:
             graph.execute({}, out={"logits": np.zeros((1, 1, 3), np.float64)})
         with pytest.raises(quiver.FeedNameError, match="no output"):
             graph.execute({}, out={"nope": np.zeros(1, np.float32)})
+
+
+def test_a_bound_run_reads_its_arrays_in_place_each_run(llama: Tiny) -> None:
+    with quiver.Context.from_binary(llama.out / "model.qctx") as context:
+        cache, presents = _kv_cache()
+        logits = np.zeros((1, 1, llama.weights["model.embed_tokens.weight"].shape[0]), np.float32)
+        out = {"logits": logits, **presents}
+        ids = [5, 17, 42, 8, 23]
+        context.graph("prefill").execute(
+            {"input_ids": np.array([ids[:3]], np.int64), "seqlens_k": np.array([2], np.int32),
+             "total_sequence_length": np.array(3, np.int32), **cache},
+            out=out,
+        )  # fmt: skip
+        token, seqlens, total = np.zeros((1, 1), np.int64), np.zeros(1, np.int32), np.zeros((), np.int32)
+        step = context.graph("decode").bind(
+            {"input_ids": token, "seqlens_k": seqlens, "total_sequence_length": total, **cache}, out
+        )
+        for length in (4, 5):  # new values written into the bound arrays, not new arrays
+            token[0, 0], seqlens[0], total[()] = ids[length - 1], length - 1, length
+            step.run()
+            np.testing.assert_allclose(logits[0, 0], forward(llama.weights, ids[:length]), atol=2e-4)
+
+
+def test_binding_refuses_what_a_run_could_not_read_in_place(llama: Tiny) -> None:
+    with quiver.Context.from_binary(llama.out / "model.qctx") as context:
+        graph = context.graph("decode")
+        cache, presents = _kv_cache()
+        feeds = {"input_ids": np.zeros((1, 1), np.int64), "seqlens_k": np.zeros(1, np.int32),
+                 "total_sequence_length": np.zeros((), np.int32), **cache}  # fmt: skip
+        out = {"logits": np.zeros(next(o.shape for o in graph.outputs if o.name == "logits"), np.float32), **presents}
+        with pytest.raises(quiver.FeedDTypeError, match="bound feed 'seqlens_k' must be a numpy array"):
+            graph.bind({**feeds, "seqlens_k": [0]}, out)
+        with pytest.raises(quiver.FeedNameError, match="missing \\['logits'\\]"):
+            graph.bind(feeds, {n: a for n, a in out.items() if n != "logits"})
+        with pytest.raises(quiver.FeedNameError, match="unknown \\['nope'\\]"):
+            graph.bind({**feeds, "nope": np.zeros(1, np.float32)}, out)
+        with pytest.raises(quiver.FeedDTypeError, match="input 'input_ids' expects int64"):
+            graph.bind({**feeds, "input_ids": np.zeros((1, 1), np.int32)}, out)
 
 
 def test_a_folder_that_is_not_a_causal_lm_is_refused(tmp_path: Path) -> None:
@@ -454,10 +495,7 @@ def test_output_buffers_on_sessions_of_the_python_api(llama: Tiny) -> None:
 
     # prepack=False: every session comes from ORT's Python API (IOBinding); logits are not bound here
     with quiver.Context.from_binary(llama.out / "model.qctx", backend=CpuBackend(prepack=False)) as context:
-        cache = {
-            n: np.zeros((1, KV_HEADS, CONTEXT, HEAD_DIM), np.float32) for i in range(LAYERS) for n in past_names(i)
-        }
-        out = {present_names(i)[j]: cache[past_names(i)[j]] for i in range(LAYERS) for j in (0, 1)}
+        cache, out = _kv_cache()
         ids = [5, 17, 42]
         feeds = {"input_ids": np.array([ids], np.int64), "seqlens_k": np.array([2], np.int32),
                  "total_sequence_length": np.array(3, np.int32), **cache}  # fmt: skip

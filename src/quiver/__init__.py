@@ -68,6 +68,7 @@ _LAZY = {
     "Context": "quiver.runtime.context",
     "WeightStats": "quiver.runtime.context",
     "Graph": "quiver.runtime.graph",
+    "BoundRun": "quiver.runtime.bound_run",
     "AccuracyReport": "quiver.tools.accuracy",
     "accuracy_report": "quiver.tools.accuracy",
     "CheckReport": "quiver.tools.check",
@@ -84,6 +85,7 @@ if _TYPE_CHECKING:
     from quiver.formats.encodings import Encoding, EncodingSet, load_encodings, save_encodings
     from quiver.ir.tensors import TensorInfo, TensorType
     from quiver.passes.quantize import QuantizeOptions, quantize
+    from quiver.runtime.bound_run import BoundRun
     from quiver.runtime.context import Context, WeightStats
     from quiver.runtime.graph import Graph
     from quiver.tools.accuracy import AccuracyReport, accuracy_report
@@ -111,6 +113,7 @@ __all__ = [
     # runtime
     "Context",
     "Graph",
+    "BoundRun",
     "TensorInfo",
     "TensorType",
     "WeightStats",

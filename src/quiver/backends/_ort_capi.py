@@ -344,6 +344,7 @@ class _RunPlan:
     wrapped: list[_Tensor | None]  # the last OrtValue made for each of them
     output_names: Any
     outputs: Any
+    results: list[np.ndarray] | None  # a run's results when every output has a buffer: those buffers
 
 
 class Session:
@@ -370,6 +371,10 @@ class Session:
         self._bound_lock = threading.Lock()  # runs on several threads share the cache
         self._outputs: dict[str, _Tensor] = {}
         self._plan: _RunPlan | None = None
+        # (feeds, bound, out, output names, plan) of the last run: a bound run (`runtime.bound_run`)
+        # passes the very same dicts every time, never changed, and finds its plan without comparing
+        # a KV cache's sixty-odd names and ids per step
+        self._last_run: tuple[object, object, object, object, _RunPlan] | None = None
         # (the bound dict last run, its encoded names, its wrappers): a caller that passes the same dict
         # again (strength folding does, until something changes) skips re-listing dozens of inputs. The
         # wrappers, not bare handles: a run in flight keeps them alive while another run replaces them.
@@ -430,7 +435,12 @@ class Session:
         out: Mapping[str, np.ndarray],
     ) -> list[np.ndarray]:
         capi = self._api
-        plan = self._plan_for(tuple(output_names), feeds, bound, out)
+        last = self._last_run
+        if last is not None and last[0] is feeds and last[1] is bound and last[2] is out and last[3] is output_names:
+            plan = last[4]
+        else:
+            plan = self._plan_for(tuple(output_names), feeds, bound, out)
+            self._last_run = (feeds, bound, out, output_names, plan)
         # per run: copies of the planned arrays (runs on several threads share the plan), with the
         # handles of feeds that are not output buffers filled in; such a feed given as the same array
         # object as last run (a caller's persistent token buffer) keeps its OrtValue: it wraps the
@@ -450,6 +460,8 @@ class Session:
         capi.check(
             capi.Run(self.handle, None, plan.names, inputs, plan.count, plan.output_names, len(outputs), outputs)
         )
+        if plan.results is not None:
+            return list(plan.results)
         results = []
         for name, value in zip(output_names, outputs):
             if name in out:
@@ -517,6 +529,7 @@ class Session:
             wrapped=[None] * len(fresh),
             output_names=(ctypes.c_char_p * len(output_names))(*(n.encode() for n in output_names)),
             outputs=(_P * len(output_names))(*(given[n].handle if n in given else None for n in output_names)),
+            results=[out[n] for n in output_names] if all(n in out for n in output_names) else None,
         )
         return plan
 

@@ -12,6 +12,7 @@ from quiver.ir.tensors import LORA_ALPHA_INPUT, TensorInfo
 
 if TYPE_CHECKING:
     from quiver.formats.encodings import EncodingSet
+    from quiver.runtime.bound_run import BoundRun
     from quiver.runtime.context import Context
     from quiver.runtime.state import GraphState
 
@@ -144,6 +145,13 @@ class Graph:
         arrays, bound = self.backend_feeds(feeds, state)
         results = self._context._run(self.name, arrays, bound, out)
         return {info.name: result for info, result in zip(self.outputs, results)}
+
+    def bind(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> BoundRun:
+        """Binds feeds and a buffer for every output once (ORT's IOBinding): `run()` on what it returns
+        executes on them as they are then, so write new values into the same arrays between runs."""
+        from quiver.runtime.bound_run import BoundRun
+
+        return BoundRun(self, feeds, out)
 
     def backend_feeds(
         self, feeds: Mapping[str, object], state: GraphState | None = None

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from quiver.backends.cpu import CpuBackend
-from quiver.errors import GenerationError
+from quiver.errors import GenerationError, QuiverError
 from quiver.runtime import fork
 from quiver.runtime.context import Context
 from quiver.t2t.config import DialogConfig, read_dialog_config
@@ -94,7 +94,22 @@ class Dialog:
         self._cache = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         self._logits = np.zeros(logits_shape, np.float32)
         self._out = {LOGITS: self._logits} | {_PRESENT + n[len(_PAST) :]: a for n, a in self._cache.items()}
-        self._token_feeds = (np.zeros((1, 1), np.int64), np.zeros(1, np.int32), np.zeros((), np.int32))
+        self._token_feeds = token, seqlens, length = (
+            np.zeros((1, 1), np.int64),
+            np.zeros(1, np.int32),
+            np.zeros((), np.int32),
+        )
+        # a decode step runs on arrays bound once: the token arrays are rewritten in place each step
+        try:
+            self._decode_run = self._decode.bind(
+                {INPUT_IDS: token, SEQLENS_K: seqlens, TOTAL_LENGTH: length, **self._cache}, self._out
+            )
+        except QuiverError as exc:
+            self._context.close()
+            raise GenerationError(
+                f"{config.ctx_bins[0]}: graph {config.decode_graph!r} does not take a decode step's inputs ({exc}); "
+                "make the context with `quiver t2t export`"
+            ) from None
         self._history: list[int] = []  # tokens whose keys and values are in the cache
         self._pending: list[int] = []  # generated, not yet fed (the next query starts with them)
         self._adapter: str | None = None
@@ -187,6 +202,7 @@ class Dialog:
         self._pending = []
         prefilled = time.perf_counter()
         eos = set(self.config.eos_tokens)
+        eos_ids = np.array(sorted(eos), np.int64)
         seen = list(self._history)
         new: list[int] = []
         stream = self.tokenizer.stream()
@@ -194,8 +210,7 @@ class Dialog:
         while True:
             logits = self._logits.reshape(-1)
             if len(new) < min_new_tokens and eos:
-                logits = logits.copy()
-                logits[list(eos)] = -np.inf
+                logits[eos_ids] = -np.inf  # in place: the next step overwrites the logits anyway
             token = sampler.next_token(logits, seen)
             new.append(token)
             seen.append(token)
@@ -237,9 +252,13 @@ class Dialog:
     def _step(self, graph: object, ids: list[int]) -> None:
         """Feeds tokens: their keys and values land in the cache, the logits of the last in `_logits`."""
         total = len(self._history) + len(ids)
-        if len(ids) == 1:  # a decode step: the same small arrays each time (the backend keeps their wrappers)
+        if len(ids) == 1:  # the same small arrays each time (the backend keeps their wrappers)
             token, seqlens, length = self._token_feeds
             token[0, 0], seqlens[0], length[()] = ids[0], total - 1, total
+            if graph is self._decode:
+                self._decode_run.run()
+                self._history.extend(ids)
+                return
         else:
             token, seqlens, length = (
                 np.array([ids], np.int64),

@@ -1,0 +1,68 @@
+"""A graph's run with its feeds and output buffers bound once (ORT's IOBinding): repeated runs skip the checks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from quiver.errors import FeedDTypeError, FeedNameError
+from quiver.runtime import fork
+from quiver.runtime.graph import validate_outputs
+
+if TYPE_CHECKING:
+    from quiver.runtime.graph import Graph
+    from quiver.runtime.state import GraphState
+
+
+class BoundRun:
+    """Runs one graph on arrays bound once: write new values into them in place between runs.
+
+    `Graph.execute` checks every feed and output buffer and builds its dictionaries on each run; a
+    generation's decode step feeds the same KV cache and token arrays thousands of times, and those
+    checks were most of the Python time around its ORT run. Here names, dtypes and shapes are checked
+    when binding (and again only when the graph's state changes: a section applied, a strength set);
+    each `run()` sees the state in use when it starts, as `execute` does. Runs of one binding take
+    turns: they share its output buffers.
+    """
+
+    def __init__(self, graph: Graph, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> None:
+        for name, array in feeds.items():
+            if not isinstance(array, np.ndarray):
+                raise FeedDTypeError(
+                    f"graph {graph.name!r}: bound feed {name!r} must be a numpy array (a run reads it in place); "
+                    f"got {type(array).__name__}"
+                )
+        missing = sorted({o.name for o in graph.outputs} - set(out))
+        if missing:
+            raise FeedNameError(f"graph {graph.name!r}: bind a buffer for every output; missing {missing}")
+        validate_outputs(graph.name, graph.outputs, out)
+        self.graph = graph
+        self._feeds = dict(feeds)  # private copies: a run hands the backend the same, unchanged dicts
+        self._out = dict(out)
+        self._prepared: tuple[GraphState | None, dict[str, np.ndarray], Mapping[str, np.ndarray]] = (None, {}, {})
+        self._prepare(graph._context._state(graph.name))  # refuses bad feeds now, not at the first run
+        self._lock = threading.Lock()
+        fork.reset_after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def _prepare(
+        self, state: GraphState
+    ) -> tuple[GraphState | None, dict[str, np.ndarray], Mapping[str, np.ndarray]]:
+        arrays, bound = self.graph.backend_feeds(self._feeds, state)
+        self._prepared = (state, arrays, bound)
+        return self._prepared
+
+    def run(self) -> None:
+        """Executes the graph: its outputs land in the bound buffers."""
+        graph = self.graph
+        with self._lock:
+            state = graph._context._state(graph.name)
+            prepared = self._prepared
+            if prepared[0] is not state:
+                prepared = self._prepare(state)
+            graph._context._run(graph.name, prepared[1], prepared[2], self._out)
