@@ -16,7 +16,7 @@ import quiver
 from quiver.passes.quantize import QuantizeOptions, quantize
 from quiver.tools.accuracy import cosine, sqnr_db
 from quiver.tools.family import BENCH, build_model, family_weights, sample_input_ids
-from timing import median_ms
+from timing import alternating_medians
 
 VARIANTS = {"a16w8": QuantizeOptions(activation_bits=16, weight_bits=8), "a16w4": QuantizeOptions(16, 4, block_size=64)}
 
@@ -67,12 +67,13 @@ def measure_quantization(folder: Path, sequence: int = 128, rounds: int = 5, ite
             "quiver_vs_ort_max_abs_diff": float(max(np.abs(a - b).max() for a, b in zip(ours, outputs))),
         }
     feeds = {"input_ids": held_out[0]}
-    quiver_ms: dict[str, list[float]] = {n: [] for n in paths}
-    ort_ms: dict[str, list[float]] = {n: [] for n in paths}
-    for _ in range(rounds):  # interleaved: this machine's speed drifts
-        for name in paths:
-            quiver_ms[name].append(median_ms(lambda g=graphs[name]: g.execute(feeds), iterations, warm_up=2))
-            ort_ms[name].append(median_ms(lambda s=sessions[name]: s.run(None, feeds), iterations, warm_up=2))
+    timed: dict[str, Any] = {}
+    for name in paths:  # interleaved: this machine's speed drifts
+        timed[f"quiver {name}"] = lambda g=graphs[name]: g.execute(feeds)
+        timed[f"ort {name}"] = lambda s=sessions[name]: s.run(None, feeds)
+    samples = alternating_medians(timed, rounds, iterations, warm_up=2)
+    quiver_ms = {name: samples[f"quiver {name}"] for name in paths}
+    ort_ms = {name: samples[f"ort {name}"] for name in paths}
     float_bytes = report["variants"]["float"]["context_bytes"]
     for name, entry in report["variants"].items():
         entry["context_over_float"] = entry["context_bytes"] / float_bytes

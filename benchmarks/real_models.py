@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 import quiver
 import quiver.ort
-from timing import median_ms
+from timing import alternating_medians
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the corpus helpers live with the tests
 from tests.real.corpus import OUTPUTS, quantize_minilm  # noqa: E402
@@ -124,10 +124,9 @@ def _latency(
     ours = context.graph(graph)
     ours.execute(feeds)
     context.wait_until_ready()
-    samples: dict[str, list[float]] = {"ort": [], "quiver": []}
-    for _ in range(rounds):
-        samples["ort"].append(median_ms(lambda: session.run(None, feeds), iterations, warm_up=2))
-        samples["quiver"].append(median_ms(lambda: ours.execute(feeds), iterations, warm_up=2))
+    samples = alternating_medians(
+        {"ort": lambda: session.run(None, feeds), "quiver": lambda: ours.execute(feeds)}, rounds, iterations, warm_up=2
+    )
     context.close()
     ratios = [q / o for q, o in zip(samples["quiver"], samples["ort"])]
     return {

@@ -33,7 +33,7 @@ from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 from real_models import measure_real_models  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import alternating_medians  # noqa: E402
 from tuning import measure_tuning  # noqa: E402
 
 SEQ = 128
@@ -207,11 +207,8 @@ def measure_latency(base: Path, qctx: Path, ids: np.ndarray, rounds: int, iterat
     for backend, graph in graphs.items():  # warm-up, and the outputs must agree
         np.testing.assert_allclose(graph.execute(feeds)["last_hidden_state"], reference, atol=1e-4, rtol=0)
         contexts[backend].wait_until_ready()  # steady state: weights packed
-    samples: dict[str, list[float]] = {"ort": [], **{b: [] for b in BACKENDS}}
-    for _ in range(rounds):
-        samples["ort"].append(median_ms(lambda: session.run(None, feeds), iterations))
-        for backend, graph in graphs.items():
-            samples[backend].append(median_ms(lambda g=graph: g.execute(feeds), iterations))
+    timed = {"ort": lambda: session.run(None, feeds), **{b: lambda g=g: g.execute(feeds) for b, g in graphs.items()}}
+    samples = alternating_medians(timed, rounds, iterations)
     ort_ms = statistics.median(samples["ort"])
     result: dict[str, Any] = {"batch": int(ids.shape[0]), "sequence": int(ids.shape[1]), "ort_ms": ort_ms}
     for backend in BACKENDS:

@@ -1,4 +1,4 @@
-"""One timing helper for every benchmark: the median of timed calls, after optional warm-up calls."""
+"""Timing helpers for every benchmark: the median of timed calls, and rounds of them side by side."""
 
 from __future__ import annotations
 
@@ -18,3 +18,17 @@ def median_ms(fn: Callable[[], Any], iterations: int, warm_up: int = 0) -> float
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def alternating_medians(
+    candidates: dict[str, Callable[[], Any]], rounds: int, iterations: int, warm_up: int = 0
+) -> dict[str, list[float]]:
+    """Per candidate, one `median_ms` per round; the order turns round by round. On this machine
+    whichever session is timed second runs 5-15 % slower (ORT's profiler shows every op type slower
+    there), so a fixed order would favour the one always timed first."""
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    names = list(candidates)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            samples[name].append(median_ms(candidates[name], iterations, warm_up))
+    return samples
