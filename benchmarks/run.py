@@ -330,7 +330,7 @@ def main() -> None:
         if "t2t" in sections:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("text generation ...", file=sys.stderr)
-            report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=7)
+            report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=15)
         if "tuning" in sections:
             models = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
             llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)

@@ -193,8 +193,8 @@ def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
         ("quiver fp32, rank-8 adapter on every projection", "quiver", configs["fp32+lora"], "lora:adapter_all"),
         ("quiver fp32, one graph for prefill and decode", "quiver", configs["fp32"], "one-graph"),
     ]
-    for round_ in range(rounds):
-        for label, engine, path, mode in plan:
+    for round_ in range(rounds):  # the order turns round by round, as in timing.alternating_medians
+        for label, engine, path, mode in plan if round_ % 2 == 0 else plan[::-1]:
             print(f"  t2t round {round_ + 1}/{rounds}: {label}", file=sys.stderr)
             runs.setdefault(label, []).append(_worker(engine, str(path), mode))
     results = {label: _medians(r) for label, r in runs.items()}
