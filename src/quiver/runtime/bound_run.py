@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from quiver.runtime.graph import Graph
     from quiver.runtime.state import GraphState
 
+    # the state a run was prepared for, and the feeds and bound tensors the backend gets for it
+    _Prepared = tuple[GraphState | None, dict[str, np.ndarray], Mapping[str, np.ndarray]]
+
 
 class BoundRun:
     """Runs one graph on arrays bound once: write new values into them in place between runs.
@@ -42,7 +45,7 @@ class BoundRun:
         self.graph = graph
         self._feeds = dict(feeds)  # private copies: a run hands the backend the same, unchanged dicts
         self._out = dict(out)
-        self._prepared: tuple[GraphState | None, dict[str, np.ndarray], Mapping[str, np.ndarray]] = (None, {}, {})
+        self._prepared: _Prepared = (None, {}, {})
         self._prepare(graph._context._state(graph.name))  # refuses bad feeds now, not at the first run
         self._lock = threading.Lock()
         fork.reset_after_fork(self)
@@ -50,9 +53,7 @@ class BoundRun:
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
 
-    def _prepare(
-        self, state: GraphState
-    ) -> tuple[GraphState | None, dict[str, np.ndarray], Mapping[str, np.ndarray]]:
+    def _prepare(self, state: GraphState) -> _Prepared:
         arrays, bound = self.graph.backend_feeds(self._feeds, state)
         self._prepared = (state, arrays, bound)
         return self._prepared
