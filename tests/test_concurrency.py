@@ -30,10 +30,11 @@ def valid(project: LoraProject) -> dict[str, np.ndarray]:
     return outputs
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["execute", "bound-runs"])
 def test_runs_racing_section_and_strength_switches_see_only_applied_states(
-    project: LoraProject, valid: dict[str, np.ndarray]
+    project: LoraProject, valid: dict[str, np.ndarray], bound: bool
 ) -> None:
-    report = concurrency.switching_sections(project, SECONDS)
+    report = concurrency.switching_sections(project, SECONDS, bound=bound)
     assert report["runs"] > 100 and report["states_seen"] >= 4
     assert report["invalid"] == 0
 

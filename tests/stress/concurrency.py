@@ -1,4 +1,4 @@
-"""Concurrency stress: runs racing section/strength switches, per-run adapters, eviction, fork.
+"""Concurrency stress: runs (and bound runs) racing section/strength switches, per-run adapters, eviction, fork.
 
 Short runs are part of the tests (tests/test_concurrency.py); a long run on demand:
 
@@ -115,9 +115,9 @@ def _loop_until(stop: float, steps: list[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-def switching_sections(project: LoraProject, seconds: float, threads: int = 4) -> dict[str, Any]:
+def switching_sections(project: LoraProject, seconds: float, threads: int = 4, bound: bool = False) -> dict[str, Any]:
     """`threads` runs executing while one more switches sections and strengths: every output must be
-    one of the valid states'."""
+    one of the valid states'. `bound`: each thread runs a binding of its own (`Graph.bind`)."""
     valid = valid_outputs(project)
     seen: dict[str, int] = {}
     invalid = 0
@@ -127,14 +127,21 @@ def switching_sections(project: LoraProject, seconds: float, threads: int = 4) -
         context.apply_binary_section("model", project.section("base"))
         switches = itertools.cycle([*USE_CASES[:3], *(f"long={v}" for v in LONG_STRENGTHS), *USE_CASES[3:]])
 
-        def run() -> None:
-            nonlocal invalid
-            match = _matches(graph.execute({"x": X})["y"], valid)
-            with lock:
-                if match is None:
-                    invalid += 1
-                else:
-                    seen[match] = seen.get(match, 0) + 1
+        def worker() -> Callable[[], None]:
+            outputs: Callable[[], dict[str, np.ndarray]] = lambda: graph.execute({"x": X})  # noqa: E731
+            if bound:
+                outputs = graph.bind({"x": X.copy()}, {}).run
+
+            def run() -> None:
+                nonlocal invalid
+                match = _matches(outputs()["y"], valid)
+                with lock:
+                    if match is None:
+                        invalid += 1
+                    else:
+                        seen[match] = seen.get(match, 0) + 1
+
+            return run
 
         def switch() -> None:
             time.sleep(0.0002)  # runs get the interpreter between switches
@@ -145,7 +152,7 @@ def switching_sections(project: LoraProject, seconds: float, threads: int = 4) -
             else:
                 context.apply_binary_section("model", project.section(step))
 
-        _race(seconds, [run] * threads, switch)
+        _race(seconds, [worker() for _ in range(threads)], switch)
     return {"runs": sum(seen.values()) + invalid, "invalid": invalid, "states_seen": len(seen)}
 
 
@@ -301,6 +308,7 @@ def main() -> None:
         report = {
             "seconds": args.seconds,
             "switching_sections": switching_sections(project, args.seconds),
+            "switching_sections_bound_runs": switching_sections(project, args.seconds, bound=True),
             "per_run_adapters": per_run_adapters(project, args.seconds),
             "eviction": eviction(family_path, args.seconds),
             "fork_after_execute": fork_after_execute(family_path),

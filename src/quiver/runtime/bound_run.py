@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from quiver.errors import FeedDTypeError, FeedNameError
+from quiver.errors import FeedDTypeError
 from quiver.runtime import fork
 from quiver.runtime.graph import validate_outputs
 
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 class BoundRun:
     """Runs one graph on arrays bound once: write new values into them in place between runs.
+
+    Outputs given a buffer are written into it (a KV cache appended in place); the others, like an
+    output of a varying shape, come back from `run()` as new arrays, as ORT's IOBinding allocates an
+    output bound by device only.
 
     `Graph.execute` checks every feed and output buffer and builds its dictionaries on each run; a
     generation's decode step feeds the same KV cache and token arrays thousands of times, and those
@@ -38,13 +42,12 @@ class BoundRun:
                     f"graph {graph.name!r}: bound feed {name!r} must be a numpy array (a run reads it in place); "
                     f"got {type(array).__name__}"
                 )
-        missing = sorted({o.name for o in graph.outputs} - set(out))
-        if missing:
-            raise FeedNameError(f"graph {graph.name!r}: bind a buffer for every output; missing {missing}")
         validate_outputs(graph.name, graph.outputs, out)
         self.graph = graph
         self._feeds = dict(feeds)  # private copies: a run hands the backend the same, unchanged dicts
         self._out = dict(out)
+        # outputs without a buffer (a shape that varies, or one not wanted in place): new arrays each run
+        self._unbound = [(i, o.name) for i, o in enumerate(graph.outputs) if o.name not in out]
         self._prepared: _Prepared = (None, {}, {})
         self._prepare(graph._context._state(graph.name))  # refuses bad feeds now, not at the first run
         self._lock = threading.Lock()
@@ -58,12 +61,13 @@ class BoundRun:
         self._prepared = (state, arrays, bound)
         return self._prepared
 
-    def run(self) -> None:
-        """Executes the graph: its outputs land in the bound buffers."""
+    def run(self) -> dict[str, np.ndarray]:
+        """Executes the graph: outputs with a buffer land in it; the others come back, new arrays by name."""
         graph = self.graph
         with self._lock:
             state = graph._context._state(graph.name)
             prepared = self._prepared
             if prepared[0] is not state:
                 prepared = self._prepare(state)
-            graph._context._run(graph.name, prepared[1], prepared[2], self._out)
+            results = graph._context._run(graph.name, prepared[1], prepared[2], self._out)
+        return {name: results[i] for i, name in self._unbound}

@@ -147,8 +147,9 @@ class Graph:
         return {info.name: result for info, result in zip(self.outputs, results)}
 
     def bind(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> BoundRun:
-        """Binds feeds and a buffer for every output once (ORT's IOBinding): `run()` on what it returns
-        executes on them as they are then, so write new values into the same arrays between runs."""
+        """Binds feeds and output buffers once (ORT's IOBinding): `run()` on what it returns executes on
+        the feeds as they are then (write new values into the same arrays between runs), writes the
+        outputs named in `out` into their buffers and returns the others."""
         from quiver.runtime.bound_run import BoundRun
 
         return BoundRun(self, feeds, out)
