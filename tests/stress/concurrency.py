@@ -128,9 +128,7 @@ def switching_sections(project: LoraProject, seconds: float, threads: int = 4, b
         switches = itertools.cycle([*USE_CASES[:3], *(f"long={v}" for v in LONG_STRENGTHS), *USE_CASES[3:]])
 
         def worker() -> Callable[[], None]:
-            outputs: Callable[[], dict[str, np.ndarray]] = lambda: graph.execute({"x": X})  # noqa: E731
-            if bound:
-                outputs = graph.bind({"x": X.copy()}, {}).run
+            outputs = graph.bind({"x": X.copy()}, {}).run if bound else lambda: graph.execute({"x": X})
 
             def run() -> None:
                 nonlocal invalid
