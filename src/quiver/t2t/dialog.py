@@ -255,18 +255,17 @@ class Dialog:
         if len(ids) == 1:  # the same small arrays each time (the backend keeps their wrappers)
             token, seqlens, length = self._token_feeds
             token[0, 0], seqlens[0], length[()] = ids[0], total - 1, total
-            if graph is self._decode:
-                self._decode_run.run()
-                self._history.extend(ids)
-                return
         else:
             token, seqlens, length = (
                 np.array([ids], np.int64),
                 np.array([total - 1], np.int32),
                 np.array(total, np.int32),
             )
-        feeds = {INPUT_IDS: token, SEQLENS_K: seqlens, TOTAL_LENGTH: length, **self._cache}
-        graph.execute(feeds, out=self._out)  # type: ignore[attr-defined]
+        if graph is self._decode and len(ids) == 1:
+            self._decode_run.run()  # bound to the token arrays just written
+        else:
+            feeds = {INPUT_IDS: token, SEQLENS_K: seqlens, TOTAL_LENGTH: length, **self._cache}
+            graph.execute(feeds, out=self._out)  # type: ignore[attr-defined]
         self._history.extend(ids)
 
     @property
