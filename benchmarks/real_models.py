@@ -5,6 +5,7 @@ imports in a fresh one), steady latency, context size against unique weights, RS
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -73,6 +74,86 @@ print(json.dumps({"rss": rss}))
 """
 
 
+# ORT's own share of Quiver's open: the same session Quiver makes first (its model, settings and weights,
+# captured from a Quiver open by `floor_setup`) made and run directly, over weights mapped from the
+# context. What Quiver adds (reading the header, parsing the graph, choosing the prepared form, the
+# store) is left out, so this is the least any Quiver open can take on this ORT.
+FLOOR_WORKER = """
+import json, mmap, sys, time, types
+start = time.perf_counter()
+import numpy as np
+import onnxruntime as ort
+from quiver.backends import cpu
+imports_ms = (time.perf_counter() - start) * 1e3
+plan_path, npz, output = sys.argv[1:4]
+plan = json.loads(open(plan_path).read())
+case = {k: v for k, v in np.load(npz).items() if k != output}
+from onnx import TensorProto, helper
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "t", [x], [y]))
+ort.InferenceSession(tiny.SerializeToString()).run(None, {"x": np.ones(1, np.float32)})
+start = time.perf_counter()
+with open(plan["context"], "rb") as f:
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+def views(entries):
+    count = lambda shape: int(np.prod(shape, dtype=np.int64))
+    return {n: np.frombuffer(mapped, d, count(s), o).reshape(s) for n, (o, d, s) in entries.items()}
+with open(plan["model"], "rb") as f:
+    weights = cpu.SessionWeights(f.read(), views(plan["shared"]), views(plan["readable"]))
+session = cpu._create_session(
+    types.SimpleNamespace(name=plan["graph"]), weights, cpu.CpuBackend(), cpu.SessionSettings(**plan["settings"]),
+    **plan["how"],
+)
+session.run(plan["outputs"], case, {}, {})
+print(json.dumps({"imports_ms": imports_ms, "open_first_ms": (time.perf_counter() - start) * 1e3}))
+import os; os._exit(0)
+"""
+
+
+def floor_setup(qctx: Path, graph: str, case: dict[str, np.ndarray]) -> Path:
+    """The first session Quiver makes for `graph` (captured from one open on `case`), as a plan for
+    FLOOR_WORKER: its model bytes in a file, and where each of its weights lies in the context."""
+    from quiver.backends import cpu
+
+    captured: list[tuple[Any, ...]] = []
+    create = cpu._create_session
+
+    def capture(graph_: Any, weights: Any, backend: Any, settings: Any, **how: Any) -> Any:
+        captured.append((weights, settings, how))
+        return create(graph_, weights, backend, settings, **how)
+
+    cpu._create_session = capture  # type: ignore[assignment]
+    try:
+        with quiver.Context.from_binary(qctx) as context:
+            context.graph(graph).execute(case)
+            weights, settings, how = captured[0]
+            base = np.frombuffer(context.file._buffer, np.uint8).ctypes.data
+
+            def where(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+                entries = {n: (a.ctypes.data - base, a.dtype.str, list(a.shape)) for n, a in arrays.items()}
+                if any(not 0 <= offset < qctx.stat().st_size for offset, _, _ in entries.values()):
+                    raise RuntimeError(f"{graph}: a weight of its first session is not mapped from the context")
+                return entries
+
+            plan = {
+                "context": str(qctx),
+                "graph": graph,
+                "model": str(qctx.with_suffix(".floor.onnx")),
+                "shared": where(weights.shared),
+                "readable": where(weights.readable),
+                "settings": dataclasses.asdict(settings),
+                "how": how,
+                "outputs": [o.name for o in context.graph(graph).outputs],
+            }
+    finally:
+        cpu._create_session = create  # type: ignore[assignment]
+    Path(plan["model"]).write_bytes(weights.model)
+    path = qctx.with_suffix(".floor.json")
+    path.write_text(json.dumps(plan))
+    return path
+
+
 def _worker(code: str, *args: str) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -100,20 +181,35 @@ def _ep_context(folder: Path, model: Path) -> Path:
 def _open(
     model: Path, qctx: Path, graph: str, npz: Path, output: str, repeats: int, kind: str = "quiver"
 ) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {"ort": [], "quiver": []}
-    for _ in range(repeats):  # interleaved: drift hits both alike
+    case = {k: v for k, v in np.load(npz).items() if k != output}
+    floor = floor_setup(qctx, graph, case) if kind == "quiver" else None
+    runs: dict[str, list[dict[str, Any]]] = {"ort": [], "quiver": [], "ort_floor": []}
+    for _ in range(repeats):  # interleaved: drift hits all alike
         runs["ort"].append(_worker(_OPEN_WORKER, "ort", str(model), graph, str(npz), output))
         runs["quiver"].append(_worker(_OPEN_WORKER, kind, str(qctx), graph, str(npz), output))
+        if floor is not None:
+            runs["ort_floor"].append(_worker(FLOOR_WORKER, str(floor), str(npz), output))
     median = {
-        k: {m: statistics.median(r[m] for r in v) for m in ("imports_ms", "open_first_ms")} for k, v in runs.items()
+        k: {m: statistics.median(r[m] for r in v) for m in ("imports_ms", "open_first_ms")}
+        for k, v in runs.items()
+        if v
     }
     fresh = {k: v["imports_ms"] + v["open_first_ms"] for k, v in median.items()}
-    return {
+    result = {
         "ort": median["ort"],
         "quiver": median["quiver"],
         "ratio_to_ort": median["quiver"]["open_first_ms"] / median["ort"]["open_first_ms"],
         "ratio_to_ort_fresh_process": fresh["quiver"] / fresh["ort"],
     }
+    if floor is not None:
+        # the floor in a fresh process: ORT's own imports (numpy and onnxruntime), which any open on ORT needs
+        result["ort_floor"] = {
+            "open_first_ms": median["ort_floor"]["open_first_ms"],
+            "ratio_to_ort": median["ort_floor"]["open_first_ms"] / median["ort"]["open_first_ms"],
+            "ratio_to_ort_fresh_process": (median["ort"]["imports_ms"] + median["ort_floor"]["open_first_ms"])
+            / fresh["ort"],
+        }
+    return result
 
 
 def _latency(

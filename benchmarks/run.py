@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
-from real_models import measure_real_models  # noqa: E402
+from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
 from timing import alternating_medians  # noqa: E402
 from tuning import measure_tuning  # noqa: E402
@@ -180,14 +180,22 @@ def measure_size(paths: dict[str, Path], qctx: Path) -> dict[str, Any]:
 
 
 def measure_open(base: Path, qctx: Path, ids_path: Path, repeats: int) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {"ort": [], **{b: [] for b in BACKENDS}}
+    case = {"input_ids": np.load(ids_path)}
+    npz = ids_path.with_suffix(".npz")
+    np.savez(npz, **case)
+    floor = floor_setup(qctx, "base", case)
+    runs: dict[str, list[dict[str, Any]]] = {"ort": [], **{b: [] for b in BACKENDS}, "ort_floor": []}
     for _ in range(repeats):  # interleaved, so drift hits every variant alike
         runs["ort"].append(_worker(_OPEN_WORKER, "ort", str(base), "-", str(ids_path)))
         for backend in BACKENDS:
             runs[backend].append(_worker(_OPEN_WORKER, "quiver", str(qctx), backend, str(ids_path)))
+        runs["ort_floor"].append(_worker(FLOOR_WORKER, str(floor), str(npz), "-"))
     ort_ms = statistics.median(r["open_first_ms"] for r in runs["ort"])
-    env_ms = statistics.median(r["env_ms"] for group in runs.values() for r in group)
+    env_ms = statistics.median(r["env_ms"] for group in runs.values() for r in group if "env_ms" in r)
     result: dict[str, Any] = {"repeats": repeats, "ort_ms": ort_ms, "runtime_warm_up_ms": env_ms}
+    floor_ms = statistics.median(r["open_first_ms"] for r in runs["ort_floor"])
+    # ORT's own share of the cpu backend's open (see real_models.FLOOR_WORKER): the least it can take
+    result["ort_floor"] = {"ms": floor_ms, "ratio_to_ort": floor_ms / ort_ms}
     for backend in BACKENDS:
         ms = statistics.median(r["open_first_ms"] for r in runs[backend])
         result[backend] = {
