@@ -14,6 +14,7 @@ import dataclasses
 import mmap
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -464,6 +465,9 @@ class CpuExecutable:
         return _packing_while_dropping(self._droppable, lambda: self._create(packed=True))
 
     def _build_packed_session(self) -> None:
+        # Hand the interpreter back first: the run that started this thread returns its output now,
+        # instead of waiting for this thread to give way (~0.7 ms measured, loading ORT's C library).
+        time.sleep(0)
         try:
             packed = self._create(packed=True)
         except BackendError:

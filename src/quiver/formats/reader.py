@@ -164,12 +164,11 @@ def _parse_weight(index: int, raw: Any, limit: int) -> WeightEntry:
 def _parse_weight_map(raw: Any, weight_count: int, what: str) -> dict[str, int]:
     if not isinstance(raw, dict):
         raise _fail(f"{what} weights must be an object")
-    weights = {}
     for tensor, index in raw.items():
-        if _int(index, f"{what} weight {tensor!r}") >= weight_count:
+        if type(index) is not int or not 0 <= index < weight_count:  # the message only when it is needed
+            _int(index, f"{what} weight {tensor!r}")
             raise _fail(f"{what} maps {tensor!r} to weight {index}, but there are {weight_count}")
-        weights[tensor] = index
-    return weights
+    return dict(raw)
 
 
 def _parse_prepared(raw: Any, limit: int, weight_count: int, graph: str) -> tuple[PreparedEntry, ...]:
