@@ -23,8 +23,16 @@ from timing import alternating_medians
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the corpus helpers live with the tests
 from tests.real.corpus import OUTPUTS, quantize_minilm  # noqa: E402
 
-# One fresh interpreter per measurement. It times its imports, then (after the same warm-up on both sides:
-# ORT's runtime and one tiny session) the open and the first output.
+# What every open worker runs before its clock starts: ORT's runtime and one tiny session.
+_WARM_UP = """from onnx import TensorProto, helper
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "t", [x], [y]))
+ort.InferenceSession(tiny.SerializeToString()).run(None, {"x": np.ones(1, np.float32)})
+"""
+
+# One fresh interpreter per measurement. It times its imports, then (after _WARM_UP, the same on both sides)
+# the open and the first output.
 _OPEN_WORKER = """
 import json, sys, time
 start = time.perf_counter()
@@ -41,12 +49,7 @@ else:
     import onnxruntime as ort
 imports_ms = (time.perf_counter() - start) * 1e3
 case = dict(np.load(npz)); case.pop(output)
-from onnx import TensorProto, helper
-x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
-tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "t", [x], [y]))
-ort.InferenceSession(tiny.SerializeToString()).run(None, {"x": np.ones(1, np.float32)})
-start = time.perf_counter()
+{warm_up}start = time.perf_counter()
 if kind == "ort":
     ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, case)
 elif kind == "quiver_ort":  # an EPContext model: its context opened through the ORT-shaped API
@@ -55,7 +58,7 @@ else:
     quiver.Context.from_binary(path).graph(graph).execute(case)
 print(json.dumps({"imports_ms": imports_ms, "open_first_ms": (time.perf_counter() - start) * 1e3}))
 import os; os._exit(0)  # the background packing thread is not part of what is measured
-"""
+""".replace("{warm_up}", _WARM_UP)
 
 _RSS_WORKER = """
 import gc, json, sys
@@ -88,12 +91,7 @@ imports_ms = (time.perf_counter() - start) * 1e3
 plan_path, npz, output = sys.argv[1:4]
 plan = json.loads(open(plan_path).read())
 case = {k: v for k, v in np.load(npz).items() if k != output}
-from onnx import TensorProto, helper
-x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
-tiny = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "t", [x], [y]))
-ort.InferenceSession(tiny.SerializeToString()).run(None, {"x": np.ones(1, np.float32)})
-start = time.perf_counter()
+{warm_up}start = time.perf_counter()
 with open(plan["context"], "rb") as f:
     mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 def views(entries):
@@ -108,7 +106,7 @@ session = cpu._create_session(
 session.run(plan["outputs"], case, {}, {})
 print(json.dumps({"imports_ms": imports_ms, "open_first_ms": (time.perf_counter() - start) * 1e3}))
 import os; os._exit(0)
-"""
+""".replace("{warm_up}", _WARM_UP)
 
 
 def floor_setup(qctx: Path, graph: str, case: dict[str, np.ndarray]) -> Path:
