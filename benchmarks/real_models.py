@@ -128,9 +128,11 @@ def floor_setup(qctx: Path, graph: str, case: dict[str, np.ndarray]) -> Path:
             weights, settings, how = captured[0]
             base = np.frombuffer(context.file._buffer, np.uint8).ctypes.data
 
+            size = context.file.size
+
             def where(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
                 entries = {n: (a.ctypes.data - base, a.dtype.str, list(a.shape)) for n, a in arrays.items()}
-                if any(not 0 <= offset < qctx.stat().st_size for offset, _, _ in entries.values()):
+                if any(not 0 <= offset < size for offset, _, _ in entries.values()):
                     raise RuntimeError(f"{graph}: a weight of its first session is not mapped from the context")
                 return entries
 
@@ -179,8 +181,9 @@ def _ep_context(folder: Path, model: Path) -> Path:
 def _open(
     model: Path, qctx: Path, graph: str, npz: Path, output: str, repeats: int, kind: str = "quiver"
 ) -> dict[str, Any]:
-    case = {k: v for k, v in np.load(npz).items() if k != output}
-    floor = floor_setup(qctx, graph, case) if kind == "quiver" else None
+    floor = None
+    if kind == "quiver":  # the EPContext row opens through quiver.ort: no floor of its own
+        floor = floor_setup(qctx, graph, {k: v for k, v in np.load(npz).items() if k != output})
     runs: dict[str, list[dict[str, Any]]] = {"ort": [], "quiver": [], "ort_floor": []}
     for _ in range(repeats):  # interleaved: drift hits all alike
         runs["ort"].append(_worker(_OPEN_WORKER, "ort", str(model), graph, str(npz), output))
