@@ -204,18 +204,19 @@ def test_profiling_writes_a_csv(small_model: Path, tmp_path: Path, level: str) -
 
 
 def test_cpu_fallback_and_disabling_it(tmp_path: Path) -> None:
-    node = helper.make_node("Hardmax", ["x"], ["y"])  # not in Quiver's operator set
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])])  # fmt: skip
-    path = tmp_path / "hardmax.onnx"
+    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None))
+    graph = helper.make_graph([helper.make_node("SequenceLength", ["s"], ["n"])], "g",
+                              [helper.make_value_info("s", sequence)],
+                              [helper.make_tensor_value_info("n", onnx.TensorProto.INT64, [])])  # fmt: skip
+    path = tmp_path / "sequence.onnx"  # a sequence fed from outside: Quiver's graphs take tensors only
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    x = np.array([[1, 3, 2], [5, 4, 0]], np.float32)
     fallback = quiver.ort.InferenceSession(str(path))
     assert fallback.get_providers() == ["CPUExecutionProvider"]
-    np.testing.assert_array_equal(fallback.run(None, {"x": x})[0], [[0, 1, 0], [1, 0, 0]])
+    assert fallback.execution_path.engine == "onnxruntime" and "'s' is a sequence" in str(fallback.execution_path.reason)
+    assert fallback.run(None, {"s": [np.zeros(2, np.float32)] * 3})[0] == 3
     options = quiver.ort.SessionOptions()
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    with pytest.raises(quiver.ort.NotImplemented, match="Hardmax"):
+    with pytest.raises(quiver.ort.NotImplemented, match="'s' is a sequence"):
         quiver.ort.InferenceSession(str(path), options)
 
 

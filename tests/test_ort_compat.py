@@ -71,7 +71,7 @@ def test_strings_fed_as_bytes_or_raw_bytes_are_decoded_as_onnxruntime_does(tmp_p
     )
     path = _save(graph, tmp_path / "strings.onnx")
     ours, theirs = quiver.ort.InferenceSession(str(path)), onnxruntime.InferenceSession(str(path))
-    assert ours._fallback_reason is None  # Quiver runs it itself
+    assert ours.execution_path.on_quiver  # Quiver runs it itself
     feeds = [
         np.array([["Olá", "你好"], ["여보세요", "hi"]]),
         np.array([[b"this", b"is"], [b"a", b"test"]], dtype="S5"),  # ORT reads past an unpadded one: not here
@@ -149,7 +149,7 @@ def test_an_adapter_of_another_shape_runs_through_onnxruntime_as_onnxruntime_run
         adapter.export_adapter(str(tmp_path / f"rank{rank}.onnx_adapter"))
         adapters.append(tmp_path / f"rank{rank}.onnx_adapter")
     ours, theirs = quiver.ort.InferenceSession(str(model)), onnxruntime.InferenceSession(str(model))
-    assert ours._fallback_reason is None
+    assert ours.execution_path.on_quiver
     x = np.ones((4, 4), np.float32)
     for path in (adapters[0], None, adapters[1]):
         results = []
@@ -188,7 +188,7 @@ def test_models_plain_onnxruntime_runs_take_sequences_as_onnxruntime_takes_them(
     )
     path = _save(graph, tmp_path / "sequence.onnx", opset=11)
     session = quiver.ort.InferenceSession(str(path))
-    assert "SequenceLength" in str(session._fallback_reason)
+    assert session.execution_path.engine == "onnxruntime" and "'s' is a sequence" in str(session.execution_path.reason)
     assert session.run(None, {"s": [np.zeros(2, np.float32)] * 3})[0] == 3
     with pytest.raises(ValueError, match="Required inputs"):
         session.run(None, {})
@@ -241,7 +241,7 @@ model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).Se
 options = quiver.ort.SessionOptions()
 options.use_per_session_threads = False
 session = quiver.ort.InferenceSession(model, options)
-assert session._fallback_reason is None
+assert session.execution_path.on_quiver
 x = np.ones((2, 4), np.float32)
 np.testing.assert_allclose(session.run(None, {{"x": x}})[0], x @ w)
 try:
@@ -266,10 +266,11 @@ def test_a_model_onnxruntime_runs_for_quiver_ort_profiles_as_onnxruntime(
 ) -> None:
     import json
 
+    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
     graph = helper.make_graph(
-        [helper.make_node("SequenceConstruct", ["a", "b"], ["s"]), helper.make_node("SequenceLength", ["s"], ["n"])],
+        [helper.make_node("SequenceLength", ["s"], ["n"])],
         "sequence",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "ab"],
+        [helper.make_value_info("s", sequence)],
         [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
     )
     path = _save(graph, tmp_path / "sequence.onnx", opset=11)
@@ -277,8 +278,8 @@ def test_a_model_onnxruntime_runs_for_quiver_ort_profiles_as_onnxruntime(
     options = quiver.ort.SessionOptions()
     options.enable_profiling = True
     session = quiver.ort.InferenceSession(str(path), options)
-    assert session._fallback_reason is not None
-    session.run(None, {"a": np.zeros(2, np.float32), "b": np.ones(2, np.float32)})
+    assert not session.execution_path.on_quiver  # a sequence fed from outside
+    session.run(None, {"s": [np.zeros(2, np.float32)] * 2})
     events = json.loads(Path(session.end_profiling()).read_text())
     assert any(e.get("cat") == "Node" for e in events)  # ORT's own profile: its nodes ran
     assert len(list(tmp_path.glob("*.json"))) == 1
@@ -394,7 +395,7 @@ def test_external_data_files_given_from_memory_are_read_as_onnxruntime_reads_the
         options.add_external_initializers_from_files_in_memory(["weights.bin"], [weights], [w.nbytes])
         session = module.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w)
-        assert getattr(session, "_fallback_reason", None) is None  # quiver.ort: built by Quiver itself
+        assert module is onnxruntime or session.execution_path.on_quiver  # quiver.ort: built by Quiver itself
     options = quiver.ort.SessionOptions()  # the optimized model is written from the bytes given too
     options.add_external_initializers_from_files_in_memory(["weights.bin"], [weights], [w.nbytes])
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -422,7 +423,7 @@ def test_a_model_given_as_bytes_reads_its_external_data_from_the_folder_the_opti
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
         session = module.InferenceSession(data, options, providers=["CPUExecutionProvider"])
         np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w)
-        assert getattr(session, "_fallback_reason", None) is None
+        assert module is onnxruntime or session.execution_path.on_quiver
     compiled = quiver.ort.ModelCompiler(options, data, embed_compiled_data_into_model=True).compile_to_bytes()
     np.testing.assert_allclose(quiver.ort.InferenceSession(compiled).run(None, {"x": x})[0], x @ w)
 

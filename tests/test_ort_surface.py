@@ -443,74 +443,20 @@ def _ir3_model() -> object:
     return helper.make_model(graph, ir_version=3, opset_imports=[helper.make_opsetid("", 8)])
 
 
-def _optional_model() -> object:
+def _sequence_input_model() -> object:
+    """A model ORT runs and Quiver does not take on: a sequence at its edge."""
+    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
     graph = helper.make_graph(
-        [
-            helper.make_node("Optional", ["x"], ["o"]),
-            helper.make_node("OptionalHasElement", ["o"], ["has"]),
-            helper.make_node("OptionalGetElement", ["o"], ["y"]),
-        ],
-        "optional",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-        [
-            helper.make_tensor_value_info("y", TensorProto.FLOAT, [3]),
-            helper.make_tensor_value_info("has", TensorProto.BOOL, []),
-        ],
+        [helper.make_node("SequenceLength", ["s"], ["n"])],
+        "sequence",
+        [helper.make_value_info("s", sequence)],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-@pytest.mark.parametrize("make", [_sparse_constant_model, _ir3_model, _optional_model])
-def test_models_onnxruntime_runs_run_through_quiver_ort(make: object, tmp_path: Path) -> None:
-    path = _saved(make(), tmp_path, make.__name__)  # type: ignore[attr-defined]
-    theirs = onnxruntime.InferenceSession(str(path))
-    feeds = {
-        i.name: np.arange(int(np.prod([d for d in i.shape])), dtype=np.float32).reshape(i.shape)
-        for i in theirs.get_inputs()
-    }
-    expected = theirs.run(None, feeds)
-    for source in (str(path), path.read_bytes()):
-        ours = quiver.ort.InferenceSession(source)
-        assert [i.name for i in ours.get_inputs()] == [i.name for i in theirs.get_inputs()]
-        for a, b in zip(ours.run(None, feeds), expected):
-            np.testing.assert_array_equal(a, b)
-
-
-# --- the compile API --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("embed", [False, True])
-def test_model_compiler_writes_an_ep_context_model_that_reopens(model: Path, tmp_path: Path, embed: bool) -> None:
-    import onnx
-
-    source = tmp_path / model.name
-    source.write_bytes(model.read_bytes())
-    compiler = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source), embed_compiled_data_into_model=embed)
-    compiler.compile_to_file()  # the default name, as ORT's: <model>_ctx.onnx
-    compiled = tmp_path / "surface_ctx.onnx"
-    nodes = onnx.load(str(compiled)).graph.node
-    assert [(n.op_type, n.domain) for n in nodes] == [("EPContext", "com.microsoft")]
-    assert (tmp_path / "surface_ctx.qctx").exists() != embed  # embedded: nothing beside the model
-    session = quiver.ort.InferenceSession(str(compiled))
-    y, z = session.run(None, {"x": X})
-    np.testing.assert_allclose(y, _expected(X)[0], rtol=1e-5)
-    flags = onnxruntime.OrtCompileApiFlags.ERROR_IF_OUTPUT_FILE_EXISTS
-    again = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source), flags=flags)
-    with pytest.raises(ort_state.Fail, match="exists already"):
-        again.compile_to_file(str(compiled))
-
-
-def test_model_compiler_compiles_to_bytes_and_streams_when_embedded(model: Path) -> None:
-    compiler = quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), model.read_bytes(), True)
-    chunks: list[bytes] = []
-    compiler.compile_to_stream(chunks.append)
-    for data in (compiler.compile_to_bytes(), b"".join(chunks)):
-        y, _ = quiver.ort.InferenceSession(data).run(None, {"x": X})
-        np.testing.assert_allclose(y, _expected(X)[0], rtol=1e-5)
-    with pytest.raises(ort_state.InvalidArgument, match="embed_compiled_data_into_model"):
-        quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), model.read_bytes()).compile_to_bytes()
-
-
 def test_a_model_quiver_cannot_convert_compiles_unchanged_unless_asked_to_fail(tmp_path: Path) -> None:
-    source = _saved(_optional_model(), tmp_path, "optional")
+    source = _saved(_sequence_input_model(), tmp_path, "sequence")
     quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source)).compile_to_file(str(tmp_path / "out.onnx"))
     assert (tmp_path / "out.onnx").read_bytes() == source.read_bytes()
     strict = onnxruntime.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED

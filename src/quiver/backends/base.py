@@ -82,8 +82,28 @@ class AheadOfTimeForm:
 
 
 @dataclass(frozen=True)
+class MappedFile:
+    """The file a graph's weights are mapped from, for a runtime that reads weights from files itself.
+
+    ONNX Runtime's graph optimizers read weights while they prepare a graph; given the weights' place
+    in this file as external data, ORT maps them from it (no copy) and every pass sees every byte.
+    """
+
+    path: str  # the file's real path when it was opened
+    address: int  # where this process maps it
+    size: int
+    is_current: Callable[[], bool]  # whether `path` still names the very file mapped (files are replaced)
+
+    def offset_of(self, array: np.ndarray) -> int | None:
+        """Where the array's bytes lie in the file, or None when it does not view the mapping."""
+        start = int(array.__array_interface__["data"][0]) - self.address
+        return start if 0 <= start and start + array.nbytes <= self.size else None
+
+
+@dataclass(frozen=True)
 class FinalizedGraph:
-    """What a backend gets: the graph's structure and read-only views of its weights. Never files."""
+    """What a backend gets: the graph's structure, read-only views of its weights and, when they view a
+    mapped file, where that file is (`mapping`)."""
 
     name: str
     model: onnx.ModelProto  # large initializers are data-less placeholders named in `weights`
@@ -97,6 +117,8 @@ class FinalizedGraph:
     tuning: Mapping[str, KnobValue] = field(default_factory=lambda: MappingProxyType({}))
     # Forms of the graph prepared ahead for a runtime, stored in the context (format 1.6).
     prepared: tuple[PreparedGraph, ...] = ()
+    # The mapped file the weights view, when they view one (file_backed).
+    mapping: MappedFile | None = None
 
 
 class Executable(Protocol):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import mmap
+import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
@@ -23,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from quiver.backends import _ort_capi, cpu_prepared
-from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, WeightFile
+from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, MappedFile, WeightFile
 from quiver.backends.cpu_settings import (
     DEFAULT_ACCURACY_LEVEL,
     KNOB_SPACE_VERSION,
@@ -34,7 +35,7 @@ from quiver.backends.cpu_settings import (
 )
 from quiver.backends.lora_strengths import StrengthFolding, fold_lora_strengths
 from quiver.errors import BackendError
-from quiver.ir.proto import AttributeProto, ModelProto, TensorProto, ValueInfoProto
+from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
 
 # ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
 # data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
@@ -105,6 +106,20 @@ def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
 
 def _has_integer_matmuls(model: ModelProto) -> bool:
     return any(n.op_type in _INTEGER_MATMUL_OPS for n in model.graph.node)
+
+
+# Operators whose packed kernels compute otherwise than their unpacked ones (ORT's recurrent kernels pack
+# their weights for another GEMM path: outputs differ in the last bits; integer and contrib kernels pack
+# into their own layouts). A graph with one runs packed from its first output, which must equal every
+# later one. MatMul, Gemm and FusedMatMul give the same bits either way (checked by the corpus tests).
+_PACKING_CHANGES_RESULTS = {"LSTM", "GRU", "RNN", "MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul"}
+
+
+def _packing_changes_results(model: ModelProto) -> bool:
+    return any(
+        node.op_type in _PACKING_CHANGES_RESULTS or (node.domain == "com.microsoft" and node.op_type != "FusedMatMul")
+        for node in _every_node(model.graph)
+    )
 
 
 def _with_accuracy_level(model: ModelProto, level: int) -> ModelProto:
@@ -192,59 +207,85 @@ def _packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], _Sess
         dropper.join()
 
 
-def _is_static(value: ValueInfoProto) -> bool:
-    shape = value.type.tensor_type.shape
-    return value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in shape.dim)
+# (op, input) slots whose weights a session takes as shared initializers (`AddInitializer`): what ORT
+# packs, so that graphs sharing a weight share its packed form (ORT's container takes shared ones only).
+# A shared initializer overrides whatever ORT's passes did to a weight of that name, so only weights no
+# pass rewrites in place under their own name go that way: the packed inputs of the packing operators,
+# which passes fuse around (MatMul + Add -> Gemm, DQ + MatMul -> MatMulNBits) but never rewrite.
+_SHAREABLE_SLOTS = {
+    ("", "MatMul"): {1},
+    ("", "Gemm"): {1},
+    ("com.microsoft", "FusedMatMul"): {1},
+    ("com.microsoft", "MatMulNBits"): {1, 2, 3},
+}
 
 
-def weights_optimizers_read(model: ModelProto) -> set[str]:
-    """The initializers whose bytes ORT's graph optimizers may read when they prepare this graph.
+def shareable_weights(model: ModelProto) -> set[str]:
+    """The initializers every node uses only in a packed slot (`_SHAREABLE_SLOTS`), subgraphs included."""
+    slots: dict[str, bool] = {}
+    for node in _every_node(model.graph):
+        packed = _SHAREABLE_SLOTS.get((node.domain.replace("ai.onnx", ""), node.op_type), set())
+        for index, name in enumerate(node.input):
+            slots[name] = slots.get(name, True) and index in packed
+    return {t.name for t in model.graph.initializer if slots.get(t.name, False)}
 
-    Constant folding evaluates every node whose inputs are all constant (a Slice of a position table
-    under fixed shapes, a Transpose of a tied embedding), and QDQ fusions read what DequantizeLinear
-    dequantizes. Nothing else reads a weight before the kernels do. Over-including costs only time.
-    """
-    graph = model.graph
-    initializers = {t.name for t in graph.initializer}
-    constant = set(initializers)
-    read: set[str] = set()
-    measured = {n.input[0] for n in graph.node if n.op_type in ("Shape", "Size") and n.input}
-    static = {v.name for v in [*graph.value_info, *graph.input] if v.name in measured and _is_static(v)}
+
+def _every_node(graph: GraphProto) -> Iterator[NodeProto]:
     for node in graph.node:
-        if node.op_type in ("Shape", "Size") and node.input and node.input[0] in static:
-            constant.update(node.output)  # ORT folds these from the shape alone
-            continue
-        inputs = [name for name in node.input if name]
-        if node.op_type == "DequantizeLinear":
-            read.update(name for name in inputs if name in initializers)
-        if inputs and all(name in constant for name in inputs):
-            constant.update(node.output)
-            read.update(name for name in inputs if name in initializers)
-    return read
+        yield node
+        for attribute in node.attribute:
+            for sub in (attribute.g,) if attribute.HasField("g") else attribute.graphs:
+                yield from _every_node(sub)
 
 
 @dataclasses.dataclass(frozen=True)
 class SessionWeights:
-    """How a session gets the graph's weights, none of them copied.
+    """How a session gets the graph's weights, none of them copied, every one readable by ORT's passes.
 
-    Most go in as shared initializers (`AddInitializer`): what kernels compute with and what the
-    prepacked container keys. ORT's graph optimizers cannot see those; the weights they read
-    (`weights_optimizers_read`) go in as external initializers (`AddExternalInitializers`), which ORT
-    puts into the graph before it optimizes. Given through the model instead, inline or as in-memory
-    files, ORT would copy them (~1 ms and 1 MB of RSS per MB); a placeholder would fail the session.
+    Each placeholder names the weight's place in the mapped context file as external data: ORT's graph
+    optimizers (constant folding, Conv + BatchNormalization fusion, NCHWc filter reordering, and what
+    later releases add) read it there, and ORT maps the file itself where kernels use a weight as it is.
+    A tensor a pass makes from a weight is the session's own memory, as with ORT alone. Weights ORT packs
+    (`shareable_weights`) go in as shared initializers too, views of the context's mapping: the packed form
+    is then made once per context. A weight not in a file (a context held in memory) goes in as an
+    in-memory external initializer, which ORT copies.
     """
 
-    model: bytes  # the skeleton as stored: placeholders for every weight
+    model: bytes  # the skeleton, its placeholders naming where each weight lies
     shared: dict[str, np.ndarray]
-    readable: dict[str, np.ndarray]
+    readable: dict[str, np.ndarray]  # in memory: weights with no file to be read from
+    folder: str  # where the placeholders' files are
+    mapping: MappedFile | None  # the file named, when one is
 
     @classmethod
-    def of(cls, graph: FinalizedGraph, model: bytes, optimized: bool = True) -> SessionWeights:
-        """`model`: `graph.model` serialized; `optimized`: ORT's graph optimizers run (no level "disabled")."""
-        read = weights_optimizers_read(graph.model) if optimized else set()
-        shared = {name: array for name, array in graph.weights.items() if name not in read}
-        readable = {name: array for name, array in graph.weights.items() if name in read}
-        return cls(model, shared, readable)
+    def of(cls, graph: FinalizedGraph, model: ModelProto, optimized: bool = True, files: bool = True) -> SessionWeights:
+        """`model`: the session model (its placeholders name `graph.weights`); `optimized`: ORT's graph
+        optimizers run (no level "disabled"); `files`: weights may be read from the mapped file."""
+        if not optimized:  # nothing reads a weight before the kernels: all shared, placeholders as they are
+            return cls(model.SerializeToString(), dict(graph.weights), {}, _PLACEHOLDER_FOLDER, None)
+        shareable = shareable_weights(model)
+        shared = {name: array for name, array in graph.weights.items() if name in shareable}
+        mapping = graph.mapping if files and graph.mapping is not None and graph.mapping.is_current() else None
+        offsets = {name: mapping.offset_of(array) for name, array in graph.weights.items()} if mapping else {}
+        readable = {name: array for name, array in graph.weights.items() if offsets.get(name) is None}
+        if not offsets or len(readable) == len(graph.weights):
+            return cls(model.SerializeToString(), shared, dict(graph.weights), _PLACEHOLDER_FOLDER, None)
+        assert mapping is not None
+        located = ModelProto()
+        located.CopyFrom(model)
+        file_name = os.path.basename(mapping.path)
+        for tensor in located.graph.initializer:
+            offset = offsets.get(tensor.name)
+            if offset is not None:
+                length = graph.weights[tensor.name].nbytes
+                del tensor.external_data[:]
+                for key, value in (("location", file_name), ("offset", str(offset)), ("length", str(length))):
+                    tensor.external_data.add(key=key, value=value)
+        return cls(located.SerializeToString(), shared, readable, os.path.dirname(mapping.path), mapping)
+
+    def in_memory(self, graph: FinalizedGraph, model: ModelProto) -> SessionWeights:
+        """The same weights with no file read: the file was replaced since it was mapped."""
+        return SessionWeights.of(graph, model, optimized=True, files=False)
 
 
 def _session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[ModelProto, StrengthFolding | None]:
@@ -268,7 +309,7 @@ class _PythonApiSession:
         options.intra_op_num_threads = settings.intra_op_num_threads
         options.graph_optimization_level = settings.ort_level
         options.log_severity_level = _ort_log_severity
-        entries = _config(settings, prepack)
+        entries = _config(settings, prepack, weights.folder)
         if settings.prepack and not prepack:
             # A stand-in until the packed session is ready: its threads should not spin after a run and
             # keep the packing thread off the cores, and it gets no memory arena: the arena's first
@@ -332,8 +373,8 @@ class _PythonApiSession:
 _Session = _ort_capi.Session | _PythonApiSession
 
 
-def _config(settings: SessionSettings, prepack: bool) -> dict[str, str]:
-    return {"session.model_external_initializers_file_folder_path": _PLACEHOLDER_FOLDER, **settings.config(prepack)}
+def _config(settings: SessionSettings, prepack: bool, folder: str = _PLACEHOLDER_FOLDER) -> dict[str, str]:
+    return {"session.model_external_initializers_file_folder_path": folder, **settings.config(prepack)}
 
 
 def _create_session(
@@ -360,7 +401,7 @@ def _create_session(
                         weights.shared,
                         weights.readable,
                         backend.container(),
-                        _config(settings, prepack=packed),
+                        _config(settings, prepack=packed, folder=weights.folder),
                         settings.intra_op_num_threads,
                         int(settings.ort_level),
                         per_session_threads=not _global_thread_pools.is_set(),
@@ -378,7 +419,7 @@ def _create_session(
             raise BackendError(f"cpu backend (ONNX Runtime) cannot prepare graph {graph.name!r}: {exc}") from None
 
 
-_Form = tuple[FinalizedGraph, bytes, SessionSettings]  # a graph, its model serialized, how its sessions are made
+_Form = tuple[FinalizedGraph, SessionSettings]  # a graph (its model: the session model) and how its sessions are made
 
 
 def _in_prepared_form(graph: FinalizedGraph, data: bytes, settings: SessionSettings) -> _Form | None:
@@ -393,7 +434,7 @@ def _in_prepared_form(graph: FinalizedGraph, data: bytes, settings: SessionSetti
     model = form.model()
     level = cpu_prepared.open_level(model, settings.graph_optimization_level)
     prepared = dataclasses.replace(graph, model=model, weights=form.weights)
-    return prepared, model.SerializeToString(), dataclasses.replace(settings, graph_optimization_level=level)
+    return prepared, dataclasses.replace(settings, graph_optimization_level=level)
 
 
 class CpuExecutable:
@@ -402,7 +443,7 @@ class CpuExecutable:
         model, self._strengths = _session_model(graph, settings)
         integer_matmuls = settings.accuracy_level > 0 and _has_integer_matmuls(model)
         data = model.SerializeToString()
-        portable = dataclasses.replace(graph, model=model), data, settings
+        portable = dataclasses.replace(graph, model=model), settings
         prepared = _in_prepared_form(graph, data, settings)
         self._backend = backend
         self._output_names = [o.name for o in graph.outputs]
@@ -413,7 +454,8 @@ class CpuExecutable:
         # float8 and 4-bit tensors pass only through the C API (one session, packed from the start);
         # strings only through the Python API (its sessions)
         self._c_api_only = bool(io_types & _C_API_ONLY_IO) and "string" not in io_types
-        self.is_packed = settings.prepack and (not backend.lazy_prepack or integer_matmuls or self._c_api_only)
+        stand_in_differs = integer_matmuls or _packing_changes_results(model)
+        self.is_packed = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
         self._shareable = (_SHARED_INTEGER_PACKING or not integer_matmuls) and "string" not in io_types
         self.prepared = prepared is not None  # sessions come from the context's prepared form (cpu_prepared)
         self._use(*(prepared or portable))
@@ -431,15 +473,15 @@ class CpuExecutable:
             _drop_resident_pages(self._droppable)
             self._forget_sources()
 
-    def _use(self, graph: FinalizedGraph, model: bytes, settings: SessionSettings) -> None:
-        """Sessions are made from this form of the graph (`model`: its ModelProto serialized), with `settings`."""
+    def _use(self, graph: FinalizedGraph, settings: SessionSettings) -> None:
+        """Sessions are made from this form of the graph, with `settings`."""
         self._graph = graph
         self._session_settings = settings
         # Only pages of a file mapping can be dropped: private memory would lose its contents.
         self._packable = _packable_weights(graph) if self.settings.prepack else []
         self._droppable = self._packable if graph.file_backed else []
         self._prepacked = sum(a.nbytes for a in self._packable)
-        self._weights = SessionWeights.of(graph, model, optimized=settings.graph_optimization_level != "disabled")
+        self._weights = SessionWeights.of(graph, graph.model, optimized=settings.graph_optimization_level != "disabled")
 
     def _forget_sources(self) -> None:
         """Once the packed session runs, no session is made again from this executable (a forked child makes
@@ -447,15 +489,25 @@ class CpuExecutable:
         self._graph = self._weights = None  # type: ignore[assignment]
 
     def _create(self, packed: bool) -> _Session:
-        return _create_session(
-            self._graph,
-            self._weights,
-            self._backend,
-            self._session_settings,
-            packed=packed,
-            shareable=self._shareable,
-            c_api_only=self._c_api_only,
-        )
+        def create(weights: SessionWeights) -> _Session:
+            return _create_session(
+                self._graph,
+                weights,
+                self._backend,
+                self._session_settings,
+                packed=packed,
+                shareable=self._shareable,
+                c_api_only=self._c_api_only,
+            )
+
+        weights = self._weights
+        session = create(weights)
+        if weights.mapping is not None and not weights.mapping.is_current():
+            # The file was replaced while ORT read it, so it may have read the new one: read nothing from
+            # files (the mapping still holds the weights this context opened).
+            self._weights = weights = weights.in_memory(self._graph, self._graph.model)
+            session = create(weights)
+        return session
 
     def _create_first(self) -> _Session:
         if not self.is_packed:

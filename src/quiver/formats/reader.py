@@ -460,6 +460,14 @@ class TensorFile:
         """The file's bytes (the mapping itself for a mapped file)."""
         return self._buffer
 
+    def mapped_file(self) -> tuple[str, int, int] | None:
+        """The mapped file's real path, the address of its mapping in this process and its size; None for
+        a file held in private memory."""
+        if self._mmap is None or self._fd is None:
+            return None
+        address = np.frombuffer(self._buffer, np.uint8, count=1).ctypes.data if len(self._buffer) else 0
+        return os.path.realpath(self.source), int(address), len(self._buffer)
+
     @property
     def file_backed(self) -> bool:
         """Whether the buffer is a read-only mapping of a file (rather than private memory)."""

@@ -1,8 +1,9 @@
-"""The operators every Quiver backend supports: the QNN EP list plus what real exports need."""
+"""Which operators Quiver takes on, and the QNN EP's list (the floor of every backend, DESIGN.md)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import onnx
 
@@ -18,35 +19,11 @@ Tanh Tile TopK Transpose Unsqueeze Where
 """.split()
 )
 
-# What `torch.onnx` exports of common transformers and CNNs use besides.
-EXPORT_OPS = frozenset(
-    """
-Reshape Shape Constant Reciprocal IsNaN Range Erf Identity ConstantOfShape Trilu CumSum Einsum ScatterND
-Dropout Size Mod GatherElements GatherND ScatterElements Ceil Acos Tan Softplus HardSigmoid Xor IsInf
-ReduceL2 ReduceSumSquare ReduceLogSumExp Mean Sum NonZero
-""".split()
-)
-
 MS_DOMAIN = "com.microsoft"
-# MatMulNBits and FusedMatMul: Quiver writes them itself (passes/nbits.py, passes/transposed_weights.py);
-# the LLM operators, its text-generation graphs (quiver.t2t.graph), as onnxruntime-genai's builder does.
-MICROSOFT_OPS = frozenset(
-    {
-        "DequantizeLinear",
-        "FusedMatMul",
-        "Gelu",
-        "GroupQueryAttention",
-        "MatMulNBits",
-        "QuantizeLinear",
-        "SkipSimplifiedLayerNormalization",
-    }
-)
-
-SUPPORTED: dict[str, frozenset[str]] = {
-    "": QNN_EP_OPS | EXPORT_OPS,
-    "ai.onnx": QNN_EP_OPS | EXPORT_OPS,
-    MS_DOMAIN: MICROSOFT_OPS,
-}
+# Domains whose operators Quiver takes on: ONNX's own (every operator with a schema, control flow and
+# sequences included) and ONNX Runtime's contrib domain (its cpu backend refuses, when it prepares a
+# graph, an operator it has no kernel for).
+_ONNX_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 
 def op_id(node: onnx.NodeProto) -> str:
@@ -54,10 +31,14 @@ def op_id(node: onnx.NodeProto) -> str:
 
 
 def is_supported(node: onnx.NodeProto) -> bool:
-    return node.op_type in SUPPORTED.get(node.domain, frozenset())
+    """An operator of ONNX's (any version) or of ONNX Runtime's contrib domain."""
+    if node.domain == MS_DOMAIN:
+        return True
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return node.domain in _ONNX_DOMAINS and onnx.defs.has(node.op_type, domain)
 
 
-def iter_nodes(graph: onnx.GraphProto):  # type: ignore[no-untyped-def]
+def iter_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """Every node of a graph and of its subgraphs (If/Loop/Scan bodies)."""
     for node in graph.node:
         yield node

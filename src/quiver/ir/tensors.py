@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quiver.errors import ConversionError
 from quiver.ir import dtypes
 from quiver.ir.proto import ValueInfoProto
 
@@ -44,11 +45,18 @@ class TensorInfo:
 
 
 def info_of_value(value: ValueInfoProto, tensor_type: TensorType) -> TensorInfo:
+    kind = value.type.WhichOneof("value")
+    if kind not in ("tensor_type", None):
+        raise ConversionError(
+            f"{value.name!r} is a {kind.removesuffix('_type')} at the graph's edge; Quiver's graphs take and give "
+            "tensors (sequences and maps inside a graph are fine): run the model with onnxruntime"
+        )
     tensor = value.type.tensor_type
     shape: tuple[Dim, ...] | None = None
     if tensor.HasField("shape"):
         shape = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param if d.HasField("dim_param") else None)
+            # a negative size (Paddle writes -1) is a dynamic one, as ORT reads it
+            (d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param or None)
             for d in tensor.shape.dim
         )
     return TensorInfo(value.name, dtypes.io_name_of_onnx(tensor.elem_type), shape, tensor_type)

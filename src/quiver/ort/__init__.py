@@ -33,7 +33,7 @@ from quiver.ort.errors import (
 )
 from quiver.ort.options import ExecutionMode, GraphOptimizationLevel, LoraAdapter, RunOptions, SessionOptions
 from quiver.ort.provider import PROVIDER
-from quiver.ort.session import InferenceSession, ModelMetadata, NodeArg
+from quiver.ort.session import ExecutionPath, InferenceSession, ModelMetadata, NodeArg
 from quiver.ort.surface import DELEGATED, DELEGATED_MODULES
 
 aliases.install(DELEGATED_MODULES)
@@ -92,6 +92,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "InferenceSession",
+    "ExecutionPath",
     "SessionOptions",
     "RunOptions",
     "LoraAdapter",

@@ -76,6 +76,20 @@ class _AdapterNeedsOrt(Exception):
 
 
 @dataclass(frozen=True)
+class ExecutionPath:
+    """Which engine runs a session's model: Quiver's own (`"quiver"`: a context, weights shared and mapped,
+    adapters applied) or plain ONNX Runtime (`"onnxruntime"`: the model could not be split from its
+    weights), and why."""
+
+    engine: str
+    reason: str | None = None
+
+    @property
+    def on_quiver(self) -> bool:
+        return self.engine == "quiver"
+
+
+@dataclass(frozen=True)
 class EpAssignedNode:
     """`onnxruntime.OrtEpAssignedNode`: a node of the model as given."""
 
@@ -298,6 +312,13 @@ class InferenceSession(onnxruntime.InferenceSession):
             self._context = builder.finalize()
         except errors.ConversionError as exc:  # a model ORT runs but Quiver cannot convert (types, shapes)
             self._fall_back(model, source, f"cannot convert the model ({exc})")
+
+    @property
+    def execution_path(self) -> ExecutionPath:
+        """Which engine runs this session's model, and why (`quiver check` says the same of a model)."""
+        if self._fallback_reason is not None:
+            return ExecutionPath("onnxruntime", self._fallback_reason)
+        return ExecutionPath("quiver")
 
     def _fall_back(self, model: ModelProto, source: str | Path | bytes, reason: str) -> None:
         """ORT's CPU EP fallback: the whole model on plain ONNX Runtime, from its path when it has one

@@ -68,17 +68,43 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     return None
 
 
-def _lift_constants(graph: onnx.GraphProto) -> None:
-    """Main-graph Constant nodes become initializers, so large ones are shared like any weight."""
+def _lift_constants(graph: onnx.GraphProto, into: onnx.GraphProto | None = None) -> None:
+    """Constant nodes become initializers of the main graph, so large ones are shared like any weight.
+
+    In a subgraph (an If branch, a Loop or Scan body: silero-vad keeps all its weights there) only
+    large ones move, and only where their name is new: the subgraph reads them from the outer scope.
+    """
+    main = into if into is not None else graph
+    # taken: names already outer ones, or this subgraph's outputs (an output stays the subgraph's own)
+    taken = {t.name for t in main.initializer} | {o.name for o in graph.output} if into is not None else set()
     kept = []
     for node in graph.node:
         value = _constant_value(node) if node.op_type == "Constant" and node.domain in ("", "ai.onnx") else None
+        if into is not None and value is not None and (value.nbytes < INLINE_LIMIT or node.output[0] in taken):
+            value = None
         if value is None:
             kept.append(node)
         else:
-            graph.initializer.append(numpy_helper.from_array(value, node.output[0]))
+            main.initializer.append(numpy_helper.from_array(value, node.output[0]))
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                _lift_subgraph_initializers(sub, main)
+                _lift_constants(sub, main)
     del graph.node[:]
     graph.node.extend(kept)
+
+
+def _lift_subgraph_initializers(graph: onnx.GraphProto, main: onnx.GraphProto) -> None:
+    """A subgraph's large initializers move to the main graph (read from the outer scope), to be shared."""
+    taken = {t.name for t in main.initializer}
+    kept = []
+    for tensor in graph.initializer:
+        if tensor.name not in taken and numpy_helper.to_array(tensor).nbytes >= INLINE_LIMIT:
+            main.initializer.append(tensor)
+        else:
+            kept.append(tensor)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
 
 
 def _placeholder(tensor: onnx.TensorProto) -> onnx.TensorProto:
@@ -104,6 +130,16 @@ def _fix_input_shapes(graph: onnx.GraphProto, input_shapes: InputShapes) -> None
             shape.dim.add(**({"dim_value": d} if isinstance(d, int) else {"dim_param": str(d)}))
 
 
+def _negative_dims_as_dynamic(graph: onnx.GraphProto) -> None:
+    """A negative dim (Paddle exports declare `[-1, 3, -1, -1]`) is dynamic to ONNX Runtime: make it an
+    unknown dim, as ORT reads it, so that shape inference and every run take any size there."""
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.HasField("dim_value") and dim.dim_value < 0:
+                    dim.ClearField("dim_value")
+
+
 def _is_placeholder(tensor: onnx.TensorProto) -> bool:
     return tensor.data_location == onnx.TensorProto.EXTERNAL
 
@@ -117,7 +153,12 @@ def _infer_shapes(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
     try:
         inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=True, data_prop=True)
     except Exception as exc:
-        raise ConversionError(f"{label}: shape inference failed: {str(exc).strip().splitlines()[-1]}") from None
+        # onnx's inference of some function bodies (MeanVarianceNormalization's) fails where ORT runs the
+        # model: what it cannot infer stays unknown, as ORT's own inference leaves it
+        try:
+            inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
+        except Exception:
+            raise ConversionError(f"{label}: shape inference failed: {str(exc).strip().splitlines()[-1]}") from None
     del inferred.graph.input[len(model.graph.input) :]
     del inferred.graph.initializer[:]
     inferred.graph.initializer.extend(model.graph.initializer)
@@ -190,6 +231,7 @@ def convert(
     to_matmul_nbits(model, base, keep=updateable)  # before the dtype checks: 4-bit weights leave as packed uint8
     check_operators(model, label)
     graph = model.graph
+    _negative_dims_as_dynamic(graph)
     _strip_node_metadata(graph)
     _lift_constants(graph)
     fuse_transposed_weights(model)

@@ -22,6 +22,7 @@ from quiver.backends import (
     AheadOfTimeBackend,
     Backend,
     FinalizedGraph,
+    MappedFile,
     PreparedGraph,
     StoredWeight,
     WeightFile,
@@ -350,7 +351,11 @@ class Context:
             )
             for number, form in enumerate(entry.prepared)
         )
-        return FinalizedGraph(name, model, weights, info.inputs, info.outputs, store.file.file_backed, tuning, prepared)
+        mapped = store.file.mapped_file()
+        mapping = MappedFile(*mapped, partial(store.file.is_file_at, mapped[0])) if mapped else None
+        return FinalizedGraph(
+            name, model, weights, info.inputs, info.outputs, store.file.file_backed, tuning, prepared, mapping
+        )
 
     def _encodings(self, name: str) -> EncodingSet:
         """The encodings of a graph's quantized tensors, from the values in use now (sections included)."""
