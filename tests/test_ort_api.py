@@ -212,7 +212,8 @@ def test_cpu_fallback_and_disabling_it(tmp_path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     fallback = quiver.ort.InferenceSession(str(path))
     assert fallback.get_providers() == ["CPUExecutionProvider"]
-    assert fallback.execution_path.engine == "onnxruntime" and "'s' is a sequence" in str(fallback.execution_path.reason)
+    path_taken = fallback.execution_path
+    assert path_taken.engine == "onnxruntime" and "'s' is a sequence" in str(path_taken.reason)
     assert fallback.run(None, {"s": [np.zeros(2, np.float32)] * 3})[0] == 3
     options = quiver.ort.SessionOptions()
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
