@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -20,12 +21,12 @@ MODELS: dict[str, dict[str, list[int]]] = {
 _DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 
 
-def feeds(name: str, inputs: Sequence[object], seed: int = 0) -> dict[str, np.ndarray]:
+def feeds(name: str, inputs: Sequence[Any], seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded inputs for a model, typed as its `get_inputs()` says (silero-vad's sample rate: 16 kHz)."""
     rng = np.random.default_rng(seed)
     made = {}
     for arg in inputs:
-        input_name, dtype = getattr(arg, "name"), _DTYPES[getattr(arg, "type")]
+        input_name, dtype = arg.name, _DTYPES[arg.type]
         shape = MODELS[name][input_name]
         made[input_name] = np.array(16000, dtype) if input_name == "sr" else rng.random(shape).astype(dtype)
     return made
