@@ -186,7 +186,8 @@ def test_verify_accepts_a_whole_file_and_refuses_a_damaged_one(built: Path, tmp_
 
 def test_check_lists_operators_and_fails_on_unsupported_ones(family_files: dict[str, Path], tmp_path: Path) -> None:
     ok = quiver("check", family_files["base"], "--json")
-    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"]
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] and json.loads(ok.stdout)["path"] == "quiver"
+    assert "quiver.ort runs it on: quiver" in quiver("check", family_files["base"]).stdout
     import onnx
     from onnx import TensorProto, helper
 

@@ -467,3 +467,57 @@ def test_sessions_run_in_a_forked_child_including_their_plain_onnxruntime_parts(
     done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert "child exit 0" in done.stdout, done.stdout + done.stderr
+
+
+def _conv_bn_model(declared_input: list[int | str]) -> object:
+    """A Conv with 16 output channels and a BatchNormalization after it, as every CNN export has: ORT's
+    Conv + BN fusion (basic) and NCHWc layout (all) read and rewrite the Conv's weights."""
+    rng = np.random.default_rng(26)
+    channels = 16
+    weights = {
+        "conv.weight": rng.standard_normal((channels, 3, 3, 3)),
+        "bn.scale": rng.standard_normal(channels),
+        "bn.bias": rng.standard_normal(channels),
+        "bn.mean": rng.standard_normal(channels),
+        "bn.var": rng.random(channels) + 0.5,
+        "head.weight": rng.standard_normal((channels, channels, 1, 1)),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "conv.weight"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "bn.scale", "bn.bias", "bn.mean", "bn.var"], ["b"]),
+        helper.make_node("Relu", ["b"], ["r"]),
+        helper.make_node("Conv", ["r", "head.weight"], ["h"]),
+        helper.make_node("Transpose", ["h"], ["y"], perm=[0, 2, 3, 1]),
+    ]
+    return helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, declared_input)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v.astype(np.float32), n) for n, v in weights.items()],
+    )
+
+
+@pytest.mark.parametrize("level", ["ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL"])
+def test_a_cnn_whose_weights_orts_passes_rewrite_runs_on_quiver_from_its_first_run(tmp_path: Path, level: str) -> None:
+    path = _save(_conv_bn_model([1, 3, 16, 16]), tmp_path / "cnn.onnx")
+    x = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    outputs = {}
+    for module in (onnxruntime, quiver.ort):
+        options = module.SessionOptions()
+        options.graph_optimization_level = getattr(onnxruntime.GraphOptimizationLevel, level)
+        session = module.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        outputs[module.__name__] = session.run(None, {"x": x})[0]
+    assert session.execution_path.on_quiver
+    np.testing.assert_array_equal(outputs["quiver.ort"], outputs["onnxruntime"])
+
+
+def test_negative_and_symbolic_dims_are_dynamic_and_reported_as_onnxruntime_reports_them(tmp_path: Path) -> None:
+    path = _save(_conv_bn_model([-1, 3, "?", -1]), tmp_path / "paddle_style.onnx")  # as Paddle declares them
+    ours = quiver.ort.InferenceSession(str(path))
+    theirs = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert ours.get_inputs()[0].shape == theirs.get_inputs()[0].shape
+    assert ours.execution_path.on_quiver
+    for shape in ((5, 3, 48, 192), (2, 3, 8, 8)):
+        x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(ours.run(None, {"x": x})[0], theirs.run(None, {"x": x})[0])

@@ -12,9 +12,12 @@ import bisect
 import csv
 import io
 import json
+import os
+import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,8 +274,7 @@ class InferenceSession(onnxruntime.InferenceSession):
     def _make_backend(self) -> Backend:
         folder = None
         if self._config.profiling_level == "detailed":
-            self._profile_folder = tempfile.TemporaryDirectory(prefix="quiver-profile-")
-            folder = Path(self._profile_folder.name)
+            folder = _scratch_folder(self, "quiver-profile-")
         self._backend = _backend(self._config, self._options, folder)
         return self._backend
 
@@ -304,8 +306,7 @@ class InferenceSession(onnxruntime.InferenceSession):
             if self._entries.get("ep.context_enable") == "1":
                 self._context = self._build_ep_context(model, source_path, folder, backend)
                 return
-            self._spool = tempfile.TemporaryDirectory(prefix="quiver-ort-")
-            builder = Context.create(backend, workdir=self._spool.name)
+            builder = Context.create(backend, workdir=_scratch_folder(self, "quiver-ort-"))
             builder.add_graph(
                 self._graph_name, source_path or model, updateable=_overridable(model), external_data_folder=folder
             )
@@ -828,6 +829,20 @@ class InferenceSession(onnxruntime.InferenceSession):
             self.close()
         except Exception:  # at interpreter exit the modules may be gone
             pass
+
+
+def _scratch_folder(owner: object, prefix: str) -> Path:
+    """A temporary folder that lives as long as `owner` (the context built in it maps its file, and ORT
+    reads weights from that file) and is removed with it or at exit, without a warning."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    weakref.finalize(owner, _remove_if_ours, folder, os.getpid())
+    return Path(folder)
+
+
+def _remove_if_ours(folder: str, creator: int) -> None:
+    """Removes the folder in the process that made it only: a forked child's exit leaves its parent's."""
+    if os.getpid() == creator:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _overridable(model: ModelProto) -> list[str]:

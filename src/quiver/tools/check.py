@@ -24,9 +24,18 @@ class CheckReport:
     def ok(self) -> bool:
         return not self.unsupported and self.problem is None
 
+    @property
+    def path(self) -> str:
+        """Which engine `quiver.ort` runs the model on: Quiver's own, or plain ONNX Runtime (and why)."""
+        if self.ok:
+            return "quiver"
+        reason = f"unsupported operators {', '.join(self.unsupported)}" if self.unsupported else self.problem
+        return f"onnxruntime ({reason})"
+
     def to_json(self) -> dict[str, object]:
         return {
             "ok": self.ok,
+            "path": "quiver" if self.ok else "onnxruntime",
             "operators": dict(sorted(self.operators.items())),
             "unsupported": self.unsupported,
             "problem": self.problem,

@@ -536,6 +536,7 @@ def check(model: Path, as_json: bool) -> None:
         for op, count in sorted(report.operators.items()):
             table.add_row(op, str(count), "no" if op in report.unsupported else "yes")
         console.print(table)
+        console.print(f"quiver.ort runs it on: {report.path}")
         if report.ok:
             console.print(f"{model}: ok, Quiver can build it")
     if report.unsupported:
