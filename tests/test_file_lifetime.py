@@ -118,7 +118,7 @@ def test_a_sparse_section_with_a_huge_hole_is_refused_without_reading_it(tmp_pat
 
 
 def test_a_npy_header_claiming_more_than_the_file_holds_is_an_input_list_error(tmp_path: Path) -> None:
-    from quiver.tools.netrun import parse_input_list
+    from quiver.runtime.netrun import parse_input_list
 
     np.save(tmp_path / "x.npy", np.zeros((2, 16), np.float32))
     data = (tmp_path / "x.npy").read_bytes().replace(b"(2, 16)", b"(10000000, 100000)")

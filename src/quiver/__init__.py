@@ -73,10 +73,10 @@ _LAZY = {
     "accuracy_report": "quiver.tools.accuracy",
     "CheckReport": "quiver.tools.check",
     "check_model": "quiver.tools.check",
-    "Comparison": "quiver.tools.compare",
-    "compare_models": "quiver.tools.compare",
-    "parse_input_list": "quiver.tools.netrun",
-    "run_input_list": "quiver.tools.netrun",
+    "Comparison": "quiver.passes.compare",
+    "compare_models": "quiver.passes.compare",
+    "parse_input_list": "quiver.runtime.netrun",
+    "run_input_list": "quiver.runtime.netrun",
     "describe_context": "quiver.tools.report",
 }
 
@@ -84,14 +84,14 @@ if _TYPE_CHECKING:
     from quiver.backends import Backend, CpuBackend, ReferenceBackend, available_backends, register_backend
     from quiver.formats.encodings import Encoding, EncodingSet, load_encodings, save_encodings
     from quiver.ir.tensors import TensorInfo, TensorType
+    from quiver.passes.compare import Comparison, compare_models
     from quiver.passes.quantize import QuantizeOptions, quantize
     from quiver.runtime.bound_run import BoundRun
     from quiver.runtime.context import Context, WeightStats
     from quiver.runtime.graph import Graph
+    from quiver.runtime.netrun import parse_input_list, run_input_list
     from quiver.tools.accuracy import AccuracyReport, accuracy_report
     from quiver.tools.check import CheckReport, check_model
-    from quiver.tools.compare import Comparison, compare_models
-    from quiver.tools.netrun import parse_input_list, run_input_list
     from quiver.tools.report import describe_context
 
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from quiver.tools.cli import main
+from quiver.cli.main import main
 
 sys.exit(main())

@@ -21,10 +21,10 @@ from quiver.formats.writer import write_atomically, write_text_atomically
 from quiver.lora.attach import AttachPoint, find_attach_points
 from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
+from quiver.passes.compare import compare_models
 from quiver.passes.load import load_model
 from quiver.passes.quantize import QuantizeOptions
 from quiver.runtime.context import Context
-from quiver.tools.compare import compare_models
 
 
 @dataclass(frozen=True)

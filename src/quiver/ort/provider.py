@@ -163,6 +163,8 @@ def select_provider(
     # QNN/Quiver options win over a bare CPUExecutionProvider entry (whose options are ORT's, not ours).
     specific = [options for name, options in ours if name != "CPUExecutionProvider"]
     config = parse_provider_options(specific[0] if specific else {})
+    if not specific:  # no QNN power mode asked for: ORT's own CPU defaults (all cores, threads spin)
+        config.performance_mode = "high_performance"
     # As ORT reports them: the providers asked for, CPU last (ORT always keeps it as the fallback). Asked
     # for CPU alone, Quiver runs the model on its cpu backend, which is ORT's CPU EP: it reports just that.
     cpu_only = all(name == "CPUExecutionProvider" for name, _ in entries)

@@ -132,10 +132,11 @@ def _backend(config: ProviderConfig, options: SessionOptions | Any, profile_fold
         return get_backend(config.backend)
     threads = getattr(options, "intra_op_num_threads", 0) or config.threads
     level = getattr(options, "graph_optimization_level", onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    spinning = config_entries(options).get("session.intra_op.allow_spinning")  # the caller's ORT setting wins
     return CpuBackend(
         intra_op_num_threads=threads,
         graph_optimization_level=level,
-        allow_spinning=config.spinning,
+        allow_spinning=config.spinning if spinning is None else spinning != "0",
         profile_prefix=str(profile_folder / "ort_profile") if profile_folder else None,
     )
 

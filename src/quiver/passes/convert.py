@@ -50,12 +50,18 @@ def check_operators(model: onnx.ModelProto, label: str = "model") -> None:
         )
 
 
-def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """A Constant node's value as an initializer named after its output (None: a sparse or string form)."""
     attr = node.attribute[0] if len(node.attribute) == 1 else None
     if attr is None:
         return None
     if attr.name == "value":  # a sparse tensor under this name (some exporters write one) stays a node
-        return numpy_helper.to_array(attr.t) if attr.type == onnx.AttributeProto.TENSOR else None
+        if attr.type != onnx.AttributeProto.TENSOR:
+            return None
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(attr.t)  # as it is: no round trip through numpy
+        tensor.name = node.output[0]
+        return tensor
     simple = {
         "value_float": (attr.f, np.float32),
         "value_floats": (list(attr.floats), np.float32),
@@ -64,8 +70,13 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     }
     if attr.name in simple:
         value, dtype = simple[attr.name]
-        return np.asarray(value, dtype=dtype)
+        return numpy_helper.from_array(np.asarray(value, dtype=dtype), node.output[0])
     return None
+
+
+def _is_small(tensor: onnx.TensorProto) -> bool:
+    length = len(tensor.raw_data) if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).nbytes
+    return length < INLINE_LIMIT
 
 
 def _lift_constants(graph: onnx.GraphProto, into: onnx.GraphProto | None = None) -> None:
@@ -79,13 +90,13 @@ def _lift_constants(graph: onnx.GraphProto, into: onnx.GraphProto | None = None)
     taken = {t.name for t in main.initializer} | {o.name for o in graph.output} if into is not None else set()
     kept = []
     for node in graph.node:
-        value = _constant_value(node) if node.op_type == "Constant" and node.domain in ("", "ai.onnx") else None
-        if into is not None and value is not None and (value.nbytes < INLINE_LIMIT or node.output[0] in taken):
-            value = None
-        if value is None:
+        tensor = _constant_tensor(node) if node.op_type == "Constant" and node.domain in ("", "ai.onnx") else None
+        if into is not None and tensor is not None and (node.output[0] in taken or _is_small(tensor)):
+            tensor = None
+        if tensor is None:
             kept.append(node)
         else:
-            main.initializer.append(numpy_helper.from_array(value, node.output[0]))
+            main.initializer.append(tensor)
         for attribute in node.attribute:
             for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
                 _lift_subgraph_initializers(sub, main)
@@ -99,7 +110,7 @@ def _lift_subgraph_initializers(graph: onnx.GraphProto, main: onnx.GraphProto) -
     taken = {t.name for t in main.initializer}
     kept = []
     for tensor in graph.initializer:
-        if tensor.name not in taken and numpy_helper.to_array(tensor).nbytes >= INLINE_LIMIT:
+        if tensor.name not in taken and not _is_small(tensor):
             main.initializer.append(tensor)
         else:
             kept.append(tensor)

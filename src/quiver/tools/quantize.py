@@ -17,8 +17,8 @@ from quiver.formats.writer import write_atomically
 from quiver.ir.tensors import TensorType, info_of_value
 from quiver.passes.load import load_model
 from quiver.passes.quantize import QuantizeOptions, parse_ort_overrides, quantize
+from quiver.runtime.netrun import parse_input_list
 from quiver.tools.accuracy import AccuracyReport, accuracy_report
-from quiver.tools.netrun import parse_input_list
 
 
 def load_float_model(path: Path) -> onnx.ModelProto:

@@ -33,7 +33,7 @@ def workloads_from_input_lists(
 ) -> list[Workload]:
     """One workload per graph: `lists` are (graph or None, input list); a list without a graph serves every
     graph in `graphs` (default: all) whose inputs it names, and must serve at least one."""
-    from quiver.tools.netrun import parse_input_list
+    from quiver.runtime.netrun import parse_input_list
 
     wanted = list(graphs) or context.graph_names
     unknown = sorted(set(wanted) - set(context.graph_names))

@@ -10,9 +10,9 @@ from typing import Any
 import click
 from rich.table import Table
 
+from quiver.cli.common import as_mb, cli, console, emit_json, status_line
+from quiver.cli.tune import print_tuning, run_tuning, tuning_options
 from quiver.formats.files import read_text
-from quiver.tools.cli import _emit_json, _mb, _status, cli, console
-from quiver.tools.tune_cli import print_tuning, run_tuning, tuning_options
 
 
 @cli.group()
@@ -74,7 +74,7 @@ def t2t_export(
         weight_bits=int(weight_bitwidth) if weight_bitwidth else None,
         block_size=block_size,
     )
-    with _status("exporting") as status:
+    with status_line("exporting") as status:
         dialog = export(model_dir, output_dir, adapters, use_cases, options, on_step=lambda s: status.update(s))
     files = [
         dialog.ctx_bins[0],
@@ -83,13 +83,13 @@ def t2t_export(
         dialog.path,
     ]
     if as_json:
-        _emit_json({"config": str(dialog.path), "files": {str(p): p.stat().st_size for p in files}})
+        emit_json({"config": str(dialog.path), "files": {str(p): p.stat().st_size for p in files}})
         return
     table = Table(title=f"{dialog.path}")
     table.add_column("file")
     table.add_column("size", justify="right")
     for path in files:
-        table.add_row(path.name, _mb(path.stat().st_size))
+        table.add_row(path.name, as_mb(path.stat().st_size))
     console.print(table)
 
 
@@ -224,6 +224,6 @@ def t2t_tune(config_path: Path, output: Path, prompt_tokens: int, as_json: bool,
         workloads = [workload_of(dialog.context, graph, feeds) for graph, feeds in samples.items()]
         result = run_tuning(dialog.context, [], (), {}, output, workloads=workloads, **options)
     if as_json:
-        _emit_json(result.to_json())
+        emit_json(result.to_json())
     else:
         print_tuning(result)

@@ -11,18 +11,18 @@ from typing import Any
 import click
 from rich.table import Table
 
-from quiver.errors import TuningError
-from quiver.runtime.context import Context
-from quiver.tools.cli import (
-    _emit_json,
-    _input_shape,
-    _parse_file_shapes,
-    _status,
-    _tuning_input_lists,
+from quiver.cli.common import (
     cli,
     console,
+    emit_json,
+    input_shape_option,
+    parse_file_shapes,
     printable,
+    status_line,
+    tuning_input_lists_option,
 )
+from quiver.errors import TuningError
+from quiver.runtime.context import Context
 
 TOKEN_ENVIRONMENT = "QUIVER_TARGET_TOKEN"
 
@@ -96,7 +96,7 @@ def run_tuning(
     target = target or target_from_environment()
     profiler = RemoteProfiler(target, token or os.environ.get(TOKEN_ENVIRONMENT)) if target else None
     try:
-        with _status("tuning") as status:
+        with status_line("tuning") as status:
             return tune_context(
                 context,
                 workloads,
@@ -136,10 +136,10 @@ def print_tuning(result: Any) -> None:
 
 @cli.command()
 @click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
-@_tuning_input_lists
+@tuning_input_lists_option
 @click.option("--graph", "graphs", multiple=True, help="Tune only this graph; repeat for more (default: all).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Tuned .qctx.")
-@_input_shape
+@input_shape_option
 @tuning_options
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def tune(
@@ -157,12 +157,12 @@ def tune(
             context,
             input_lists,
             graphs,
-            _parse_file_shapes(input_shapes),
+            parse_file_shapes(input_shapes),
             output,
             **options,
         )
     if as_json:
-        _emit_json(result.to_json())
+        emit_json(result.to_json())
     else:
         print_tuning(result)
 

@@ -1,0 +1,460 @@
+"""`quiver demo`, `build`, `inspect`, `run`, `compare`, `verify`, `check`, `ort-wrap`: contexts and models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from quiver.backends import available_backends
+from quiver.cli.common import (
+    as_mb,
+    cli,
+    console,
+    emit_json,
+    err_console,
+    input_shape_option,
+    parse_file_shapes,
+    parse_model_arg,
+    parse_shape_args,
+    printable,
+    progress_bar,
+    status_line,
+    tuning_input_lists_option,
+)
+from quiver.errors import QuiverError
+from quiver.formats.reader import ContextFile
+from quiver.runtime.context import Context
+
+
+@cli.command()
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), help="Keep the models and context here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def demo(workdir: Path | None, as_json: bool) -> None:
+    """Build a base model and two fine-tunes into one context, run them, check them against ONNX Runtime."""
+    from quiver.tools.demo import run_demo
+
+    with status_line("starting") as status:
+        result = run_demo(workdir, on_step=lambda step: status.update(step))
+    if as_json:
+        emit_json(
+            {
+                "context": str(result.path) if result.path else None,
+                "context_bytes": result.context_bytes,
+                "separate_bytes": result.separate_bytes,
+                "unique_weight_bytes": result.unique_weight_bytes,
+                "graphs": [dict(vars(r), matches=r.matches) for r in result.rows],
+            }
+        )
+    else:
+        table = Table(title="quiver demo: three graphs, one context (cpu backend vs. ONNX Runtime)")
+        for column in ("graph", "own .onnx", "first output", "latency", "ORT latency", "max |diff|", "check"):
+            table.add_column(column, justify="left" if column == "graph" else "right", no_wrap=column == "graph")
+        for r in result.rows:
+            table.add_row(
+                r.graph,
+                as_mb(r.separate_bytes),
+                f"{r.first_output_ms:.1f} ms",
+                f"{r.latency_ms:.2f} ms",
+                f"{r.ort_latency_ms:.2f} ms",
+                f"{r.max_abs_diff:.1e}",
+                "ok" if r.matches else "MISMATCH",
+            )
+        console.print(table)
+        summary = Table(show_header=False, box=None)
+        summary.add_row("stored separately", as_mb(result.separate_bytes))
+        summary.add_row(
+            "one context",
+            f"{as_mb(result.context_bytes)} ({result.context_bytes / result.separate_bytes:.0%} of separate)",
+        )
+        summary.add_row("unique weights", as_mb(result.unique_weight_bytes))
+        summary.add_row("load (from_binary)", f"{result.rows[0].load_ms:.1f} ms")
+        summary.add_row("context file", str(result.path) if result.path else "removed (--workdir DIR keeps it)")
+        console.print(summary)
+    if not all(r.matches for r in result.rows):
+        raise QuiverError("outputs differ from ONNX Runtime by more than 1e-4; please report this")
+
+
+@cli.command()
+@click.argument("models", nargs=-1, required=True)
+@click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The .qctx to write."
+)
+@click.option(
+    "--input-shape",
+    "input_shapes",
+    multiple=True,
+    metavar="NAME=D0,D1",
+    help="Fix an input's shape (every graph that has it); repeat for more inputs.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the sharing report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--config-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help='Tuning config JSON (QNN\'s keys): with "tuning_mode": true the context is tuned for this device.',
+)
+@tuning_input_lists_option
+def build(
+    models: tuple[str, ...],
+    output: Path,
+    input_shapes: tuple[str, ...],
+    as_json: bool,
+    quiet: bool,
+    config_file: Path | None,
+    input_lists: tuple[tuple[str | None, Path], ...],
+) -> None:
+    """Pack MODEL.onnx[:GRAPH_NAME] ... into one context binary, each distinct weight stored once."""
+    from quiver.passes.load import load_model
+    from quiver.tools.report import describe_context
+
+    shapes = parse_shape_args(input_shapes)
+    parsed = [parse_model_arg(m) for m in models]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    context = Context.create("cpu", workdir=output.parent)
+    with progress_bar(quiet) as progress:
+        task = progress.add_task("building", total=len(parsed))
+        for path, name in parsed:
+            progress.update(task, description=f"adding {name}")
+            fixed = None
+            if shapes:  # fix only the inputs this model has (a family may differ in its inputs)
+                model_inputs = {i.name for i in load_model(path)[0].graph.input}
+                fixed = {k: v for k, v in shapes.items() if k in model_inputs} or None
+            context.add_graph(name, path, fixed)
+            progress.advance(task)
+        progress.update(task, description="writing")
+        context.save(output)
+    if config_file is not None:
+        _tune_built(context, output, config_file, input_lists)
+    report = describe_context(context, str(output))
+    context.close()
+    if as_json:
+        emit_json(report)  # JSON escapes control characters itself
+        return
+    report = printable(report)
+    _print_graph_table(report, f"built {output}")
+    _print_summary(report)
+
+
+def _tune_built(
+    context: Context, output: Path, config_file: Path, input_lists: Sequence[tuple[str | None, Path]]
+) -> None:
+    """`build --config-file`: QNN tunes while it generates the context binary; here, right after."""
+    from quiver.cli.tune import run_tuning
+    from quiver.tuning import read_tuning_config
+
+    config = read_tuning_config(config_file)
+    if not config.tuning_mode:
+        return  # a config without tuning mode (and without cache options: those are an error) tunes nothing
+    run_tuning(context, input_lists, (), {}, output, config_file=config_file)
+
+
+def _print_graph_table(report: dict[str, Any], title: str) -> None:
+    table = Table(title=title)
+    for column in ("graph", "inputs", "outputs", "weights", "own", "shared"):
+        table.add_column(column, justify="right" if column in ("weights", "own", "shared") else "left")
+
+    def io(tensors: list[dict[str, Any]]) -> str:
+        return "\n".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in tensors)
+
+    for g in report["graphs"]:
+        w = g["weights"]
+        table.add_row(
+            g["name"],
+            io(g["inputs"]),
+            io(g["outputs"]),
+            as_mb(w["bytes"]),
+            as_mb(w["own_bytes"]),
+            as_mb(w["shared_bytes"]),
+        )
+    console.print(table)
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    w = report["weights"]
+    summary = Table(show_header=False, box=None)
+    summary.add_row("referenced by the graphs", f"{as_mb(w['referenced_bytes'])} ({w['referenced_count']} tensors)")
+    summary.add_row("stored (unique)", f"{as_mb(w['unique_bytes'])} ({w['unique_count']} tensors)")
+    summary.add_row("saved by sharing", as_mb(w["saved_bytes"]))
+    conflicts = report.get("encoding_conflicts", [])
+    if conflicts:
+        extra = sum(c["bytes"] * (len(c["copies"]) - 1) for c in conflicts)
+        summary.add_row(
+            "not shared: encodings differ",
+            f"{len(conflicts)} tensors, {as_mb(extra)} extra: "
+            + "; ".join(" / ".join(", ".join(copy["tensors"]) for copy in c["copies"]) for c in conflicts[:3])
+            + (" ..." if len(conflicts) > 3 else ""),
+        )
+    summary.add_row(
+        "context file",
+        f"{as_mb(report['size_bytes'])} ({report['size_bytes'] / max(w['unique_bytes'], 1):.4f} x unique weights)",
+    )
+    runtimes = sorted({runtime for g in report["graphs"] for runtime in g.get("prepared_for", [])})
+    for runtime in runtimes:
+        count = sum(runtime in g.get("prepared_for", []) for g in report["graphs"])
+        summary.add_row("prepared for", f"{runtime} ({count} of {len(report['graphs'])} graphs)")
+    console.print(summary)
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    """Whether a regular file starts with `magic` (a FIFO or a device is refused, never read)."""
+    from quiver.formats.files import open_regular
+
+    with open_regular(path) as file:
+        return file.read(len(magic)) == magic
+
+
+def _inspect_section(path: Path, as_json: bool) -> None:
+    from rich.markup import escape
+
+    from quiver.formats.section import SectionFile
+    from quiver.tools.report import describe_section
+
+    report = describe_section(SectionFile.open(path), str(path))
+    if as_json:
+        emit_json(report)  # JSON escapes control characters itself
+        return
+    report = printable(report)
+    table = Table(title=escape(f"{path}: binary section for context {report['context'][:16]}…"))
+    for column in ("graph", "tensor", "dtype", "shape", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left", overflow="fold")
+    for graph, rows in report["graphs"].items():
+        for row in rows:
+            table.add_row(escape(graph), escape(row["tensor"]), row["dtype"], str(row["shape"]), f"{row['bytes']:,}")
+    console.print(table)
+    lora = report["metadata"].get("lora") if isinstance(report["metadata"], dict) else None
+    if isinstance(lora, dict):
+        console.print(
+            escape(f"use case {lora.get('use_case')!r}: adapters {lora.get('active')}, alphas {lora.get('alphas')}")
+        )
+    console.print(f"{as_mb(report['bytes'])} of tensors")
+
+
+@cli.command()
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the metadata as JSON.")
+@click.option("--tensors", is_flag=True, help="Also list every stored tensor and the graphs using it.")
+def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
+    """Print a context binary's graphs, inputs/outputs, tensors and sharing (or a .qsec section's tensors)."""
+    from quiver.formats._layout import SECTION_MAGIC
+    from quiver.tools.report import describe_context
+
+    if _starts_with(context_path, SECTION_MAGIC):
+        _inspect_section(context_path, as_json)
+        return
+    with Context.from_binary(context_path, backend="reference") as context:
+        report = describe_context(context, str(context_path))
+    if as_json:
+        emit_json(report)  # JSON escapes control characters itself
+        return
+    report = printable(report)
+    _print_graph_table(report, f"{context_path} (format {report['format_version']}, {report['producer']})")
+    if tensors:
+        table = Table(title="stored tensors")
+        for column in ("#", "dtype", "shape", "bytes", "graphs"):
+            table.add_column(column)
+        for t in report["tensors"]:
+            table.add_row(str(t["index"]), t["dtype"], str(t["shape"]), f"{t['bytes']:,}", ", ".join(t["graphs"]))
+        console.print(table)
+    if report["tuning"]:
+        tuned = Table(title="tuned configurations (quiver tune)")
+        for column in ("device tier", "graph", "configuration"):
+            tuned.add_column(column)
+        for entry in report["tuning"]:
+            for graph, chosen in entry["graphs"].items():
+                settings = ", ".join(f"{k}={v}" for k, v in chosen["config"].items())
+                tuned.add_row(entry["tier"], graph, settings)
+        console.print(tuned)
+    _print_summary(report)
+
+
+@cli.command()
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--graph", "graph_name", help="Graph to run (default: the only graph).")
+@click.option(
+    "--input-list",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="qnn-net-run input list: `name:=file.raw ...` per line (.raw or .npy).",
+)
+@click.option("--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--backend", type=click.Choice(available_backends()), default="cpu", show_default=True)
+@click.option("--npy", is_flag=True, help="Also write each output as .npy.")
+@input_shape_option
+@click.option(
+    "--section",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A binary section (.qsec) to apply before running, e.g. a LoRA use case.",
+)
+@click.option(
+    "--lora-strength",
+    "strengths",
+    multiple=True,
+    metavar="ADAPTER=VALUE",
+    help="Set an adapter's strength (after --section); repeat for more adapters.",
+)
+def run(
+    context_path: Path,
+    graph_name: str | None,
+    input_list: Path,
+    output_dir: Path,
+    backend: str,
+    npy: bool,
+    input_shapes: tuple[str, ...],
+    section: Path | None,
+    strengths: tuple[str, ...],
+) -> None:
+    """Execute a graph for every line of an input list (qnn-net-run compatible outputs)."""
+    from quiver.runtime.netrun import run_input_list
+
+    with Context.from_binary(context_path, backend=backend) as context:
+        if graph_name is None:
+            if len(context.graph_names) != 1:
+                raise QuiverError(f"the context holds {context.graph_names}; choose one with --graph")
+            graph_name = context.graph_names[0]
+        if section is not None:
+            context.apply_binary_section(graph_name, section)
+        for strength in strengths:
+            adapter, _, value = strength.partition("=")
+            try:
+                number = float(value)
+            except ValueError:
+                raise click.BadParameter(f"{strength!r}: write ADAPTER=VALUE, e.g. elementary=0.5") from None
+            context.graph(graph_name).set_lora_strength(adapter, number)
+        start = time.perf_counter()
+        shapes = parse_file_shapes(input_shapes)
+        with progress_bar(quiet=False) as progress:
+            task = progress.add_task(f"running {graph_name}", total=None)
+            written = run_input_list(
+                context.graph(graph_name),
+                input_list,
+                output_dir,
+                npy=npy,
+                shapes=shapes,
+                on_result=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+        elapsed = time.perf_counter() - start
+    results = len({p.parent for p in written})
+    err_console.print(f"{results} result(s), {len(written)} output file(s) in {output_dir} ({elapsed:.2f} s)")
+
+
+@cli.command()
+@click.argument("model_a", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_b", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def compare(model_a: Path, model_b: Path, as_json: bool) -> None:
+    """Which weights two models share by content, which differ, and the bytes one context saves."""
+    from quiver.passes.compare import compare_models
+
+    result = compare_models(model_a, model_b)
+    if as_json:
+        emit_json(result.to_json())
+        return
+    table = Table(title=f"{model_a.name} vs {model_b.name}")
+    for column in ("", "tensors", "bytes (A)"):
+        table.add_column(column, justify="right" if column else "left")
+    table.add_row(
+        "identical (shareable)", str(len(result.identical)), as_mb(sum(a.nbytes for a, _ in result.identical))
+    )
+    table.add_row(
+        "different (same role)", str(len(result.different)), as_mb(sum(a.nbytes for a, _ in result.different))
+    )
+    conflicts = result.encoding_conflicts
+    table.add_row("same bytes, other encoding", str(len(conflicts)), as_mb(sum(a.nbytes for a, _ in conflicts)))
+    table.add_row("only in A", str(len(result.only_a)), as_mb(sum(t.nbytes for t in result.only_a)))
+    table.add_row("only in B", str(len(result.only_b)), as_mb(sum(t.nbytes for t in result.only_b)))
+    console.print(table)
+    summary = Table(show_header=False, box=None)
+    summary.add_row("stored separately", as_mb(result.separate_bytes))
+    summary.add_row("in one context", as_mb(result.context_bytes))
+    summary.add_row(
+        "saved", f"{as_mb(result.shared_bytes)} ({result.shared_bytes / max(result.separate_bytes, 1):.0%})"
+    )
+    console.print(summary)
+    for title, pairs in (("different tensors", result.different), ("not shareable: encodings differ", conflicts)):
+        if pairs:
+            detail = Table(title=title)
+            for column in ("A", "B", "dtype", "shape", "bytes"):
+                detail.add_column(column)
+            for a, b in pairs:
+                detail.add_row(a.name, b.name, a.dtype, str(list(a.shape)), f"{a.nbytes:,}")
+            console.print(detail)
+
+
+@cli.command()
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def verify(context_path: Path, as_json: bool) -> None:
+    """Check every checksum and padding of a context binary (or a .qsec section); exit 0 only if all hold."""
+    from quiver.formats._layout import SECTION_MAGIC
+    from quiver.formats.section import SectionFile
+
+    start = time.perf_counter()
+    is_section = _starts_with(context_path, SECTION_MAGIC)
+    file = (SectionFile if is_section else ContextFile).open(context_path)
+    problems = file.verify()
+    elapsed = time.perf_counter() - start
+    if as_json:
+        emit_json(
+            {
+                "path": str(context_path),
+                "ok": not problems,
+                "problems": problems,
+                "weights": len(file.weights),
+                "graphs": list(file.graphs),
+                "bytes": file.size,
+            }
+        )
+    elif not problems:
+        console.print(
+            f"{context_path}: ok ({len(file.weights)} weights, {len(file.graphs)} graphs, "
+            f"{as_mb(file.size)} checked in {elapsed:.2f} s)"
+        )
+    file.close()
+    if problems:
+        raise QuiverError(
+            f"{context_path}: {len(problems)} problem(s): {'; '.join(problems[:5])}; rebuild or copy it again"
+        )
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def check(model: Path, as_json: bool) -> None:
+    """List a model's operators and every one Quiver does not support."""
+    from quiver.tools.check import check_model
+
+    report = check_model(model)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        table = Table(title=f"{model.name}: operators")
+        for column in ("operator", "nodes", "supported"):
+            table.add_column(column)
+        for op, count in sorted(report.operators.items()):
+            table.add_row(op, str(count), "no" if op in report.unsupported else "yes")
+        console.print(table)
+        console.print(f"quiver.ort runs it on: {report.path}")
+        if report.ok:
+            console.print(f"{model}: ok, Quiver can build it")
+    if report.unsupported:
+        raise QuiverError(f"{model} uses unsupported operators: {', '.join(report.unsupported)}")
+    if report.problem:
+        raise QuiverError(report.problem)
+
+
+@cli.command("ort-wrap")
+@click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+def ort_wrap(context_path: Path, output_dir: Path) -> None:
+    """One <graph>_ctx.onnx (EPContext model) per graph, all naming one .qctx: for quiver.ort sessions."""
+    from quiver.formats.reader import ContextFile
+    from quiver.ort.epcontext import wrap_context
+
+    ContextFile.open(context_path).close()  # a missing or damaged file fails here, with its own error
+    for path in wrap_context(context_path, output_dir):
+        console.print(str(path))

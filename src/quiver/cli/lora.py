@@ -1,0 +1,202 @@
+"""`quiver lora map / create / import / prepare`: PEFT adapters as LoRA graphs, use cases and sections."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from quiver.cli.common import (
+    cli,
+    console,
+    emit_json,
+    err_console,
+    input_shape_option,
+    parse_file_shapes,
+    status_line,
+)
+from quiver.errors import QuiverError
+from quiver.formats.writer import write_atomically, write_text_atomically
+
+_lora_config = click.option(
+    "--lora-config",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="QNN-style YAML: adapters (PEFT folders), use cases, the base model.",
+)
+
+
+@cli.group()
+def lora() -> None:
+    """LoRA adapters as binary sections (QNN's LoRA v3 flow from PEFT adapters)."""
+
+
+@lora.command("map")
+@_lora_config
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the map (module -> node name) as JSON, usable as attach_point_onnx_mapping.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the attach points as JSON.")
+def lora_map(lora_config: Path, output: Path | None, as_json: bool) -> None:
+    """Find the ONNX attach point (MatMul/Gemm) of every adapted module; list those with none."""
+    from quiver.lora.prepare import load_adapters, load_lora_config, map_attach_points
+
+    project = load_lora_config(lora_config)
+    points, missing = map_attach_points(project, load_adapters(project))
+    if output is not None:
+        nodes = {module: point.node for module, point in sorted(points.items())}
+        write_text_atomically(output, json.dumps(nodes, indent=2))
+    if as_json:
+        emit_json({"attach_points": {m: vars(p) for m, p in sorted(points.items())}, "missing": missing})
+    else:
+        table = Table(title=f"attach points in {project.base_model.name}")
+        for column in ("module", "node", "op", "weight", "in x out", "found by"):
+            table.add_column(column)
+        for module, point in sorted(points.items()):
+            table.add_row(
+                module,
+                point.node,
+                point.op_type,
+                point.weight,
+                f"{point.in_features} x {point.out_features}",
+                point.found_by,
+            )
+        console.print(table)
+    if missing:
+        raise QuiverError(
+            f"{len(missing)} adapted module(s) found no attach point: {', '.join(missing[:5])}; "
+            "give them in an attach_point_onnx_mapping JSON (module -> node name)"
+        )
+
+
+@lora.command("create")
+@_lora_config
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The max-rank LoRA graph (.onnx), LoRA weights zero.",
+)
+def lora_create(lora_config: Path, output: Path) -> None:
+    """Write one ONNX graph with a LoRA branch at every attach point, serving every use case."""
+    from quiver.lora.prepare import create_graph, load_adapters, load_lora_config
+
+    project = load_lora_config(lora_config)
+    graph = create_graph(project, load_adapters(project))
+    write_atomically(output, graph.model.SerializeToString())  # weights zero-filled: far below protobuf's 2 GB
+    table = Table(title=f"{output}: {len(graph.slots)} LoRA branches, lora_alpha[{len(graph.adapter_order)}]")
+    for column in ("module", "node", "rank"):
+        table.add_column(column)
+    for slot in graph.slots:
+        table.add_row(slot.attach.module, slot.attach.node, str(slot.rank))
+    console.print(table)
+
+
+@lora.command("import")
+@click.option("--lora-config", type=click.Path(dir_okay=False, path_type=Path), help="The LoRA YAML (PEFT adapters).")
+@click.option(
+    "--onnx-adapter",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="ONNX Runtime's adapter file (.onnx_adapter) to turn into a section of --context.",
+)
+@click.option("--context", "context_path", type=click.Path(dir_okay=False, path_type=Path), help="With --onnx-adapter.")
+@click.option("--graph", "graphs", multiple=True, help="With --onnx-adapter: the graphs it updates (default: all).")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Folder (--lora-config) or .qsec.")
+def lora_import(
+    lora_config: Path | None,
+    onnx_adapter: Path | None,
+    context_path: Path | None,
+    graphs: tuple[str, ...],
+    output: Path,
+) -> None:
+    """Import adapters: a LoRA YAML's use cases (<use case>.safetensors, zero-padded, and use_cases.json in
+    the -o folder), or an ONNX Runtime .onnx_adapter as a binary section of a context (-o FILE.qsec)."""
+    if (lora_config is None) == (onnx_adapter is None):
+        raise click.UsageError("give --lora-config (PEFT adapters) or --onnx-adapter with --context")
+    if onnx_adapter is not None:
+        from quiver.lora.onnx_adapter import section_from_onnx_adapter
+
+        if context_path is None:
+            raise click.UsageError("--onnx-adapter needs --context CONTEXT.qctx (the context it updates)")
+        written = section_from_onnx_adapter(onnx_adapter, context_path, output, graphs)
+        err_console.print(f"wrote {written}")
+        return
+    assert lora_config is not None
+    from safetensors.numpy import save
+
+    from quiver.lora.prepare import create_graph, import_use_cases, load_adapters, load_lora_config
+
+    project = load_lora_config(lora_config)
+    adapters = load_adapters(project)
+    graph = create_graph(project, adapters)
+    output.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
+        write_atomically(output / f"{name}.safetensors", save(values))
+        summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
+    write_text_atomically(output / "use_cases.json", json.dumps(summary, indent=2))
+    err_console.print(f"{len(summary)} use case(s) in {output}")
+
+
+@lora.command("prepare")
+@_lora_config
+@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--genie-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write a Genie-style config with the 'lora' block for this folder.",
+)
+@click.option(
+    "--input-list",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Quantize (LoRA-aware): calibration inputs of the base model, a QNN input list.",
+)
+@input_shape_option
+@click.option("--act-bitwidth", type=click.Choice(["8", "16"]), default="16", show_default=True)
+@click.option("--weight-bitwidth", type=click.Choice(["8", "16"]), default="8", show_default=True)
+@click.option("--lora-weight-bitwidth", type=click.Choice(["8", "16"]), help="Keep adapter weights at this width.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def lora_prepare(
+    lora_config: Path,
+    output_dir: Path,
+    genie_config: Path | None,
+    input_list: Path | None,
+    input_shapes: tuple[str, ...],
+    act_bitwidth: str,
+    weight_bitwidth: str,
+    lora_weight_bitwidth: str | None,
+    as_json: bool,
+) -> None:
+    """Map, create, import: one context, one section per use case, and manifest.json (quantized with --input-list)."""
+    from quiver.lora.prepare import LoraQuantization, load_lora_config, prepare
+    from quiver.passes.quantize import QuantizeOptions
+    from quiver.tools.quantize import load_float_model, read_samples
+
+    quantization = None
+    if input_list is not None:
+        base = load_float_model(load_lora_config(lora_config).base_model)
+        quantization = LoraQuantization(
+            read_samples(base, input_list, parse_file_shapes(input_shapes)),
+            QuantizeOptions(activation_bits=int(act_bitwidth), weight_bits=int(weight_bitwidth)),
+            int(lora_weight_bitwidth) if lora_weight_bitwidth else None,
+        )
+    with status_line("preparing") as status:
+        manifest = prepare(
+            lora_config, output_dir, genie_config, on_step=lambda step: status.update(step), quantization=quantization
+        )
+    if as_json:
+        emit_json(manifest)
+        return
+    table = Table(title=f"{output_dir / manifest['context']}: graph {manifest['graph']}")
+    for column in ("use case", "adapters", "alphas", "section", "bytes"):
+        table.add_column(column)
+    for name, case in manifest["use_cases"].items():
+        size = (output_dir / case["section"]).stat().st_size
+        table.add_row(name, ", ".join(case["adapters"]) or "-", str(case["alphas"]), case["section"], f"{size:,}")
+    console.print(table)
