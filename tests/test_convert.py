@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import quiver
-from quiver.formats._layout import INLINE_LIMIT
+from quiver.formats.layout import INLINE_LIMIT
 from quiver.passes.convert import convert
 from quiver.tools.check import check_model
 

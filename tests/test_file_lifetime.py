@@ -13,7 +13,7 @@ import pytest
 from onnx import numpy_helper
 
 import quiver
-from quiver.formats._layout import PREAMBLE_SIZE, Preamble
+from quiver.formats.layout import PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import TEMPORARY_PREFIX, ContextWriter

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import quiver
-from quiver.formats._layout import DATA_START, MAGIC, PREAMBLE_SIZE, Preamble
+from quiver.formats.layout import DATA_START, MAGIC, PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from quiver.formats.writer import ContextWriter, PreparedRecord
 from quiver.passes.load import TensorSource

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import quiver
 from quiver.backends.cpu import CpuBackend
-from quiver.ir.quantized import NBITS_SUFFIX
+from quiver.passes.quantized import NBITS_SUFFIX
 from tests.helpers import matmul_nbits_model
 
 K, N = 70, 24  # K not a multiple of the 32-value block: the last block is padded

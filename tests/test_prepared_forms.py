@@ -14,7 +14,7 @@ import pytest
 
 import quiver
 from quiver.backends import cpu, cpu_prepared
-from quiver.formats._layout import PREAMBLE_SIZE, Preamble
+from quiver.formats.layout import PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from tests.fuzz.harness import reseal
 from tests.helpers import executables

@@ -21,7 +21,8 @@ from quiver.backends.base import Knob, KnobValue
 from quiver.backends.cpu import CpuBackend
 from quiver.errors import BackendError, InvalidHeaderError, TargetServerError, TuningError
 from quiver.formats.reader import ContextFile
-from quiver.formats.tuned import TuningEntry, write_tuned
+from quiver.formats.tuned import TuningEntry
+from quiver.formats.tuned_writer import write_tuned
 from quiver.runtime.tuned import TuningWarning
 from quiver.tuning import PerformanceCache, tier_name, tune_context
 from quiver.tuning.client import RemoteProfiler, parse_target
@@ -151,7 +152,7 @@ def test_sections_made_for_a_context_apply_to_its_tuned_copy(tmp_path: Path) -> 
 def test_a_malformed_tuning_field_is_an_invalid_header(family_context: Path, tmp_path: Path, tuning: object) -> None:
     import hashlib
 
-    from quiver.formats._layout import MAGIC, PREAMBLE_SIZE, Preamble
+    from quiver.formats.layout import MAGIC, PREAMBLE_SIZE, Preamble
 
     with ContextFile.open(family_context) as file:
         header = json.loads(bytes(file.buffer[file.header_offset :]))

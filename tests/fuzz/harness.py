@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 
 import quiver
-from quiver.formats._layout import PREAMBLE_SIZE, Preamble
+from quiver.formats.layout import PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import ContextWriter

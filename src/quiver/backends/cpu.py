@@ -664,7 +664,7 @@ class CpuBackend:
     def after_fork_in_child(self) -> None:
         """A forked child packs into a container of its own: the parent's may be locked by a thread the
         child does not have. The old one is kept (destroying it could wait on that lock)."""
-        from quiver.runtime.fork import keep_forever
+        from quiver.fork import keep_forever
 
         self._lock = threading.Lock()
         if self._container is not None:

@@ -23,7 +23,7 @@ import onnxruntime as ort
 
 from quiver.backends._ort_capi import fork_waits
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
-from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
+from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes
 from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, TensorProto
 

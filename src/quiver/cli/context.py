@@ -240,7 +240,7 @@ def _inspect_section(path: Path, as_json: bool) -> None:
 @click.option("--tensors", is_flag=True, help="Also list every stored tensor and the graphs using it.")
 def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
     """Print a context binary's graphs, inputs/outputs, tensors and sharing (or a .qsec section's tensors)."""
-    from quiver.formats._layout import SECTION_MAGIC
+    from quiver.formats.layout import SECTION_MAGIC
     from quiver.tools.report import describe_context
 
     if _starts_with(context_path, SECTION_MAGIC):
@@ -390,7 +390,7 @@ def compare(model_a: Path, model_b: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def verify(context_path: Path, as_json: bool) -> None:
     """Check every checksum and padding of a context binary (or a .qsec section); exit 0 only if all hold."""
-    from quiver.formats._layout import SECTION_MAGIC
+    from quiver.formats.layout import SECTION_MAGIC
     from quiver.formats.section import SectionFile
 
     start = time.perf_counter()

@@ -128,19 +128,9 @@ def lora_import(
         err_console.print(f"wrote {written}")
         return
     assert lora_config is not None
-    from safetensors.numpy import save
+    from quiver.lora.prepare import write_use_cases
 
-    from quiver.lora.prepare import create_graph, import_use_cases, load_adapters, load_lora_config
-
-    project = load_lora_config(lora_config)
-    adapters = load_adapters(project)
-    graph = create_graph(project, adapters)
-    output.mkdir(parents=True, exist_ok=True)
-    summary = {}
-    for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
-        write_atomically(output / f"{name}.safetensors", save(values))
-        summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
-    write_text_atomically(output / "use_cases.json", json.dumps(summary, indent=2))
+    summary = write_use_cases(lora_config, output)
     err_console.print(f"{len(summary)} use case(s) in {output}")
 
 

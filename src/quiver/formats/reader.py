@@ -28,7 +28,9 @@ from quiver.errors import (
     UnsupportedVersionError,
 )
 from quiver.formats import compression
-from quiver.formats._layout import (
+from quiver.formats.checksums import crc32
+from quiver.formats.files import open_regular
+from quiver.formats.layout import (
     DATA_START,
     DEFLATED_SKELETONS,
     MAGIC,
@@ -40,8 +42,6 @@ from quiver.formats._layout import (
     Preamble,
     align_for,
 )
-from quiver.formats.checksums import crc32
-from quiver.formats.files import open_regular
 from quiver.formats.private_copy import read_private
 from quiver.formats.tuned import parse_identity, parse_tuning
 from quiver.ir import dtypes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from quiver.formats._layout import SECTION_MAGIC
+from quiver.formats.layout import SECTION_MAGIC
 from quiver.formats.reader import TensorFile, _fail, _int, _sha, _str
 
 

@@ -7,20 +7,12 @@ source still apply (tuning changes how graphs run, never what they hold).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from quiver.errors import InvalidHeaderError
-from quiver.formats._layout import MAGIC, MAJOR, MINOR, Preamble
-
-if TYPE_CHECKING:  # formats.reader imports this module
-    from quiver.formats.reader import ContextFile
 
 TunedValue = bool | int | str
 _SHA = re.compile(r"[0-9a-f]{64}")
@@ -92,44 +84,3 @@ def parse_identity(raw: Any, header_sha256: str) -> str:
     if not isinstance(raw, str) or not _SHA.fullmatch(raw):
         raise InvalidHeaderError("header.identity must be a lowercase hex SHA-256")
     return raw
-
-
-def write_tuned(
-    source: ContextFile,
-    destination: str | Path,
-    entries: Sequence[TuningEntry],
-) -> Path:
-    """Writes `source` with `entries` as its tuning (replacing what it had), atomically, to `destination`.
-
-    The regions before the header are copied unchanged; the header is the source's, with `tuning` and
-    `identity` set. `destination` may be the source's own path: the file is replaced, never rewritten.
-    """
-    from quiver.formats.writer import publish, temporary_file
-
-    destination = Path(destination).resolve()
-    header = json.loads(bytes(source.buffer[source.header_offset :]).decode("utf-8"))
-    header["identity"] = source.identity
-    header["tuning"] = [entry.to_json() for entry in entries]
-    if not entries:
-        del header["tuning"]
-    data = json.dumps(header, separators=(",", ":")).encode()
-    offset = source.header_offset
-    flags = source.flags  # the regions are the source's, deflated or not
-    preamble = Preamble(MAJOR, MINOR, flags, offset, len(data), offset + len(data), hashlib.sha256(data).digest())
-    fd, tmp = temporary_file(destination.name, destination.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(b"\0" * len(preamble.pack()))  # the preamble goes last: until then the file is not whole
-            out.write(source.buffer[len(preamble.pack()) : offset])
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-            out.seek(0)
-            out.write(preamble.pack(MAGIC))
-            out.flush()
-            os.fsync(out.fileno())
-            publish(Path(tmp), destination)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return destination

@@ -19,7 +19,8 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
 from quiver.formats import compression
-from quiver.formats._layout import (
+from quiver.formats.checksums import crc32
+from quiver.formats.layout import (
     ALIGNMENT,
     DATA_START,
     DEFLATED_SKELETONS,
@@ -33,7 +34,6 @@ from quiver.formats._layout import (
     align_for,
     align_up,
 )
-from quiver.formats.checksums import crc32
 from quiver.ir import dtypes
 
 _W = TypeVar("_W", bound="TensorFileWriter")

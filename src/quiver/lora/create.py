@@ -232,3 +232,17 @@ def use_case_values(
             column = end
         values.update({slot.b_name: b_t, slot.index_name: index})
     return values
+
+
+@dataclass(frozen=True)
+class LoraGraph:
+    """The created graph (QNN's model creator output) and what import needs to fill it."""
+
+    model: onnx.ModelProto
+    slots: list[LoraSlot]
+    adapter_order: list[str]
+    name: str  # the graph's name in the context: the base model's file stem
+
+    @property
+    def updateable(self) -> list[str]:
+        return updateable_tensors(self.slots)

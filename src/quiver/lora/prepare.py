@@ -19,7 +19,13 @@ from quiver.formats.encodings import to_document
 from quiver.formats.files import read_text
 from quiver.formats.writer import write_atomically, write_text_atomically
 from quiver.lora.attach import AttachPoint, find_attach_points
-from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
+from quiver.lora.create import (
+    ALPHA_INPUT,
+    LoraGraph,
+    create_lora_graph,
+    slot_ranks,
+    use_case_values,
+)
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.passes.compare import compare_models
 from quiver.passes.load import load_model
@@ -165,20 +171,6 @@ def load_adapters(project: LoraProject) -> dict[str, PeftAdapter]:
     return {name: load_peft_adapter(path, name) for name, path in project.adapters.items()}
 
 
-@dataclass(frozen=True)
-class LoraGraph:
-    """The created graph (QNN's model creator output) and what import needs to fill it."""
-
-    model: onnx.ModelProto
-    slots: list[LoraSlot]
-    adapter_order: list[str]
-    name: str  # the graph's name in the context: the base model's file stem
-
-    @property
-    def updateable(self) -> list[str]:
-        return updateable_tensors(self.slots)
-
-
 def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter]) -> LoraGraph:
     """`quiver lora create`: map, then one max-rank LoRA graph for every use case."""
     _check_use_case_models(project)
@@ -230,6 +222,23 @@ def section_metadata(use_case: UseCase, adapter_order: Sequence[str]) -> dict[st
     }
 
 
+def write_use_cases(config: str | Path, output: Path) -> dict[str, dict[str, Any]]:
+    """`quiver lora import`: each use case's updateable tensors as `<use case>.safetensors` (zero-padded)
+    and `use_cases.json` naming them, their adapter order and alphas, in `output`; returns that summary."""
+    from safetensors.numpy import save
+
+    project = load_lora_config(config)
+    adapters = load_adapters(project)
+    graph = create_graph(project, adapters)
+    output.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, dict[str, Any]] = {}
+    for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
+        write_atomically(output / f"{name}.safetensors", save(values))
+        summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
+    write_text_atomically(output / "use_cases.json", json.dumps(summary, indent=2))
+    return summary
+
+
 def import_use_cases(
     project: LoraProject, adapters: dict[str, PeftAdapter], graph: LoraGraph
 ) -> dict[str, tuple[dict[str, np.ndarray], list[float]]]:
@@ -275,7 +284,7 @@ def prepare(
     values = {name: dict(tensors) for name, (tensors, _) in imported.items()}
     encodings: dict[str, Any] = {}
     if quantization is not None:
-        from quiver.lora.quantize import quantize_use_cases  # it imports this module (LoraGraph)
+        from quiver.lora.quantize import quantize_use_cases
 
         on_step("calibrating and quantizing every use case")
         quantized = quantize_use_cases(

@@ -19,8 +19,7 @@ from onnx import numpy_helper
 
 from quiver.errors import AdapterError
 from quiver.formats.encodings import EncodingSet
-from quiver.lora.create import ALPHA_INPUT
-from quiver.lora.prepare import LoraGraph
+from quiver.lora.create import ALPHA_INPUT, LoraGraph
 from quiver.passes.quantize import QuantizeOptions, quant_type_of, quantize
 
 UseCaseValues = Mapping[str, tuple[Mapping[str, np.ndarray], Sequence[float]]]  # name -> (tensors, alphas)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime
@@ -17,8 +17,18 @@ import onnxruntime
 from quiver.ir import dtypes
 from quiver.ort.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from quiver.ort.session import InferenceSession
+
+class BindingTarget(Protocol):
+    """What an IOBinding needs of its session (`quiver.ort.InferenceSession`, which makes bindings)."""
+
+    def get_outputs(self) -> list[Any]: ...
+
+    def _input_dtype(self, name: str) -> np.dtype | None: ...
+
+    def _execute(
+        self, feeds: Mapping[str, np.ndarray], run_options: Any, out: Mapping[str, np.ndarray] | None
+    ) -> dict[str, np.ndarray]: ...
+
 
 _ORT_NAMES = {"float": "float32", "double": "float64"}
 
@@ -74,7 +84,7 @@ def ortvalue_of(array: np.ndarray) -> onnxruntime.OrtValue:
 class IOBinding:
     """`onnxruntime.IOBinding` for a `quiver.ort.InferenceSession` (`session.io_binding()`)."""
 
-    def __init__(self, session: InferenceSession) -> None:
+    def __init__(self, session: BindingTarget) -> None:
         self._session = session
         self._inputs: dict[str, np.ndarray] = {}
         self._keep: list[object] = []  # OrtValues whose memory a binding views

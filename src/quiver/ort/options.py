@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime
 
 from quiver.errors import AdapterError
-from quiver.formats._layout import SECTION_MAGIC
+from quiver.formats.layout import SECTION_MAGIC
 from quiver.formats.section import SectionFile
 from quiver.lora.onnx_adapter import read_onnx_adapter
 from quiver.ort.errors import AdapterFileError, InvalidArgument, NoSuchFile

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
-from quiver import errors
+from quiver import errors, fork
 from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
 from quiver.backends.cpu import fork_waits, global_thread_pools_in_use
@@ -64,7 +64,6 @@ from quiver.ort.session_config import (
     with_session_overrides,
     write_optimized_model,
 )
-from quiver.runtime import fork
 from quiver.runtime.context import Context
 from quiver.runtime.sections import fits_weight, load_section, write_section
 from quiver.runtime.state import GraphState

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import onnx
 
-from quiver.ir.quantized import weight_encodings
 from quiver.passes.load import TensorSource, load_model, tensor_source
+from quiver.passes.quantized import weight_encodings
 
 
 @dataclass(frozen=True)

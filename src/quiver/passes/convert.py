@@ -13,14 +13,14 @@ import onnx.inliner
 from onnx import numpy_helper
 
 from quiver.errors import ConversionError, UnsupportedOperatorError
-from quiver.formats._layout import INLINE_LIMIT, WEIGHT_LOCATION
+from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.ops import iter_nodes, unsupported_operators
-from quiver.ir.quantized import weight_encodings
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.fold import fold_constants
 from quiver.passes.load import TensorSource, load_model, tensor_source
 from quiver.passes.nbits import to_matmul_nbits
+from quiver.passes.quantized import weight_encodings
 from quiver.passes.transposed_weights import fuse_transposed_weights
 
 InputShapes = Mapping[str, Sequence[int | str]]

@@ -24,7 +24,7 @@ from onnx.external_data_helper import load_external_data_for_tensor
 from quiver.ir import nibbles
 from quiver.ir.nibbles import pack_nibbles
 from quiver.ir.ops import MS_DOMAIN
-from quiver.ir.quantized import NBITS_SUFFIX
+from quiver.passes.quantized import NBITS_SUFFIX
 
 _FOUR_BIT: dict[int, int] = {onnx.TensorProto.INT4: 8, onnx.TensorProto.UINT4: 0}  # shift that makes q unsigned
 _EIGHT_BIT: dict[int, int] = {onnx.TensorProto.INT8: 128, onnx.TensorProto.UINT8: 0}

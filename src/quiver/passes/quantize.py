@@ -25,8 +25,8 @@ from onnx import numpy_helper
 from quiver.errors import QuantizationError
 from quiver.formats.encodings import Encoding, EncodingSet
 from quiver.ir.nibbles import pack_nibbles
-from quiver.ir.quantized import QUANTIZED_SUFFIX, graph_encodings
 from quiver.passes.mask_fills import clamp_mask_fills, record_mask_fills
+from quiver.passes.quantized import QUANTIZED_SUFFIX, graph_encodings
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 DEFAULT_BLOCK_SIZE = 64

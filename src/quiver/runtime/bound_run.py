@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from quiver import fork
 from quiver.errors import FeedDTypeError
-from quiver.runtime import fork
-from quiver.runtime.graph import validate_outputs
+from quiver.runtime.feeds import validate_outputs
 
 if TYPE_CHECKING:
-    from quiver.runtime.graph import Graph
+    from quiver.ir.tensors import TensorInfo
+    from quiver.runtime.owner import GraphOwner
     from quiver.runtime.state import GraphState
 
     # the state a run was prepared for, and the feeds and bound tensors the backend gets for it
     _Prepared = tuple[GraphState | None, dict[str, np.ndarray], Mapping[str, np.ndarray]]
+
+
+class Bindable(Protocol):
+    """What a binding needs of its graph (`quiver.Graph`, which makes bindings: `Graph.bind`)."""
+
+    name: str
+    outputs: tuple[TensorInfo, ...]
+    _context: GraphOwner
+
+    def backend_feeds(
+        self, feeds: Mapping[str, object], state: GraphState
+    ) -> tuple[dict[str, np.ndarray], Mapping[str, np.ndarray]]: ...
 
 
 class BoundRun:
@@ -35,7 +48,7 @@ class BoundRun:
     turns: they share its output buffers.
     """
 
-    def __init__(self, graph: Graph, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, graph: Bindable, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> None:
         for name, array in feeds.items():
             if not isinstance(array, np.ndarray):
                 raise FeedDTypeError(

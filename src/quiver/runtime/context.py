@@ -361,7 +361,7 @@ class Context:
         """The encodings of a graph's quantized tensors, from the values in use now (sections included)."""
         from onnx import numpy_helper
 
-        from quiver.ir.quantized import graph_encodings
+        from quiver.passes.quantized import graph_encodings
 
         self.graph(name)
         store = self._require_store()

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from quiver import fork
 from quiver.errors import ChecksumMismatchError, SectionMismatchError, TensorUpdateError
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
-from quiver.runtime import fork
 
 Values = dict[str, np.ndarray]
 

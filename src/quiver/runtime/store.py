@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quiver import fork
 from quiver.backends import Backend, Executable, FinalizedGraph
 from quiver.errors import ContextStateError, InvalidHeaderError
-from quiver.formats._layout import WEIGHT_LOCATION
+from quiver.formats.layout import WEIGHT_LOCATION
 from quiver.formats.reader import ContextFile
 from quiver.ir import dtypes
 from quiver.ir.proto import ModelProto, TensorProto
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
-from quiver.runtime import fork
 from quiver.runtime.tuned import select_tuning
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from quiver import fork
 from quiver.backends.cpu import CpuBackend
 from quiver.errors import GenerationError, QuiverError
-from quiver.runtime import fork
 from quiver.runtime.context import Context
 from quiver.t2t.config import DialogConfig, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH

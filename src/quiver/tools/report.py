@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from quiver.formats._layout import MAJOR
+from quiver.formats.layout import MAJOR
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.runtime.context import Context

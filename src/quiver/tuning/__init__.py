@@ -1,6 +1,6 @@
 """Tuning mode: per-graph backend settings measured on the device, a performance cache, tuned contexts.
 
-`quiver tune` (tools/tune_cli.py) drives `tune_context`; `quiver target-server` serves the measuring
+`quiver tune` (cli/tune.py) drives `tune_context`; `quiver target-server` serves the measuring
 half (`server.py`) to a host that searches (`client.py`).
 """
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from quiver.backends.base import KnobValue
 from quiver.formats.reader import ContextFile
-from quiver.formats.tuned import TuningEntry, write_tuned
+from quiver.formats.tuned import TuningEntry
+from quiver.formats.tuned_writer import write_tuned
 from quiver.runtime.context import Context
 from quiver.tuning import accuracy, search
 from quiver.tuning.cache import PerformanceCache, tier_name
