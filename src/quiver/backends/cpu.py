@@ -146,6 +146,28 @@ def _without_trailing_empty_inputs(model: ModelProto) -> ModelProto:
     return result
 
 
+_shared_arena_process: int | None = None  # the process whose Python-API sessions share ORT's env arena
+_shared_arena_lock = threading.Lock()
+
+
+def _shared_arena() -> bool:
+    """Whether Python-API sessions made now share one CPU arena in ORT's env (`session.use_env_allocators`),
+    registered on first use, as `_ort_capi` does for its own: each stand-in growing an arena of its own
+    left ~2 MB per MiniLM graph behind it. Not in a forked child (a parent's thread may hold its lock)."""
+    global _shared_arena_process
+    with _shared_arena_lock:
+        if _shared_arena_process is None:
+            memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            try:
+                ort.create_and_register_allocator(memory, None)
+            except Exception as exc:  # registered already (by the user, or by this ORT's C API): shared all the same
+                if "already" not in str(exc):
+                    _shared_arena_process = -1
+                    return False
+            _shared_arena_process = os.getpid()
+        return _shared_arena_process == os.getpid()
+
+
 def _return_freed_memory() -> None:
     """Hands the heap's free pages back to the OS (glibc's malloc_trim) once a stand-in session is gone:
     without it, what that session freed stays in this process's RSS (~1.3 MB per MiniLM graph)."""
@@ -308,10 +330,13 @@ class _PythonApiSession:
         entries = _config(settings, prepack, weights.folder)
         if settings.prepack and not prepack:
             # A stand-in until the packed session is ready: its threads should not spin after a run and
-            # keep the packing thread off the cores, and it gets no memory arena: the arena's first
-            # chunks cost its first run ~4 ms on MiniLM (measured), and the stand-in runs only a few times.
+            # keep the packing thread off the cores, and it grows no arena of its own: a new arena's first
+            # chunks cost its first run ~4 ms on MiniLM (measured), and the stand-in runs only a few times
+            # (where the env's shared arena is used, it takes its memory from there).
             entries["session.intra_op.allow_spinning"] = "0"
             options.enable_cpu_mem_arena = False
+        if _shared_arena():  # ORT's env arena, shared with the other sessions (the stand-in's first chunks too)
+            entries["session.use_env_allocators"] = "1"
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
         if backend.profile_prefix is not None:
