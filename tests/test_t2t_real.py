@@ -67,3 +67,16 @@ def test_the_prefill_and_decode_context_is_one_model(smollm2: Path, real_llms: P
     sections = sum(p.stat().st_size for p in smollm2.parent.glob("*.qsec"))
     assert context <= 1.02 * weights, (context, weights)
     assert sections < 0.05 * weights  # the adapters travel as small sections, not as model copies
+
+
+def test_the_t2t_guides_example_runs_as_written(
+    real_llms: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "t2t.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", guide, re.S)
+    export(real_llms / "smollm2", tmp_path / "smollm2", {"chat": real_llms / "adapter_all"},
+           options=ExportOptions(context_size=256))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "docs/t2t.md", "exec"), {})
