@@ -172,14 +172,14 @@ def test_reference_backend_and_performance_modes(small_model: Path) -> None:
     saver = quiver.ort.InferenceSession(
         str(small_model), providers=[("QuiverExecutionProvider", {"htp_performance_mode": "power_saver"})]
     )
-    assert saver._backend.intra_op_num_threads == 1 and not saver._backend.allow_spinning
+    assert saver.engine.backend.intra_op_num_threads == 1 and not saver.engine.backend.allow_spinning
     np.testing.assert_allclose(saver.run(None, ids)[0], expected, atol=1e-4)
     burst = quiver.ort.InferenceSession(str(small_model), providers=[("QuiverExecutionProvider",
                                                                       {"htp_performance_mode": "burst"})])  # fmt: skip
-    assert burst._backend.intra_op_num_threads == 0 and burst._backend.allow_spinning
+    assert burst.engine.backend.intra_op_num_threads == 0 and burst.engine.backend.allow_spinning
     low = quiver.ort.InferenceSession(str(small_model), providers=[("QuiverExecutionProvider", {
         "htp_performance_mode": "burst", "qnn_context_priority": "low"})])  # fmt: skip
-    assert not low._backend.allow_spinning  # a low-priority context yields its cores
+    assert not low.engine.backend.allow_spinning  # a low-priority context yields its cores
     np.testing.assert_allclose(low.run(None, ids)[0], expected, atol=1e-4)
 
 
@@ -304,8 +304,9 @@ def test_sessions_over_one_wrapped_context_share_it(tmp_path: Path, small_model:
     options.add_session_config_entry("ep.share_ep_contexts", "1")
     sessions = [quiver.ort.InferenceSession(str(tmp_path / "wrapped" / f"{g}_ctx.onnx"), options) for g in "abcd"]
     # one store (weights mapped and packed once), one handle per session (adapters stay per session)
-    assert len({id(s._context._store) for s in sessions}) == 1 and len({id(s._context) for s in sessions}) == 4
-    key = sessions[0]._shared
+    contexts = [s.engine.context for s in sessions]
+    assert len({id(c.file) for c in contexts}) == 1 and len({id(c) for c in contexts}) == 4
+    key = sessions[0].engine.shared_key
     assert key is not None and SHARED_CONTEXTS.holds(key)
     ids = {"input_ids": sample_input_ids(SMALL, 1, 6, seed=2)}
     outputs = [s.run(None, ids)[0] for s in sessions]
@@ -315,7 +316,7 @@ def test_sessions_over_one_wrapped_context_share_it(tmp_path: Path, small_model:
         session.close()
     assert not SHARED_CONTEXTS.holds(key)
     separate = quiver.ort.InferenceSession(str(tmp_path / "wrapped" / "a_ctx.onnx"))  # without the option
-    assert separate._shared is None
+    assert separate.engine.shared_key is None
 
 
 def test_ort_wrap_refuses_a_damaged_context_in_one_line(tmp_path: Path) -> None:

@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -30,8 +29,9 @@ sys.path.insert(0, str(HERE))
 import models  # noqa: E402  (beside this script, not a package)
 
 SOURCE = "onnxruntime_1.21.0+dfsg.orig.tar.xz"
-SOURCE_URL = f"http://deb.debian.org/debian/pool/main/o/onnxruntime/{SOURCE}"
+SOURCE_PACKAGE, SOURCE_SUITE = "onnxruntime", "trixie"  # Debian's source package of ORT 1.21, from trixie
 SOURCE_MD5 = "3b5e44fc802ab8df6aa24c18138f138e"  # Debian trixie's Sources index
+SYSTEM_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
 SUITES = [
     "onnxruntime_test_python.py",
     "onnxruntime_test_python_iobinding.py",
@@ -71,17 +71,37 @@ def _cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quiver" / "ort-api-tests"
 
 
+def _debian_mirror() -> str:
+    """The Debian mirror this machine's apt already uses (read from its sources, never written here)."""
+    fields = [line.split(":", 1) for line in SYSTEM_SOURCES.read_text().splitlines() if ":" in line]
+    uris = [value.split()[0] for key, value in fields if key.strip() == "URIs" and value.strip().endswith("/debian")]
+    if not uris:
+        raise SystemExit(f"no Debian mirror in {SYSTEM_SOURCES}: apt-get cannot fetch ORT's source")
+    return uris[0]
+
+
 def _download(cache: Path) -> Path:
+    """ORT's source tarball through apt-get's own client (`apt-get source`), with a private list of
+    trixie's sources so the machine's apt configuration is left as it is."""
     archive = cache / SOURCE
     if not archive.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = archive.with_suffix(".partial")
-        with urllib.request.urlopen(SOURCE_URL, timeout=300) as response, partial.open("wb") as out:
-            shutil.copyfileobj(response, out)
-        if hashlib.md5(partial.read_bytes()).hexdigest() != SOURCE_MD5:
-            partial.unlink()
-            raise SystemExit(f"{SOURCE_URL}: checksum differs from Debian's index")
-        partial.rename(archive)
+        apt = cache / "apt"
+        (apt / "lists" / "partial").mkdir(parents=True, exist_ok=True)
+        keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
+        (apt / "sources.list").write_text(f"deb-src [signed-by={keyring}] {_debian_mirror()} {SOURCE_SUITE} main\n")
+        private = [
+            f"-oDir::Etc::SourceList={apt / 'sources.list'}",
+            "-oDir::Etc::SourceParts=/dev/null",
+            f"-oDir::State::Lists={apt / 'lists'}",
+            f"-oDir::Cache={apt / 'cache'}",
+        ]
+        subprocess.run(["apt-get", "-q", *private, "update"], check=True, capture_output=True)
+        # the orig tarball is all the tests need; a mirror missing the packaging files fails the rest
+        subprocess.run(["apt-get", "-q", *private, "source", "--download-only", SOURCE_PACKAGE], cwd=cache,
+                       capture_output=True)  # fmt: skip
+        if not archive.is_file() or hashlib.md5(archive.read_bytes()).hexdigest() != SOURCE_MD5:
+            archive.unlink(missing_ok=True)
+            raise SystemExit(f"apt-get source {SOURCE_PACKAGE}: no {SOURCE} matching Debian's index")
     return archive
 
 
@@ -203,8 +223,8 @@ for name in sys.argv[1:]:
     except Exception as exc:
         paths[name] = f"refused: {type(exc).__name__}"
         continue
-    reason = session._fallback_reason
-    paths[name] = "quiver" if reason is None else f"onnxruntime: {reason}"
+    path = session.execution_path
+    paths[name] = "quiver" if path.on_quiver else f"onnxruntime: {path.reason}"
 print(json.dumps(paths))
 """
 
