@@ -81,3 +81,14 @@ def real_llms() -> Path:
 def real_wheel_models() -> Path:
     """tests/real/make_wheel_models.py's corpus: the ONNX models OCR, detection and audio wheels ship."""
     return _corpus("QUIVER_REAL_WHEEL_MODELS", "wheels")
+
+
+LAYERS = ("unit", "integration", "stress", "fuzz")  # the folders under tests/, each its own marker
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test carries its layer's marker: `pytest -m unit` runs the fast layer alone."""
+    for item in items:
+        layer = Path(str(item.fspath)).parent.name
+        if layer in LAYERS:
+            item.add_marker(getattr(pytest.mark, layer))

@@ -56,7 +56,7 @@ class LoraProject:
 
 def make_lora_project(root: Path) -> LoraProject:
     """The LoRA test project (a base, two PEFT adapters, three use cases), prepared and wrapped for ORT."""
-    from tests.test_lora_prepare import make_project
+    from tests.support.peft_models import make_project
 
     root.mkdir(parents=True, exist_ok=True)
     project = make_project(root)

@@ -23,6 +23,7 @@ import onnxruntime
 
 from quiver.backends.fork_gate import ForkGate
 from quiver.errors import BackendError
+from quiver.ir import dtypes
 from quiver.ir.nibbles import pack_nibbles, unpack_nibbles
 
 _API_VERSION = 20  # ORT >= 1.20; every function used here predates it
@@ -48,28 +49,12 @@ _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
 _STATUS = ctypes.c_void_p
 
-# ONNX element type numbers (TensorProto.DataType) <-> numpy
+# ONNX element type numbers <-> numpy, from the one table (ir.dtypes); strings do not pass through here.
+# 4-bit types: numpy (ml_dtypes) holds one value per byte, ORT two per byte, low nibble first.
+_NIBBLE_TYPES = {dtypes.onnx_of(n): dtypes.numpy_of(n).type for n in ("uint4", "int4")}
 _ELEMENT_TYPES = {
-    1: np.float32,
-    2: np.uint8,
-    3: np.int8,
-    4: np.uint16,
-    5: np.int16,
-    6: np.int32,
-    7: np.int64,
-    9: np.bool_,
-    10: np.float16,
-    11: np.float64,
-    12: np.uint32,
-    13: np.uint64,
-    16: ml_dtypes.bfloat16,
-    17: ml_dtypes.float8_e4m3fn,
-    18: ml_dtypes.float8_e4m3fnuz,
-    19: ml_dtypes.float8_e5m2,
-    20: ml_dtypes.float8_e5m2fnuz,
+    dtypes.onnx_of(n): dtypes.numpy_of(n).type for n in dtypes.IO_DTYPE_NAMES if n not in ("string", "uint4", "int4")
 }
-# 4-bit types: numpy (ml_dtypes) holds one value per byte, ORT two per byte, low nibble first
-_NIBBLE_TYPES = {21: ml_dtypes.uint4, 22: ml_dtypes.int4}
 _BY_DTYPE = {np.dtype(v): k for k, v in {**_ELEMENT_TYPES, **_NIBBLE_TYPES}.items()}
 
 
@@ -328,10 +313,9 @@ def _to_numpy(value: int) -> np.ndarray:
             ctypes.memmove(packed.ctypes.data, capi._out(capi.GetTensorMutableData, value), packed.nbytes)
         dtype = _NIBBLE_TYPES[element.value]
         return unpack_nibbles(packed, values, dtype is ml_dtypes.int4).astype(dtype).reshape(tuple(dims))
-    dtype = _ELEMENT_TYPES.get(element.value)
-    if dtype is None:
+    if element.value not in _ELEMENT_TYPES:
         raise BackendError(f"the cpu backend cannot return ONNX element type {element.value}")
-    result = np.empty(tuple(dims), dtype=dtype)
+    result = np.empty(tuple(dims), dtype=_ELEMENT_TYPES[element.value])
     if result.nbytes:
         data = capi._out(capi.GetTensorMutableData, value)
         ctypes.memmove(result.ctypes.data, data, result.nbytes)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeGuard, runtime_checkable
 
 from quiver.errors import UnknownBackendError
 
@@ -185,7 +185,8 @@ class TunableBackend(Backend, Protocol):
         ...
 
 
-def is_tunable(backend: Backend) -> bool:
+def is_tunable(backend: Backend) -> TypeGuard[TunableBackend]:
+    """Whether tuning can work with this backend (it declares knobs, a fingerprint and their version)."""
     return all(hasattr(backend, n) for n in ("tunable_parameters", "device_fingerprint", "knob_space_version"))
 
 

@@ -102,14 +102,14 @@ class InferenceSession(onnxruntime.InferenceSession):
 
     def _open(self, model: ModelProto, source: str | Path | bytes, folder: Path | None) -> _Engine:
         """Quiver's engine where it can take the model on, plain ORT's (ORT's CPU EP fallback) elsewhere."""
-        from quiver.ir.ops import unsupported_operators  # building needs the onnx package; opening does not
-
         twin = twin_of(source, self._options)
         common = {"twin": twin, "json_profile": self._json_profile}
         backend = make_backend(self._config, self._options, self)
         if is_ep_context_model(model):
             return QuiverEngine.open_ep_context(read_ep_context(model, folder), self._config, self._entries, backend,
                                                 **common)  # fmt: skip
+        from quiver.ir.ops import unsupported_operators  # building needs the onnx package; opening does not
+
         overridden = with_session_overrides(model, self._options, folder)
         if overridden is not None:  # built from memory, weights and all: the file no longer says what runs
             model, source = overridden, overridden.SerializeToString()

@@ -15,7 +15,7 @@
   for a compiling EP: the whole graph is one subgraph of the session's provider.
 * `ModelCompiler` (ORT's compile API) is implemented in `compiler.py`.
 
-A name onnxruntime adds in a new release is in none of these lists, and `tests/test_ort_surface.py`
+A name onnxruntime adds in a new release is in none of these lists, and `tests/unit/test_ort_surface.py`
 fails until it is decided.
 """
 

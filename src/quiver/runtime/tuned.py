@@ -31,7 +31,7 @@ def select_tuning(
         return {}
     if not is_tunable(backend):
         return {}
-    here = backend.device_fingerprint()  # type: ignore[attr-defined]
+    here = backend.device_fingerprint()
     for entry in entries:
         if dict(entry.fingerprint) == here:
             return entry.graphs

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from quiver.backends.base import Backend, Executable, FinalizedGraph, Knob, KnobValue, is_tunable
+from quiver.backends.base import Backend, Executable, FinalizedGraph, Knob, KnobValue, TunableBackend, is_tunable
 from quiver.errors import BackendError, TuningError
 from quiver.tuning.measure import time_block
 
@@ -87,7 +87,7 @@ class Variants:
     def __init__(self, backend: Backend) -> None:
         if not is_tunable(backend):
             raise TuningError(f"backend {backend.name!r} declares no tunable parameters; tune on the cpu backend")
-        self.backend = backend
+        self.backend: TunableBackend = backend
         self._ids = itertools.count(1)
         self.graphs: dict[str, FinalizedGraph] = {}
         self.knobs: dict[str, dict[str, Knob]] = {}
@@ -99,7 +99,7 @@ class Variants:
 
     def load(self, graph: FinalizedGraph, weight_keys: Mapping[str, str] | None = None) -> tuple[str, tuple[Knob, ...]]:
         handle = self._id("g")
-        knobs: tuple[Knob, ...] = self.backend.tunable_parameters(graph)  # type: ignore[attr-defined]
+        knobs: tuple[Knob, ...] = self.backend.tunable_parameters(graph)
         self.graphs[handle] = graph
         self.knobs[handle] = {k.name: k for k in knobs}
         return handle, knobs
@@ -172,7 +172,7 @@ class LocalProfiler(Variants):
         super().__init__(backend)
 
     def fingerprint(self) -> dict[str, str]:
-        return dict(self.backend.device_fingerprint())  # type: ignore[attr-defined]
+        return dict(self.backend.device_fingerprint())
 
     def knob_space_version(self) -> int:
-        return int(self.backend.knob_space_version)  # type: ignore[attr-defined]
+        return int(self.backend.knob_space_version)

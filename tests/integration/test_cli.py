@@ -1,0 +1,220 @@
+"""The `quiver` command line, run as users run it: a real process, real files, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from quiver.formats.reader import ContextFile
+from tests.support.cli import assert_one_line_error, quiver
+
+
+@pytest.fixture(scope="module")
+def built(family_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "family.qctx"
+    result = quiver(
+        "build", "-o", out, family_files["base"], f"{family_files['finetune_1']}:tuned", family_files["finetune_2"]
+    )
+    assert result.returncode == 0, result.stderr
+    assert "saved by sharing" in result.stdout
+    return out
+
+
+def test_every_command_has_help() -> None:
+    for command in ("", "demo", "build", "inspect", "run", "compare", "verify", "check"):
+        result = quiver(*([command] if command else []), "--help")
+        assert result.returncode == 0 and "Usage:" in result.stdout
+
+
+def test_build_names_graphs_by_stem_or_suffix_and_reports_sharing(built: Path) -> None:
+    report = json.loads(quiver("inspect", built, "--json").stdout)
+    assert [g["name"] for g in report["graphs"]] == ["base", "tuned", "finetune_2"]
+    assert report["graphs"][0]["inputs"] == [
+        {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"], "type": "APP_WRITE"}
+    ]
+    assert report["graphs"][0]["outputs"][0]["shape"] == ["batch", "sequence", 128]
+    weights = report["weights"]
+    assert report["size_bytes"] == built.stat().st_size
+    assert weights["unique_bytes"] < weights["referenced_bytes"]
+    assert report["graphs"][1]["shared_with"]["base"] > 0
+    assert {t["index"] for t in report["tensors"]} == set(range(weights["unique_count"]))
+
+
+def test_build_json_matches_inspect(family_files: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "one.qctx"
+    result = quiver("build", "-q", "--json", "-o", out, family_files["base"])
+    built_report = json.loads(result.stdout)
+    assert built_report == json.loads(quiver("inspect", out, "--json").stdout)
+
+
+def test_build_with_fixed_input_shapes(family_files: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "fixed.qctx"
+    assert quiver("build", "-q", "-o", out, family_files["base"], "--input-shape", "input_ids=1,16").returncode == 0
+    report = json.loads(quiver("inspect", out, "--json").stdout)
+    assert report["graphs"][0]["inputs"][0]["shape"] == [1, 16]
+
+
+def test_inspect_prints_tables(built: Path) -> None:
+    result = quiver("inspect", built, "--tensors")
+    assert result.returncode == 0
+    assert "stored tensors" in result.stdout and "tuned" in result.stdout and "x unique weights" in result.stdout
+
+
+def test_run_writes_qnn_net_run_outputs_equal_to_onnxruntime(
+    built: Path, family_files: dict[str, Path], tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 1000, size=(1, 10), dtype=np.int64) for _ in range(2)]
+    batches[0].tofile(tmp_path / "ids0.raw")
+    np.save(tmp_path / "ids1.npy", batches[1])
+    (tmp_path / "inputs.txt").write_text("#last_hidden_state\ninput_ids:=ids0.raw\ninput_ids:=ids1.npy\n")
+    result = quiver(
+        "run",
+        built,
+        "--graph",
+        "tuned",
+        "--input-list",
+        tmp_path / "inputs.txt",
+        "--output-dir",
+        tmp_path / "out",
+        "--npy",
+        "--input-shape",
+        "input_ids=1,10",
+    )
+    assert result.returncode == 0, result.stderr
+    session = ort.InferenceSession(str(family_files["finetune_1"]))
+    for i, ids in enumerate(batches):
+        expected = session.run(None, {"input_ids": ids})[0]
+        raw = np.fromfile(tmp_path / "out" / f"Result_{i}" / "last_hidden_state.raw", dtype="<f4").reshape(
+            expected.shape
+        )
+        np.testing.assert_allclose(raw, expected, atol=1e-4, rtol=0)
+        np.testing.assert_array_equal(np.load(tmp_path / "out" / f"Result_{i}" / "last_hidden_state.npy"), raw)
+
+
+def test_run_on_the_reference_backend_infers_one_dynamic_dim(family_files: dict[str, Path], tmp_path: Path) -> None:
+    built = tmp_path / "batch1.qctx"
+    assert (
+        quiver("build", "-q", "-o", built, family_files["base"], "--input-shape", "input_ids=1,sequence").returncode
+        == 0
+    )
+    np.arange(6, dtype=np.int64).reshape(1, 6).tofile(tmp_path / "ids.raw")
+    (tmp_path / "list.txt").write_text(f"{tmp_path / 'ids.raw'}\n")  # one input: the name may be left out
+    result = quiver(
+        "run",
+        built,
+        "--graph",
+        "base",
+        "--input-list",
+        tmp_path / "list.txt",
+        "--output-dir",
+        tmp_path / "o",
+        "--backend",
+        "reference",
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "o" / "Result_0" / "last_hidden_state.raw").stat().st_size == 6 * 128 * 4
+
+
+def test_run_errors_are_one_line(built: Path, tmp_path: Path) -> None:
+    (tmp_path / "bad.txt").write_text("ids:=x.raw\n")
+    assert_one_line_error(
+        quiver("run", built, "--graph", "base", "--input-list", tmp_path / "bad.txt", "--output-dir", tmp_path),
+        "'ids' is not an input",
+    )
+    run = ["run", built, "--graph", "base", "--input-list", tmp_path / "bad.txt", "--output-dir", tmp_path]
+    assert_one_line_error(quiver(*run, "--input-shape", "ids=1,4"), "shapes given for ['ids']")
+    (tmp_path / "odd.raw").write_bytes(b"\0" * 7)
+    (tmp_path / "odd.txt").write_text("input_ids:=odd.raw\n")
+    assert_one_line_error(
+        quiver("run", built, "--graph", "base", "--input-list", tmp_path / "odd.txt", "--output-dir", tmp_path),
+        "whole number of int64",
+    )
+    assert_one_line_error(
+        quiver("run", built, "--graph", "nope", "--input-list", tmp_path / "odd.txt", "--output-dir", tmp_path),
+        "no graph 'nope'",
+        "tuned",
+    )
+    assert_one_line_error(
+        quiver("run", built, "--input-list", tmp_path / "odd.txt", "--output-dir", tmp_path), "choose one with --graph"
+    )
+
+
+def test_compare_reports_identical_and_different_tensors(family_files: dict[str, Path]) -> None:
+    report = json.loads(quiver("compare", family_files["base"], family_files["finetune_1"], "--json").stdout)
+    assert report["identical"] and report["different"] and not report["only_a"] and not report["only_b"]
+    assert all(pair["a"] != pair["b"] for pair in report["identical"])  # matched by content, not by name
+    assert report["context_bytes"] == report["separate_bytes"] - report["saved_bytes"]
+    text = quiver("compare", family_files["base"], family_files["finetune_1"]).stdout
+    assert "identical (shareable)" in text and "different tensors" in text
+
+
+def test_verify_accepts_a_whole_file_and_refuses_a_damaged_one(built: Path, tmp_path: Path) -> None:
+    result = quiver("verify", built)
+    assert result.returncode == 0 and ": ok" in result.stdout
+    damaged = bytearray(built.read_bytes())
+    damaged[ContextFile.open(built).weights[0].offset + 3] ^= 0xFF
+    (tmp_path / "damaged.qctx").write_bytes(bytes(damaged))
+    assert_one_line_error(quiver("verify", tmp_path / "damaged.qctx"), "checksum mismatch")
+    (tmp_path / "cut.qctx").write_bytes(bytes(damaged[:5000]))
+    assert_one_line_error(quiver("verify", tmp_path / "cut.qctx"), "truncated")
+
+
+def test_check_lists_operators_and_fails_on_unsupported_ones(family_files: dict[str, Path], tmp_path: Path) -> None:
+    ok = quiver("check", family_files["base"], "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] and json.loads(ok.stdout)["path"] == "quiver"
+    assert "quiver.ort runs it on: quiver" in quiver("check", family_files["base"]).stdout
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Hardmaxx", ["x"], ["y"]), helper.make_node("Dett", ["x"], ["z"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, []),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "u.onnx"))
+    assert_one_line_error(quiver("check", tmp_path / "u.onnx"), "Dett, Hardmaxx")
+    assert_one_line_error(quiver("build", "-o", tmp_path / "u.qctx", tmp_path / "u.onnx"), "Dett (x1), Hardmaxx (x1)")
+    assert not (tmp_path / "u.qctx").exists()
+
+
+def test_bad_inputs_end_in_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
+    (tmp_path / "text.qctx").write_text("hello")
+    assert_one_line_error(quiver("inspect", tmp_path / "text.qctx"), "truncated")
+    (tmp_path / "zip.qctx").write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    assert_one_line_error(quiver("inspect", tmp_path / "zip.qctx"), "not a Quiver context binary")
+    assert_one_line_error(quiver("inspect", tmp_path / "missing.qctx"), "cannot read")
+    assert_one_line_error(quiver("build", "-o", tmp_path / "x.qctx", tmp_path / "missing.onnx"), "no ONNX model")
+    usage = quiver("build", tmp_path / "m.onnx")
+    assert usage.returncode == 2 and "Missing option" in usage.stderr
+
+
+def test_demo_builds_runs_and_matches_onnxruntime(tmp_path: Path) -> None:
+    result = quiver("demo", "--workdir", tmp_path, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [g["graph"] for g in report["graphs"]] == ["base", "finetune_1", "finetune_2"]
+    assert all(g["matches"] and g["max_abs_diff"] <= 1e-4 for g in report["graphs"])
+    assert report["context_bytes"] < 0.6 * report["separate_bytes"]
+    table = quiver("demo", "--workdir", tmp_path / "again")
+    assert "one context" in table.stdout and "ok" in table.stdout
+
+
+def test_the_demo_without_a_workdir_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from quiver.tools.demo import run_demo
+    from quiver.tools.family import SMALL
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = run_demo(shape=SMALL, repeats=2)
+    assert result.path is None and all(row.matches for row in result.rows)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,202 @@
+"""`quiver lora prepare`: YAML + PEFT folders -> context, sections, manifest; strengths at run time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import quiver
+from quiver.lora.prepare import prepare
+from tests.support.cli import assert_one_line_error
+from tests.support.cli import quiver as run_cli
+from tests.support.peft_models import BASE_WEIGHTS, YAML, dynamo_like_model, make_project, write_adapter
+from tests.support.peft_models import LORA_X as X
+from tests.support.peft_models import expected_output as _expected
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_project(tmp_path_factory.mktemp("project"))
+
+
+@pytest.fixture(scope="module")
+def prepared(project: Path) -> Path:
+    out = project / "out"
+    result = run_cli(
+        "lora", "prepare", "--lora-config", project / "lora.yaml", "-o", out, "--genie-config", out / "genie.json"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "elementary_long" in result.stdout
+    return out
+
+
+def test_prepare_writes_context_sections_manifest_and_genie_config(prepared: Path) -> None:
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["context"] == "lora.qctx" and manifest["graph"] == "model"
+    assert manifest["alpha_input"] == "lora_alpha" and manifest["adapters"] == ["elementary", "long"]
+    assert manifest["use_cases"]["elementary_long"] == {
+        "section": "elementary_long.qsec",
+        "adapters": ["elementary", "long"],
+        "alphas": [1.0, 0.5],
+    }
+    for case in manifest["use_cases"].values():
+        assert (prepared / case["section"]).is_file()
+    genie = json.loads((prepared / "genie.json").read_text())["lora"]
+    assert genie["alpha-tensor-name"] == "lora_alpha"
+    assert genie["adapters"][2] == {
+        "version": 1,
+        "name": "elementary_long",
+        "alphas": ["elementary", "long"],
+        "bin-sections": ["elementary_long.qsec"],
+    }
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_each_use_case_runs_with_its_yaml_alphas_and_strengths_can_change(
+    project: Path, prepared: Path, backend: str
+) -> None:
+    context = quiver.Context.from_binary(prepared / "lora.qctx", backend=backend)
+    graph = context.graph("model")
+    cases = {"base": {}, "elementary": {"elementary": 1.0}, "elementary_long": {"elementary": 1.0, "long": 0.5}}
+    for case, strengths in cases.items():
+        context.apply_binary_section("model", prepared / f"{case}.qsec")
+        expected_alphas = {"elementary": strengths.get("elementary", 0.0), "long": strengths.get("long", 0.0)}
+        assert graph.lora_strengths == expected_alphas
+        np.testing.assert_allclose(graph.execute({"x": X})["y"], _expected(project, strengths), atol=1e-4, rtol=1e-4)
+    graph.set_lora_strength("long", 0.0)
+    np.testing.assert_allclose(
+        graph.execute({"x": X})["y"], _expected(project, {"elementary": 1.0}), atol=1e-4, rtol=1e-4
+    )
+    fed = graph.execute({"x": X, "lora_alpha": np.array([0.5, 1.0], np.float32)})["y"]  # feeding works too
+    np.testing.assert_allclose(fed, _expected(project, {"elementary": 0.5, "long": 1.0}), atol=1e-4, rtol=1e-4)
+    with pytest.raises(quiver.TensorUpdateError, match="no adapter 'short'"):
+        graph.set_lora_strength("short", 1.0)
+
+
+def test_quiver_run_applies_a_section_with_strengths(project: Path, prepared: Path, tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", X)
+    (tmp_path / "list.txt").write_text(f"x:={tmp_path / 'x.npy'}\n")
+    run = ["run", prepared / "lora.qctx", "--input-list", tmp_path / "list.txt", "--output-dir", tmp_path / "o"]
+    result = run_cli(*run, "--npy", "--section", prepared / "elementary_long.qsec", "--lora-strength", "long=2.0")
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(
+        np.load(tmp_path / "o" / "Result_0" / "y.npy"),
+        _expected(project, {"elementary": 1.0, "long": 2.0}),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    assert_one_line_error(run_cli(*run, "--lora-strength", "long=1"), "no LoRA section applied")
+    not_in_section = run_cli(*run, "--section", prepared / "elementary.qsec", "--lora-strength", "long=1")
+    assert_one_line_error(not_in_section, "'long' is not in the section", "['elementary']")
+
+
+def test_a_lora_context_runs_without_a_section_as_its_base_model(project: Path, prepared: Path) -> None:
+    with quiver.Context.from_binary(prepared / "lora.qctx") as context:
+        graph = context.graph("model")
+        zero_adapter = graph.execute({"x": X})["y"]
+        context.apply_binary_section("model", prepared / "base.qsec")
+        np.testing.assert_array_equal(graph.execute({"x": X})["y"], zero_adapter)
+    np.testing.assert_allclose(zero_adapter, _expected(project, {}), atol=1e-4, rtol=1e-4)
+
+
+def test_inspect_shows_a_sections_tensors_and_use_case(prepared: Path) -> None:
+    document = json.loads(run_cli("inspect", prepared / "elementary.qsec", "--json").stdout)
+    assert document["kind"] == "binary section"
+    assert document["metadata"]["lora"]["active"] == ["elementary"]
+    tensors = [row["tensor"] for rows in document["graphs"].values() for row in rows]
+    assert tensors and all(name.startswith("lora.") for name in tensors)
+    table = run_cli("inspect", prepared / "elementary.qsec")
+    assert table.returncode == 0 and "use case 'elementary'" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda text: text.replace("  lora_config: long", "  lora_config: long\n  rank: 4"), "unknown keys ['rank']"),
+        (lambda text: text.replace("base/model.onnx", "missing/model.onnx"), "does not exist"),
+        (lambda text: text.replace("[1.0, 0.5]", "[1.0, .nan]"), "alphas are finite numbers"),
+    ],
+)
+def test_yaml_mistakes_are_one_line_errors(project: Path, tmp_path: Path, edit: Any, message: str) -> None:
+    (project / "mistake.yaml").write_text(edit(YAML))
+    for command in ("prepare", "create", "import"):
+        result = run_cli("lora", command, "--lora-config", project / "mistake.yaml", "-o", tmp_path / command)
+        assert_one_line_error(result, message)
+
+
+def test_a_use_case_model_with_another_base_is_refused(project: Path, tmp_path: Path) -> None:
+    other = {m: w + 1.0 for m, w in BASE_WEIGHTS.items()}
+    onnx.save(dynamo_like_model(other), str(project / "other.onnx"))
+    (project / "bad.yaml").write_text(YAML + "- name: drifted\n  adapter_names: [long]\n  model_name: other.onnx\n")
+    with pytest.raises(quiver.AdapterError, match="base part must equal"):
+        prepare(project / "bad.yaml", tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("use-case:\n- name: x\n  adapter_names: [nope]\n", "unknown adapters"),
+        ("adapter: []\nuse-case:\n- name: only\n  adapter_names: []\n", "no base use case"),
+        ("- not a mapping", "YAML mapping"),
+    ],
+)
+def test_broken_yaml_is_refused_with_what_to_do(tmp_path: Path, yaml_text: str, message: str) -> None:
+    (tmp_path / "l.yaml").write_text(yaml_text)
+    with pytest.raises(quiver.AdapterError, match=message):
+        prepare(tmp_path / "l.yaml", tmp_path / "out")
+
+
+def test_lora_map_reports_attach_points_and_writes_a_reusable_map(project: Path, tmp_path: Path) -> None:
+    result = run_cli("lora", "map", "--lora-config", project / "lora.yaml", "-o", tmp_path / "map.json", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["missing"] == [] and len(report["attach_points"]) == 4
+    assert json.loads((tmp_path / "map.json").read_text())["model.layers.1.self_attn.v_proj"] == "node_linear_3"
+    # a module the graph does not have: listed, one-line error, non-zero exit
+    extra = {"model.layers.9.mlp.up_proj": (16, 16)}
+    write_adapter(project / "stray", {"r": 2, "lora_alpha": 2, "target_modules": ["up_proj"]}, modules=extra)
+    (project / "stray.yaml").write_text(YAML.replace("lora_config: long", "lora_config: stray"))
+    assert_one_line_error(
+        run_cli("lora", "map", "--lora-config", project / "stray.yaml"),
+        "model.layers.9.mlp.up_proj",
+        "attach_point_onnx_mapping",
+    )
+
+
+def test_lora_create_and_import_write_the_steps_of_prepare(project: Path, prepared: Path, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from quiver.formats.section import SectionFile
+
+    created = run_cli("lora", "create", "--lora-config", project / "lora.yaml", "-o", tmp_path / "lora.onnx")
+    assert created.returncode == 0, created.stderr
+    model = onnx.load(str(tmp_path / "lora.onnx"))
+    assert "lora_alpha" in [i.name for i in model.graph.input]
+    session = ort.InferenceSession(str(tmp_path / "lora.onnx"))  # plain ORT runs the created graph
+    zero = session.run(None, {"x": X, "lora_alpha": np.zeros(2, np.float32)})[0]
+    np.testing.assert_allclose(zero, _expected(project, {}), atol=1e-5, rtol=1e-5)  # LoRA weights start at zero
+    imported = run_cli("lora", "import", "--lora-config", project / "lora.yaml", "-o", tmp_path / "import")
+    assert imported.returncode == 0, imported.stderr
+    cases = json.loads((tmp_path / "import" / "use_cases.json").read_text())
+    assert cases["elementary_long"]["alphas"] == [1.0, 0.5]
+    values = load_file(str(tmp_path / "import" / "elementary_long.safetensors"))
+    section = SectionFile((prepared / "elementary_long.qsec").read_bytes())
+    for name, index in section.graphs["model"].tensors.items():
+        np.testing.assert_array_equal(values[name], section.weight_array(index))
+
+
+def test_verify_checks_sections_and_inspect_lists_updateable_tensors(prepared: Path, tmp_path: Path) -> None:
+    ok = run_cli("verify", prepared / "elementary.qsec")
+    assert ok.returncode == 0 and ": ok" in ok.stdout
+    damaged = bytearray((prepared / "elementary.qsec").read_bytes())
+    damaged[5000] ^= 0x08
+    (tmp_path / "damaged.qsec").write_bytes(bytes(damaged))
+    assert_one_line_error(run_cli("verify", tmp_path / "damaged.qsec"), "checksum mismatch")
+    report = json.loads(run_cli("inspect", prepared / "lora.qctx", "--json").stdout)
+    assert len(report["graphs"][0]["updateable"]) == 3 * 4  # A, B and adapter index at each of 4 attach points

@@ -1,0 +1,1 @@
+"""Fast tests of each module: seconds, nothing beyond the test extras (`pytest -m unit`)."""
