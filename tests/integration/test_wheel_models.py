@@ -88,3 +88,27 @@ def test_two_fine_tunes_of_a_detector_share_every_common_weight(real_wheel_model
             ours = list(context.graph(name).execute(inputs).values())
             theirs = _ort_outputs(source, LEVELS["all"], inputs)
             np.testing.assert_array_equal(ours[0], theirs[0])
+
+
+def test_a_quiver_ort_session_warns_nothing_logs_nothing_and_leaves_no_more_than_onnxruntime(
+    real_wheel_models: Path, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    left = {}
+    for module in ("onnxruntime", "quiver.ort"):
+        script = (
+            f"import numpy as np, {module}\n"
+            f"session = {module}.InferenceSession({str(real_wheel_models / 'ocr_cls.onnx')!r})\n"
+            "session.run(None, {'x': np.zeros((1, 3, 48, 192), np.float32)})\n"
+        )
+        scratch = tmp_path / module
+        scratch.mkdir()
+        env = {**os.environ, "TMPDIR": str(scratch)}
+        command = [sys.executable, "-W", "error", "-X", "dev", "-c", script]
+        result = subprocess.run(command, env=env, capture_output=True)
+        assert result.returncode == 0 and result.stderr == b"", result.stderr.decode()[-2000:]
+        left[module] = sorted(p.name for p in scratch.iterdir())
+    assert left["quiver.ort"] == left["onnxruntime"]  # its own scratch folder went with it (ORT leaves `.ses`)
