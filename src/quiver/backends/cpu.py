@@ -477,7 +477,8 @@ class CpuExecutable:
         self._c_api_only = bool(io_types & _C_API_ONLY_IO) and "string" not in io_types
         stand_in_differs = integer_matmuls or _packing_changes_results(model)
         self.is_packed = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
-        self._shareable = (_SHARED_INTEGER_PACKING or not integer_matmuls) and "string" not in io_types
+        # whatever the accuracy level: before 1.32 no MatMulNBits kernel can keep packed weights in a container
+        self._shareable = (_SHARED_INTEGER_PACKING or not _has_integer_matmuls(model)) and "string" not in io_types
         self.prepared = prepared is not None  # sessions come from the context's prepared form (cpu_prepared)
         self._use(*(prepared or portable))
         try:

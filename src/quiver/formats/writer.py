@@ -195,7 +195,7 @@ class TensorFileWriter:
         """The preamble's flags: features a reader must know to read the file."""
         return 0
 
-    def _write_tail(self) -> None:
+    def _write_tail(self, durable: bool) -> None:
         self._file.seek(self._end)
         graph_entries, offset = self._write_graphs(self._end)
         header = json.dumps(
@@ -231,22 +231,25 @@ class TensorFileWriter:
             hashlib.sha256(header).digest(),
         )
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if durable:
+            os.fsync(self._file.fileno())
         # The preamble goes last: until it is written the file cannot be mistaken for a whole one.
         self._file.seek(0)
         self._file.write(preamble.pack(self.MAGIC))
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if durable:
+            os.fsync(self._file.fileno())
 
     def finish(self, destination: str | Path | None = None) -> Path:
         """Completes the file; moves it to `destination` (atomically) or returns the temporary path.
 
         A temporary file stays open, and locked, until `release()` or `discard()`: its lock tells other
-        processes' clean-up that its writer still lives.
+        processes' clean-up that its writer still lives. It is not forced to disk (it is scratch, gone at
+        exit): `sync()` does that before it is published under another name.
         """
         self._require(_State.WEIGHTS)
         try:
-            self._write_tail()
+            self._write_tail(durable=destination is not None)
             if destination is not None:
                 publish(self._path, Path(destination))  # renamed while still locked
                 self._path = Path(destination)
@@ -256,6 +259,10 @@ class TensorFileWriter:
             raise
         self._state = _State.DONE
         return self._path
+
+    def sync(self) -> None:
+        """Forces a finished temporary file to disk, before it is published under a lasting name."""
+        os.fsync(self._file.fileno())
 
     def release(self) -> None:
         """Closes a finished file (after it was published elsewhere)."""

@@ -206,9 +206,8 @@ class QuiverEngine:
             context = _build_ep_context(model, source_path, folder, graph_name, entries, backend)
         else:
             builder = Context.create(backend, workdir=scratch_folder(owner, "quiver-ort-"))
-            builder.add_graph(
-                graph_name, source_path or model, updateable=overridable(model), external_data_folder=folder
-            )
+            # the model parsed once: its external data resolves against `folder` (the model file's own)
+            builder.add_graph(graph_name, model, updateable=overridable(model), external_data_folder=folder)
             context = builder.finalize()
         return cls(context, graph_name, backend, config, **common)
 

@@ -173,9 +173,10 @@ class Context:
         destination = Path(path)
         file = self.file
         if self._temp_path is not None:
+            assert self._writer is not None
+            self._writer.sync()  # written as scratch: on disk before it takes a lasting name
             publish(self._temp_path, destination)  # the mapping stays valid: same file, new name
             self._temp_path = None
-            assert self._writer is not None
             self._writer.release()
         elif not file.is_file_at(destination):
             write_atomically(destination, file.buffer)
