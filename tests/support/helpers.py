@@ -72,3 +72,15 @@ def ort_fuses_8_bit_weights() -> bool:
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
         outputs.append(ort.InferenceSession(model, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0])
     return not np.array_equal(*outputs)
+
+
+def sequence_input_model(opset: int = 17) -> onnx.ModelProto:
+    """A model ORT runs and Quiver does not take on: a sequence at its edge (`n = SequenceLength(s)`)."""
+    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        [helper.make_node("SequenceLength", ["s"], ["n"])],
+        "sequence",
+        [helper.make_value_info("s", sequence)],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])

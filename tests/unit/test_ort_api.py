@@ -22,6 +22,7 @@ from quiver.ort.session import SHARED_CONTEXTS
 from quiver.tools.family import SMALL, sample_input_ids
 from tests.support import FIXTURES  # noqa: E402
 from tests.support.cli import quiver as run_cli
+from tests.support.helpers import sequence_input_model
 from tests.support.peft_models import LORA_X as X
 from tests.support.peft_models import make_project
 
@@ -205,12 +206,8 @@ def test_profiling_writes_a_csv(small_model: Path, tmp_path: Path, level: str) -
 
 
 def test_cpu_fallback_and_disabling_it(tmp_path: Path) -> None:
-    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None))
-    graph = helper.make_graph([helper.make_node("SequenceLength", ["s"], ["n"])], "g",
-                              [helper.make_value_info("s", sequence)],
-                              [helper.make_tensor_value_info("n", onnx.TensorProto.INT64, [])])  # fmt: skip
     path = tmp_path / "sequence.onnx"  # a sequence fed from outside: Quiver's graphs take tensors only
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    onnx.save(sequence_input_model(), str(path))
     fallback = quiver.ort.InferenceSession(str(path))
     assert fallback.get_providers() == ["CPUExecutionProvider"]
     path_taken = fallback.execution_path

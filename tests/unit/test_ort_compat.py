@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -17,6 +18,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 import quiver
 import quiver.ort
+from tests.support.helpers import sequence_input_model
 
 
 def _save(graph: object, path: Path, opset: int = 17) -> Path:
@@ -176,17 +178,8 @@ def test_the_private_session_is_onnxruntimes_own(tmp_path: Path) -> None:
 
 
 def test_models_plain_onnxruntime_runs_take_sequences_as_onnxruntime_takes_them(tmp_path: Path) -> None:
-    graph = helper.make_graph(
-        [helper.make_node("SequenceLength", ["s"], ["n"])],
-        "sequence",
-        [
-            helper.make_value_info(
-                "s", helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
-            )
-        ],
-        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
-    )
-    path = _save(graph, tmp_path / "sequence.onnx", opset=11)
+    path = tmp_path / "sequence.onnx"
+    onnx.save(sequence_input_model(11), str(path))
     session = quiver.ort.InferenceSession(str(path))
     assert session.execution_path.engine == "onnxruntime" and "'s' is a sequence" in str(session.execution_path.reason)
     assert session.run(None, {"s": [np.zeros(2, np.float32)] * 3})[0] == 3
@@ -266,14 +259,8 @@ def test_a_model_onnxruntime_runs_for_quiver_ort_profiles_as_onnxruntime(
 ) -> None:
     import json
 
-    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
-    graph = helper.make_graph(
-        [helper.make_node("SequenceLength", ["s"], ["n"])],
-        "sequence",
-        [helper.make_value_info("s", sequence)],
-        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
-    )
-    path = _save(graph, tmp_path / "sequence.onnx", opset=11)
+    path = tmp_path / "sequence.onnx"
+    onnx.save(sequence_input_model(11), str(path))
     monkeypatch.chdir(tmp_path)
     options = quiver.ort.SessionOptions()
     options.enable_profiling = True

@@ -15,6 +15,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 import quiver
 import quiver.ort
+from tests.support.helpers import sequence_input_model
 
 W = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
 X = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
@@ -443,20 +444,8 @@ def _ir3_model() -> object:
     return helper.make_model(graph, ir_version=3, opset_imports=[helper.make_opsetid("", 8)])
 
 
-def _sequence_input_model() -> object:
-    """A model ORT runs and Quiver does not take on: a sequence at its edge."""
-    sequence = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
-    graph = helper.make_graph(
-        [helper.make_node("SequenceLength", ["s"], ["n"])],
-        "sequence",
-        [helper.make_value_info("s", sequence)],
-        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-
-
 def test_a_model_quiver_cannot_convert_compiles_unchanged_unless_asked_to_fail(tmp_path: Path) -> None:
-    source = _saved(_sequence_input_model(), tmp_path, "sequence")
+    source = _saved(sequence_input_model(18), tmp_path, "sequence")
     quiver.ort.ModelCompiler(quiver.ort.SessionOptions(), str(source)).compile_to_file(str(tmp_path / "out.onnx"))
     assert (tmp_path / "out.onnx").read_bytes() == source.read_bytes()
     strict = onnxruntime.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED
