@@ -232,3 +232,33 @@ def test_quiver_build_leaves_no_temporary_file_behind_after_a_kill(
     result = run_cli("build", base, "-o", tmp_path / "out.qctx")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.qctx"]
+
+
+def test_a_file_replaced_before_its_first_run_still_runs_the_weights_it_was_opened_with(
+    family_files: dict[str, Path], tmp_path: Path, input_ids: np.ndarray
+) -> None:
+    """ORT reads weights from the context's file by name: a file replaced under a live context must not
+    hand it the new file's bytes (its weights then go to ORT from the mapping, in memory)."""
+    import onnxruntime as ort
+
+    import onnx
+
+    other = onnx.load(str(family_files["base"]))  # the same structure, every weight another value
+    for index, tensor in enumerate(other.graph.initializer):
+        value = numpy_helper.to_array(tensor)
+        if value.dtype == np.float32:
+            other.graph.initializer[index].CopyFrom(numpy_helper.from_array(value * 1.5 + 0.01, tensor.name))
+    onnx.save(other, str(tmp_path / "other.onnx"))
+    paths = {}
+    for name, source in (("base", family_files["base"]), ("finetune_1", tmp_path / "other.onnx")):
+        builder = quiver.Context.create("cpu")
+        builder.add_graph("g", source)
+        paths[name] = builder.save(tmp_path / f"{name}.qctx", prepare_ahead=False)  # ORT optimizes at open
+        builder.close()
+    with quiver.Context.from_binary(paths["base"]) as context:
+        os.replace(paths["finetune_1"], paths["base"])  # replaced, not rewritten: the mapping stays the old file
+        ours = context.graph("g").execute({"input_ids": input_ids})["last_hidden_state"]
+    base = ort.InferenceSession(str(family_files["base"]), providers=["CPUExecutionProvider"])
+    tuned = ort.InferenceSession(str(tmp_path / "other.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(ours, base.run(None, {"input_ids": input_ids})[0], atol=1e-5)
+    assert not np.allclose(ours, tuned.run(None, {"input_ids": input_ids})[0], atol=1e-3)

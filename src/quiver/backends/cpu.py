@@ -301,10 +301,6 @@ class SessionWeights:
                     tensor.external_data.add(key=key, value=value)
         return cls(located.SerializeToString(), shared, readable, os.path.dirname(mapping.path), mapping)
 
-    def in_memory(self, graph: FinalizedGraph, model: ModelProto) -> SessionWeights:
-        """The same weights with no file read: the file was replaced since it was mapped."""
-        return SessionWeights.of(graph, model, optimized=True, files=False)
-
 
 def _session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[ModelProto, StrengthFolding | None]:
     """The model ORT is given for this graph: LoRA strengths folded, and Quiver's MatMulNBits at the
@@ -527,7 +523,7 @@ class CpuExecutable:
         if weights.mapping is not None and not weights.mapping.is_current():
             # The file was replaced while ORT read it, so it may have read the new one: read nothing from
             # files (the mapping still holds the weights this context opened).
-            self._weights = weights = weights.in_memory(self._graph, self._graph.model)
+            self._weights = weights = SessionWeights.of(self._graph, self._graph.model, files=False)
             session = create(weights)
         return session
 
