@@ -239,9 +239,8 @@ def test_a_file_replaced_before_its_first_run_still_runs_the_weights_it_was_open
 ) -> None:
     """ORT reads weights from the context's file by name: a file replaced under a live context must not
     hand it the new file's bytes (its weights then go to ORT from the mapping, in memory)."""
-    import onnxruntime as ort
-
     import onnx
+    import onnxruntime as ort
 
     other = onnx.load(str(family_files["base"]))  # the same structure, every weight another value
     for index, tensor in enumerate(other.graph.initializer):
