@@ -3,9 +3,12 @@ by side: session creation, steady latency, and the cost of importing each module
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 import onnxruntime as ort
 
 import quiver.ort
+from quiver.ort.context_cache import CACHE_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.real.wheel_corpus import MODELS, feeds  # noqa: E402
@@ -30,7 +34,9 @@ def _options(module: Any) -> Any:
     return options
 
 
-def _session(module: Any, path: Path) -> Any:
+def _session(module: Any, path: Path, kept_in: str = "off") -> Any:
+    """A session; for quiver.ort, with its kept contexts in `kept_in` ("off": every session builds its own)."""
+    os.environ[CACHE_ENV] = kept_in
     return module.InferenceSession(str(path), _options(module), providers=["CPUExecutionProvider"])
 
 
@@ -47,9 +53,15 @@ def measure_import(repeats: int) -> dict[str, float]:
 
 def measure_wheel_models(corpus: Path, rounds: int, iterations: int) -> dict[str, Any]:
     rows = {}
+    kept_in = tempfile.mkdtemp(prefix="quiver-bench-kept-")
     for name in MODELS:
         path = corpus / f"{name}.onnx"
-        makers = {"ort": partial(_session, ort, path), "quiver": partial(_session, quiver.ort, path)}
+        _session(quiver.ort, path, kept_in).close()  # kept for the "kept" candidate
+        makers = {
+            "ort": partial(_session, ort, path),
+            "quiver": partial(_session, quiver.ort, path),  # builds the context from the .onnx
+            "quiver_kept": partial(_session, quiver.ort, path, kept_in),  # maps the context kept before
+        }
         created = alternating_medians(makers, rounds, 3)
         theirs, ours = makers["ort"](), makers["quiver"]()
         inputs = feeds(name, theirs.get_inputs())
@@ -59,15 +71,18 @@ def measure_wheel_models(corpus: Path, rounds: int, iterations: int) -> dict[str
         runs = {"ort": partial(theirs.run, None, inputs), "quiver": partial(ours.run, None, inputs)}
         latency = alternating_medians(runs, rounds, iterations, warm_up=2)
         create = {k: statistics.median(v) for k, v in created.items()}
+        os.environ[CACHE_ENV] = "off"
         run = {k: statistics.median(v) for k, v in latency.items()}
         rows[name] = {
             "path": ours.execution_path.engine,
             "create_ms": create,
             "create_ratio": create["quiver"] / create["ort"],
+            "create_kept_ratio": create["quiver_kept"] / create["ort"],
             "latency_ms": run,
             "latency_ratio": run["quiver"] / run["ort"],
         }
         ours.close()
-        print(f"  {name}: create {rows[name]['create_ratio']:.2f}x, latency {rows[name]['latency_ratio']:.2f}x",
-              file=sys.stderr)  # fmt: skip
+        print(f"  {name}: create {rows[name]['create_ratio']:.2f}x (kept {rows[name]['create_kept_ratio']:.2f}x), "
+              f"latency {rows[name]['latency_ratio']:.2f}x", file=sys.stderr)  # fmt: skip
+    shutil.rmtree(kept_in, ignore_errors=True)
     return {"threads": THREADS, "onnxruntime": ort.__version__, "models": rows, "import": measure_import(rounds)}

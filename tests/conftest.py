@@ -83,6 +83,15 @@ def real_wheel_models() -> Path:
     return _corpus("QUIVER_REAL_WHEEL_MODELS", "wheels")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _contexts_kept_in_a_folder_of_this_run(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """quiver.ort keeps the contexts it builds (`quiver.ort.context_cache`): in this run's own folder, not
+    the user's cache (subprocesses inherit it)."""
+    import os
+
+    os.environ["QUIVER_ORT_CACHE"] = str(tmp_path_factory.mktemp("ort-contexts"))
+
+
 LAYERS = ("unit", "integration", "stress", "fuzz")  # the folders under tests/, each its own marker
 
 

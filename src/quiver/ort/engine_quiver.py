@@ -27,6 +27,7 @@ from quiver.formats.section import SectionFile
 from quiver.formats.writer import write_text_atomically
 from quiver.ir.edit import quantized_io
 from quiver.ir.proto import ModelProto
+from quiver.ort import context_cache
 from quiver.ort.compiler import build_ep_context
 from quiver.ort.engine_ort import PlainOrtSession, adapter_feeds, run_into
 from quiver.ort.epcontext import EpContext, save_ep_context_model
@@ -187,6 +188,7 @@ class QuiverEngine:
     def build(
         cls,
         model: ModelProto,
+        content: bytes,
         source: str | Path | bytes,
         folder: Path | None,
         config: ProviderConfig,
@@ -195,9 +197,9 @@ class QuiverEngine:
         owner: object,
         **common: Any,
     ) -> QuiverEngine:
-        """A context of the model; `folder` holds its external data (the model file's own folder, or for
-        bytes the one `session.model_external_initializers_file_folder_path` names). Raises
-        `ConversionError` for a model Quiver cannot take on."""
+        """A context of the model (`content`: its bytes as read); `folder` holds its external data (the model
+        file's own folder, or for bytes the one `session.model_external_initializers_file_folder_path`
+        names). Raises `ConversionError` for a model Quiver cannot take on."""
         source_path = Path(source) if isinstance(source, (str, Path)) else None
         graph_name = model.graph.name or (source_path.stem if source_path else "main")
         if not config.offload_io_quantization:
@@ -205,10 +207,8 @@ class QuiverEngine:
         if entries.get("ep.context_enable") == "1":
             context = _build_ep_context(model, source_path, folder, graph_name, entries, backend)
         else:
-            builder = Context.create(backend, workdir=scratch_folder(owner, "quiver-ort-"))
-            # the model parsed once: its external data resolves against `folder` (the model file's own)
-            builder.add_graph(graph_name, model, updateable=overridable(model), external_data_folder=folder)
-            context = builder.finalize()
+            build = f"{graph_name}\0offload_io_quantization={config.offload_io_quantization}"
+            context = _kept_or_built(model, content, source, folder, graph_name, build, backend, owner)
         return cls(context, graph_name, backend, config, **common)
 
     def _after_fork_in_child(self) -> None:
@@ -417,6 +417,37 @@ class QuiverEngine:
     def shared_key(self) -> _Key | None:
         """Which context of `SHARED_CONTEXTS` this session shares (`ep.share_ep_contexts=1`), if any."""
         return self._shared
+
+
+def _kept_or_built(
+    model: ModelProto,
+    content: bytes,
+    source: str | Path | bytes,
+    folder: Path | None,
+    graph_name: str,
+    build: str,
+    backend: Backend,
+    owner: object,
+) -> Context:
+    """The model's context: kept by an earlier session (`context_cache`), or built now and kept."""
+    cache = context_cache.cache_folder()
+    key = context_cache.key_of(model, content, source, folder, build) if cache is not None else None
+    kept_in = context_cache.prepare_folder(cache) if cache is not None and key is not None else None
+    if kept_in is not None and key is not None:
+        kept = context_cache.lookup(kept_in, key)
+        if kept is not None:
+            try:
+                return Context.from_binary(kept, backend=backend)
+            except errors.QuiverError:  # damaged, or of another format: built again below
+                kept.unlink(missing_ok=True)
+    builder = Context.create(backend, workdir=kept_in or scratch_folder(owner, "quiver-ort-"))
+    # the model parsed once: its external data resolves against `folder` (the model file's own)
+    builder.add_graph(graph_name, model, updateable=overridable(model), external_data_folder=folder)
+    if kept_in is None or key is None:
+        return builder.finalize()
+    path = builder.save(kept_in / f"{key}.qctx", prepare_ahead=False)  # forced to disk, renamed into place
+    context_cache.evict(kept_in, keep=path)
+    return builder
 
 
 def twin_of(source: str | Path | bytes, options: Any) -> PlainOrtSession:

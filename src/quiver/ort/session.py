@@ -40,7 +40,7 @@ _EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 _Engine = QuiverEngine | OrtEngine
 
 
-def _load_model(path_or_bytes: str | Path | bytes) -> tuple[ModelProto, Path | None]:
+def _load_model(path_or_bytes: str | Path | bytes) -> tuple[ModelProto, bytes, Path | None]:
     if isinstance(path_or_bytes, (bytes, bytearray)):
         data, folder = bytes(path_or_bytes), None
     else:
@@ -54,7 +54,7 @@ def _load_model(path_or_bytes: str | Path | bytes) -> tuple[ModelProto, Path | N
         raise InvalidProtobuf(f"the model is not a valid ONNX protobuf ({type(exc).__name__}: {exc})") from None
     if not model.graph.node and not model.graph.output:
         raise InvalidProtobuf("the model parsed as an empty ONNX model; is it really an .onnx file?")
-    return model, folder
+    return model, data, folder
 
 
 class InferenceSession(onnxruntime.InferenceSession):
@@ -81,13 +81,13 @@ class InferenceSession(onnxruntime.InferenceSession):
         self._entries = config_entries(self._options)
         self._start_ns = time.time_ns()
         opening = time.perf_counter_ns()
-        model, folder = _load_model(path_or_bytes)
+        model, data, folder = _load_model(path_or_bytes)
         if folder is None and self._entries.get(_EXTERNAL_DATA_FOLDER):  # bytes: ORT's folder for their data
             folder = Path(self._entries[_EXTERNAL_DATA_FOLDER])
         self._options = with_model_config(self._options, model)
         self._json_profile = profile_of(self._options)
         try:
-            self._engine: _Engine = self._open(model, path_or_bytes, folder)
+            self._engine: _Engine = self._open(model, data, path_or_bytes, folder)
         except errors.QuiverError as exc:
             raise ort_error(exc) from None
         if not self._engine.path.on_quiver:
@@ -100,7 +100,7 @@ class InferenceSession(onnxruntime.InferenceSession):
         if self._json_profile is not None:
             self._json_profile.session_ready(opening, time.perf_counter_ns())
 
-    def _open(self, model: ModelProto, source: str | Path | bytes, folder: Path | None) -> _Engine:
+    def _open(self, model: ModelProto, data: bytes, source: str | Path | bytes, folder: Path | None) -> _Engine:
         """Quiver's engine where it can take the model on, plain ORT's (ORT's CPU EP fallback) elsewhere."""
         twin = twin_of(source, self._options)
         common = {"twin": twin, "json_profile": self._json_profile}
@@ -112,13 +112,16 @@ class InferenceSession(onnxruntime.InferenceSession):
 
         overridden = with_session_overrides(model, self._options, folder)
         if overridden is not None:  # built from memory, weights and all: the file no longer says what runs
-            model, source = overridden, overridden.SerializeToString()
+            data = overridden.SerializeToString()
+            model, source = overridden, data
         unsupported = unsupported_operators(model)
         reason = f"cannot run operators {', '.join(sorted(unsupported))}" if unsupported else None
         engine: _Engine | None = None
         if reason is None:
             try:
-                engine = QuiverEngine.build(model, source, folder, self._config, self._entries, backend, self, **common)
+                engine = QuiverEngine.build(
+                    model, data, source, folder, self._config, self._entries, backend, self, **common
+                )
             except errors.ConversionError as exc:  # a model ORT runs but Quiver cannot convert (types, shapes)
                 reason = f"cannot convert the model ({exc})"
         if engine is None:
