@@ -113,7 +113,7 @@ import json, mmap, sys, time, types
 start = time.perf_counter()
 import numpy as np
 import onnxruntime as ort
-from quiver.backends import cpu
+from quiver.backends import cpu, cpu_weights
 imports_ms = (time.perf_counter() - start) * 1e3
 plan_path, npz, output = sys.argv[1:4]
 plan = json.loads(open(plan_path).read())
@@ -125,7 +125,7 @@ def views(entries):
     count = lambda shape: int(np.prod(shape, dtype=np.int64))
     return {n: np.frombuffer(mapped, d, count(s), o).reshape(s) for n, (o, d, s) in entries.items()}
 with open(plan["model"], "rb") as f:
-    weights = cpu.SessionWeights(f.read(), views(plan["shared"]), views(plan["readable"]), plan["folder"], None)
+    weights = cpu_weights.SessionWeights(f.read(), views(plan["shared"]), views(plan["readable"]), plan["folder"], None)
 session = cpu._create_session(
     types.SimpleNamespace(name=plan["graph"]), weights, cpu.CpuBackend(), cpu.SessionSettings(**plan["settings"]),
     **plan["how"],

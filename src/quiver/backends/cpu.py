@@ -16,15 +16,14 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import numpy as np
 import onnxruntime as ort
 
 from quiver.backends import _ort_capi, cpu_prepared
-from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, MappedFile, WeightFile
+from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, WeightFile
 from quiver.backends.cpu_settings import (
     DEFAULT_ACCURACY_LEVEL,
     KNOB_SPACE_VERSION,
@@ -33,13 +32,10 @@ from quiver.backends.cpu_settings import (
     device_fingerprint,
     knobs,
 )
+from quiver.backends.cpu_weights import PLACEHOLDER_FOLDER, SessionWeights, every_node
 from quiver.backends.lora_strengths import StrengthFolding, fold_lora_strengths
 from quiver.errors import BackendError
-from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
-
-# ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
-# data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
-_PLACEHOLDER_FOLDER = str(Path(__file__).with_name("_ort_folder"))
+from quiver.ir.proto import AttributeProto, ModelProto, TensorProto
 
 # Level 4 of ORT's MatMulNBits (see DEFAULT_ACCURACY_LEVEL) runs only on prepacked weights, so a graph
 # with such MatMuls gets no unpacked stand-in session (it would compute in float32: another answer).
@@ -114,7 +110,7 @@ _PACKING_CHANGES_RESULTS = {"LSTM", "GRU", "RNN", "MatMulInteger", "ConvInteger"
 def _packing_changes_results(model: ModelProto) -> bool:
     return any(
         node.op_type in _PACKING_CHANGES_RESULTS or (node.domain == "com.microsoft" and node.op_type != "FusedMatMul")
-        for node in _every_node(model.graph)
+        for node in every_node(model.graph)
     )
 
 
@@ -225,83 +221,6 @@ def _packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], _Sess
         dropper.join()
 
 
-# (op, input) slots whose weights a session takes as shared initializers (`AddInitializer`): what ORT
-# packs, so that graphs sharing a weight share its packed form (ORT's container takes shared ones only).
-# A shared initializer overrides whatever ORT's passes did to a weight of that name, so only weights no
-# pass rewrites in place under their own name go that way: the packed inputs of the packing operators,
-# which passes fuse around (MatMul + Add -> Gemm, DQ + MatMul -> MatMulNBits) but never rewrite.
-_SHAREABLE_SLOTS = {
-    ("", "MatMul"): {1},
-    ("", "Gemm"): {1},
-    ("com.microsoft", "FusedMatMul"): {1},
-    ("com.microsoft", "MatMulNBits"): {1, 2, 3},
-}
-
-
-def shareable_weights(model: ModelProto) -> set[str]:
-    """The initializers every node uses only in a packed slot (`_SHAREABLE_SLOTS`), subgraphs included."""
-    slots: dict[str, bool] = {}
-    for node in _every_node(model.graph):
-        packed = _SHAREABLE_SLOTS.get((node.domain.replace("ai.onnx", ""), node.op_type), set())
-        for index, name in enumerate(node.input):
-            slots[name] = slots.get(name, True) and index in packed
-    return {t.name for t in model.graph.initializer if slots.get(t.name, False)}
-
-
-def _every_node(graph: GraphProto) -> Iterator[NodeProto]:
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            for sub in (attribute.g,) if attribute.HasField("g") else attribute.graphs:
-                yield from _every_node(sub)
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionWeights:
-    """How a session gets the graph's weights, none of them copied, every one readable by ORT's passes.
-
-    Each placeholder names the weight's place in the mapped context file as external data: ORT's graph
-    optimizers (constant folding, Conv + BatchNormalization fusion, NCHWc filter reordering, and what
-    later releases add) read it there, and ORT maps the file itself where kernels use a weight as it is.
-    A tensor a pass makes from a weight is the session's own memory, as with ORT alone. Weights ORT packs
-    (`shareable_weights`) go in as shared initializers too, views of the context's mapping: the packed form
-    is then made once per context. A weight not in a file (a context held in memory) goes in as an
-    in-memory external initializer, which ORT copies.
-    """
-
-    model: bytes  # the skeleton, its placeholders naming where each weight lies
-    shared: dict[str, np.ndarray]
-    readable: dict[str, np.ndarray]  # in memory: weights with no file to be read from
-    folder: str  # where the placeholders' files are
-    mapping: MappedFile | None  # the file named, when one is
-
-    @classmethod
-    def of(cls, graph: FinalizedGraph, model: ModelProto, optimized: bool = True, files: bool = True) -> SessionWeights:
-        """`model`: the session model (its placeholders name `graph.weights`); `optimized`: ORT's graph
-        optimizers run (no level "disabled"); `files`: weights may be read from the mapped file."""
-        if not optimized:  # nothing reads a weight before the kernels: all shared, placeholders as they are
-            return cls(model.SerializeToString(), dict(graph.weights), {}, _PLACEHOLDER_FOLDER, None)
-        shareable = shareable_weights(model)
-        shared = {name: array for name, array in graph.weights.items() if name in shareable}
-        mapping = graph.mapping if files and graph.mapping is not None and graph.mapping.is_current() else None
-        offsets = {name: mapping.offset_of(array) for name, array in graph.weights.items()} if mapping else {}
-        readable = {name: array for name, array in graph.weights.items() if offsets.get(name) is None}
-        if not offsets or len(readable) == len(graph.weights):
-            return cls(model.SerializeToString(), shared, dict(graph.weights), _PLACEHOLDER_FOLDER, None)
-        assert mapping is not None
-        located = ModelProto()
-        located.CopyFrom(model)
-        file_name = os.path.basename(mapping.path)
-        for tensor in located.graph.initializer:
-            offset = offsets.get(tensor.name)
-            if offset is not None:
-                length = graph.weights[tensor.name].nbytes
-                del tensor.external_data[:]
-                for key, value in (("location", file_name), ("offset", str(offset)), ("length", str(length))):
-                    tensor.external_data.add(key=key, value=value)
-        return cls(located.SerializeToString(), shared, readable, os.path.dirname(mapping.path), mapping)
-
-
 def _session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[ModelProto, StrengthFolding | None]:
     """The model ORT is given for this graph: LoRA strengths folded, and Quiver's MatMulNBits at the
     settings' accuracy level (the same at build, for a prepared form, as at open)."""
@@ -390,7 +309,7 @@ class _PythonApiSession:
 _Session = _ort_capi.Session | _PythonApiSession
 
 
-def _config(settings: SessionSettings, prepack: bool, folder: str = _PLACEHOLDER_FOLDER) -> dict[str, str]:
+def _config(settings: SessionSettings, prepack: bool, folder: str = PLACEHOLDER_FOLDER) -> dict[str, str]:
     return {"session.model_external_initializers_file_folder_path": folder, **settings.config(prepack)}
 
 
