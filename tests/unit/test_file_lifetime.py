@@ -246,7 +246,8 @@ def test_a_file_replaced_before_its_first_run_still_runs_the_weights_it_was_open
     for index, tensor in enumerate(other.graph.initializer):
         value = numpy_helper.to_array(tensor)
         if value.dtype == np.float32:
-            other.graph.initializer[index].CopyFrom(numpy_helper.from_array(value * 1.5 + 0.01, tensor.name))
+            moved = (value * 1.5 + 0.01).astype(np.float32)  # float32 on numpy 1.26 too (0-d arrays promote)
+            other.graph.initializer[index].CopyFrom(numpy_helper.from_array(moved, tensor.name))
     onnx.save(other, str(tmp_path / "other.onnx"))
     paths = {}
     for name, source in (("base", family_files["base"]), ("finetune_1", tmp_path / "other.onnx")):

@@ -48,7 +48,8 @@ def _scaled(source: Path, target: Path, factor: float) -> Path:
     for index, tensor in enumerate(model.graph.initializer):
         value = numpy_helper.to_array(tensor)
         if value.dtype == np.float32 and value.size > 1:
-            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(value * factor, tensor.name))
+            scaled = (value * factor).astype(np.float32)
+            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(scaled, tensor.name))
     onnx.save(model, str(target))
     return target
 
