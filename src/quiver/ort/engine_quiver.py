@@ -441,8 +441,11 @@ def _kept_or_built(
             except errors.QuiverError:  # damaged, or of another format: built again below
                 kept.unlink(missing_ok=True)
     builder = Context.create(backend, workdir=kept_in or scratch_folder(owner, "quiver-ort-"))
-    # the model parsed once: its external data resolves against `folder` (the model file's own)
-    builder.add_graph(graph_name, model, updateable=overridable(model), external_data_folder=folder)
+    # The model parsed once: its external data resolves against `folder` (the model file's own). ORT folds
+    # its constants itself, at the session's level (at DISABLE_ALL it runs them, as plain ORT does).
+    builder.add_graph(
+        graph_name, model, updateable=overridable(model), external_data_folder=folder, fold_constants=False
+    )
     if kept_in is None or key is None:
         return builder.finalize()
     path = builder.save(kept_in / f"{key}.qctx", prepare_ahead=False)  # forced to disk, renamed into place

@@ -219,12 +219,14 @@ def convert(
     label: str | None = None,
     updateable: Collection[str] = (),
     external_data_folder: Path | None = None,
+    fold: bool = True,
 ) -> ConvertedGraph:
     """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph.
 
     `updateable` names initializers that stay weights whatever their size (they can be replaced at
     run time), and that constant folding leaves alone. `external_data_folder`: where a ModelProto's
-    external data lies (a file's is beside it).
+    external data lies (a file's is beside it). `fold=False` leaves constant subgraphs to the runtime
+    (ONNX Runtime folds the same at its basic level, and none with its optimizations off).
     """
     loaded, base = load_model(source, external_data_folder)
     label = label or (str(source) if not isinstance(source, onnx.ModelProto) else (loaded.graph.name or "model"))
@@ -272,7 +274,8 @@ def convert(
         _fix_input_shapes(graph, input_shapes)
 
     model = _infer_shapes(model, label)
-    folded = fold_constants(model, _FoldableValues(known, {n: w for n, w in weights.items() if n not in updateable}))
+    foldable = _FoldableValues(known, {n: w for n, w in weights.items() if n not in updateable})
+    folded = fold_constants(model, foldable) if fold else 0
     if folded:
         _drop_unused_initializers(model.graph)
         del model.graph.value_info[:]

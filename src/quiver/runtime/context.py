@@ -115,9 +115,11 @@ class Context:
         input_shapes: InputShapes | None = None,
         updateable: Sequence[str] = (),
         external_data_folder: str | Path | None = None,
+        fold_constants: bool = True,
     ) -> None:
         """Converts an ONNX model (path or ModelProto); streams its weights in, each distinct one stored once.
-        A ModelProto's external data is read from `external_data_folder` (a file's: from beside it)."""
+        A ModelProto's external data is read from `external_data_folder` (a file's: from beside it).
+        `fold_constants=False` keeps constant subgraphs for the backend's runtime to fold (or not)."""
         if self.finalized:
             raise ContextStateError("the context is finalized; create a new context to add graphs")
         if not name:
@@ -132,7 +134,7 @@ class Context:
         from quiver.passes.convert import convert
 
         folder = Path(external_data_folder) if external_data_folder is not None else None
-        converted = convert(model, input_shapes, name, updateable, external_data_folder=folder)
+        converted = convert(model, input_shapes, name, updateable, external_data_folder=folder, fold=fold_constants)
         mapping = self._writer.add_weights(converted.weights, converted.encodings)
         self._writer.add_graph(name, converted.skeleton.SerializeToString(), mapping, updateable)
         self._enabled.append(name)
