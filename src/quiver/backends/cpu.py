@@ -32,9 +32,10 @@ from quiver.backends.cpu_settings import (
     device_fingerprint,
     knobs,
 )
-from quiver.backends.cpu_weights import PLACEHOLDER_FOLDER, SessionWeights, every_node
+from quiver.backends.cpu_weights import PLACEHOLDER_FOLDER, SessionWeights
 from quiver.backends.lora_strengths import StrengthFolding, fold_lora_strengths
 from quiver.errors import BackendError
+from quiver.ir.edit import iter_nodes
 from quiver.ir.proto import AttributeProto, ModelProto, TensorProto
 
 # Level 4 of ORT's MatMulNBits (see DEFAULT_ACCURACY_LEVEL) runs only on prepacked weights, so a graph
@@ -110,7 +111,7 @@ _PACKING_CHANGES_RESULTS = {"LSTM", "GRU", "RNN", "MatMulInteger", "ConvInteger"
 def _packing_changes_results(model: ModelProto) -> bool:
     return any(
         node.op_type in _PACKING_CHANGES_RESULTS or (node.domain == "com.microsoft" and node.op_type != "FusedMatMul")
-        for node in every_node(model.graph)
+        for node in iter_nodes(model.graph)
     )
 
 
@@ -377,7 +378,8 @@ class CpuExecutable:
     def __init__(self, graph: FinalizedGraph, backend: CpuBackend) -> None:
         self.settings = settings = backend.settings_for(graph)
         model, self._strengths = _session_model(graph, settings)
-        integer_matmuls = settings.accuracy_level > 0 and _has_integer_matmuls(model)
+        has_integer_matmuls = _has_integer_matmuls(model)
+        integer_matmuls = settings.accuracy_level > 0 and has_integer_matmuls
         data = model.SerializeToString()
         portable = dataclasses.replace(graph, model=model), settings
         prepared = _in_prepared_form(graph, data, settings)
@@ -393,7 +395,7 @@ class CpuExecutable:
         stand_in_differs = integer_matmuls or _packing_changes_results(model)
         self.is_packed = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
         # whatever the accuracy level: before 1.32 no MatMulNBits kernel can keep packed weights in a container
-        self._shareable = (_SHARED_INTEGER_PACKING or not _has_integer_matmuls(model)) and "string" not in io_types
+        self._shareable = (_SHARED_INTEGER_PACKING or not has_integer_matmuls) and "string" not in io_types
         self.prepared = prepared is not None  # sessions come from the context's prepared form (cpu_prepared)
         self._use(*(prepared or portable))
         try:

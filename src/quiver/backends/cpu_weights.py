@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from quiver.backends.base import FinalizedGraph, MappedFile
-from quiver.ir.proto import GraphProto, ModelProto, NodeProto
+from quiver.ir.edit import iter_nodes
+from quiver.ir.proto import ModelProto
 
 # ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
 # data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
@@ -33,20 +33,11 @@ _SHAREABLE_SLOTS = {
 def shareable_weights(model: ModelProto) -> set[str]:
     """The initializers every node uses only in a packed slot (`_SHAREABLE_SLOTS`), subgraphs included."""
     slots: dict[str, bool] = {}
-    for node in every_node(model.graph):
+    for node in iter_nodes(model.graph):
         packed = _SHAREABLE_SLOTS.get((node.domain.replace("ai.onnx", ""), node.op_type), set())
         for index, name in enumerate(node.input):
             slots[name] = slots.get(name, True) and index in packed
     return {t.name for t in model.graph.initializer if slots.get(t.name, False)}
-
-
-def every_node(graph: GraphProto) -> Iterator[NodeProto]:
-    """Every node of a graph and of its subgraphs (without the onnx package: ir.ops has it)."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            for sub in (attribute.g,) if attribute.HasField("g") else attribute.graphs:
-                yield from every_node(sub)
 
 
 @dataclasses.dataclass(frozen=True)

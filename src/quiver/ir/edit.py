@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 
-from quiver.ir.proto import ModelProto, NodeProto, TensorProto, ValueInfoProto
+from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
+
+
+def iter_nodes(graph: GraphProto) -> Iterator[NodeProto]:
+    """Every node of a graph and of its subgraphs (If/Loop/Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == AttributeProto.GRAPH:
+                yield from iter_nodes(attr.g)
+            elif attr.type == AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from iter_nodes(sub)
 
 
 def initializers_as_inputs(model: ModelProto, names: Collection[str] | Callable[[TensorProto], bool]) -> ModelProto:

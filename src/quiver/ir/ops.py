@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 
 import onnx
+
+from quiver.ir.edit import iter_nodes
 
 # The QNN execution provider's list (DESIGN.md): the floor for every backend.
 QNN_EP_OPS = frozenset(
@@ -36,18 +37,6 @@ def is_supported(node: onnx.NodeProto) -> bool:
         return True
     domain = "" if node.domain == "ai.onnx" else node.domain
     return node.domain in _ONNX_DOMAINS and onnx.defs.has(node.op_type, domain)
-
-
-def iter_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    """Every node of a graph and of its subgraphs (If/Loop/Scan bodies)."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from iter_nodes(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from iter_nodes(sub)
 
 
 def unsupported_operators(model: onnx.ModelProto) -> Counter[str]:
