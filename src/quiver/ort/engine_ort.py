@@ -74,6 +74,8 @@ class OrtEngine:
         return _node_args(self.session.get().get_overridable_initializers())
 
     def _with_adapters(self, feeds: Mapping[str, Any], run_options: Any) -> Mapping[str, Any]:
+        if not _parameter_adapters(run_options):  # most runs: nothing to list
+            return feeds
         names = {a.name for a in self.inputs()}, {a.name for a in self.overridable_initializers()}
         return adapter_feeds(feeds, run_options, *names, on_ort=True)
 
@@ -121,6 +123,11 @@ def run_into(
     return values
 
 
+def _parameter_adapters(run_options: Any) -> list[Any]:
+    """The run's active `.onnx_adapter` adapters (those with parameters)."""
+    return [a for a in getattr(run_options, "active_adapters", []) if a.parameters is not None]
+
+
 def adapter_feeds(
     feeds: Mapping[str, Any],
     run_options: Any,
@@ -130,7 +137,7 @@ def adapter_feeds(
 ) -> Mapping[str, Any]:
     """The active `.onnx_adapter` adapters' parameters fed as the model's inputs, as ORT feeds them
     (`on_ort`: overridable initializers too; on Quiver those are applied as sections instead)."""
-    adapters = [a for a in getattr(run_options, "active_adapters", []) if a.parameters is not None]
+    adapters = _parameter_adapters(run_options)
     if not adapters:
         return feeds
     merged = dict(feeds)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
-from quiver import errors
+from quiver import errors, fork
 from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
 from quiver.formats.section import SectionFile
@@ -160,6 +160,7 @@ class QuiverEngine:
         self._graph = context.graph(graph_name)
         self._required = tuple(i.name for i in self._graph.inputs if i.name not in self._graph.inputs_with_defaults)
         self._updateable = frozenset(context.file.graphs[graph_name].updateable)
+        self._input_names = frozenset(i.name for i in self._graph.inputs)
         # per-run adapters: the state each set of sections gives (by section identity), built once
         self._states: dict[tuple[int, ...], tuple[list[SectionFile], GraphState]] = {}
         self._lock = threading.Lock()
@@ -167,8 +168,6 @@ class QuiverEngine:
         self._adapter_sections: dict[int, tuple[Any, SectionFile]] = {}
         self._profile: list[tuple[str, int, float]] = []
         self._profiled = False
-        from quiver import fork
-
         fork.reset_after_fork(self)
 
     # --- making one ---------------------------------------------------------------------------------
@@ -244,7 +243,7 @@ class QuiverEngine:
         self, feeds: Mapping[str, np.ndarray], run_options: Any, out: Mapping[str, np.ndarray] | None
     ) -> dict[str, np.ndarray]:
         """Every output by name; those in `out` are written into the caller's arrays."""
-        inputs, overridable_names = {i.name for i in self._graph.inputs}, self._updateable
+        inputs, overridable_names = self._input_names, self._updateable
         sections = self._lora_sections(run_options) if run_options is not None else []
         if sections is None:  # an adapter of other shapes: ORT runs it, as ORT runs such adapters
             on_ort = adapter_feeds(feeds, run_options, inputs, overridable_names, on_ort=True)
