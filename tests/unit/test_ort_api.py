@@ -18,7 +18,7 @@ import quiver.ort
 from quiver.backends import CpuBackend, register_backend
 from quiver.backends import base as backends_base
 from quiver.errors import BackendError
-from quiver.ort.session import SHARED_CONTEXTS
+from quiver.ort.engine_quiver import SHARED_CONTEXTS
 from quiver.tools.family import SMALL, sample_input_ids
 from tests.support import FIXTURES  # noqa: E402
 from tests.support.cli import quiver as run_cli

@@ -74,3 +74,32 @@ def test_opening_an_ep_context_model_does_not_import_the_onnx_package(family_con
         [sys.executable, "-c", _OPEN_EP_CONTEXT, str(model)], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+_IMPORT_ORT = """
+import sys, numpy, onnxruntime
+before = set(sys.modules)
+import quiver.ort
+added = set(sys.modules) - before
+print(sorted(m for m in added if m.split(".")[0] in ("google", "ml_dtypes", "onnx") or m in _HEAVY))
+"""
+_HEAVY = ("quiver.backends.cpu", "quiver.runtime.context", "quiver.formats.reader", "quiver.ort.engine_quiver")
+
+
+def test_importing_quiver_ort_loads_no_protobuf_ml_dtypes_or_engine() -> None:
+    # `import quiver.ort` must cost little more than `import onnxruntime` (benchmarks/wheel_models.py
+    # measures it): protobuf (~55 ms), ml_dtypes (~10 ms) and the engines come with the first session
+    code = f"_HEAVY = {_HEAVY!r}\n{_IMPORT_ORT}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_onnx_element_type_numbers_match_the_installed_onnx() -> None:
+    import onnx
+
+    from quiver.ir.dtypes import ElementType
+
+    for name, number in onnx.TensorProto.DataType.items():
+        if name in ElementType.__members__:  # newer onnx releases add types; the ones Quiver names must agree
+            assert ElementType[name] == number, name
+    assert {"FLOAT", "INT64", "BFLOAT16", "INT4", "STRING"} <= set(onnx.TensorProto.DataType.keys())

@@ -17,12 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import onnxruntime
 
 from quiver.backends.fork_gate import ForkGate
-from quiver.errors import BackendError
+from quiver.errors import BackendError, ConversionError
 from quiver.ir import dtypes
 from quiver.ir.nibbles import pack_nibbles, unpack_nibbles
 
@@ -50,12 +49,31 @@ _PP = ctypes.POINTER(ctypes.c_void_p)
 _STATUS = ctypes.c_void_p
 
 # ONNX element type numbers <-> numpy, from the one table (ir.dtypes); strings do not pass through here.
+# Filled as types are met: the ml_dtypes ones (bfloat16, float8, 4-bit) import ml_dtypes (~10 ms), which a
+# process that never meets them never pays for.
 # 4-bit types: numpy (ml_dtypes) holds one value per byte, ORT two per byte, low nibble first.
-_NIBBLE_TYPES = {dtypes.onnx_of(n): dtypes.numpy_of(n).type for n in ("uint4", "int4")}
-_ELEMENT_TYPES = {
-    dtypes.onnx_of(n): dtypes.numpy_of(n).type for n in dtypes.IO_DTYPE_NAMES if n not in ("string", "uint4", "int4")
-}
-_BY_DTYPE = {np.dtype(v): k for k, v in {**_ELEMENT_TYPES, **_NIBBLE_TYPES}.items()}
+_NIBBLE_TYPES = frozenset({dtypes.ElementType.UINT4, dtypes.ElementType.INT4})
+_ELEMENT_TYPES: dict[int, type] = {}
+_BY_DTYPE: dict[np.dtype, int | None] = {}
+
+
+def _numpy_type(number: int) -> type:
+    found = _ELEMENT_TYPES.get(number)
+    if found is None:
+        try:
+            name = dtypes.io_name_of_onnx(number)
+        except ConversionError:
+            name = "string"
+        if name == "string":
+            raise BackendError(f"the cpu backend cannot return ONNX element type {dtypes.type_name(number)}")
+        found = _ELEMENT_TYPES[number] = dtypes.numpy_of(name).type
+    return found
+
+
+def _element_type(dtype: np.dtype) -> int | None:
+    if dtype not in _BY_DTYPE:
+        _BY_DTYPE[dtype] = dtypes.onnx_of_numpy(dtype)
+    return _BY_DTYPE[dtype]
 
 
 def _packed_nibbles(array: np.ndarray) -> np.ndarray:
@@ -273,7 +291,7 @@ class _Tensor:
         self._api = api()
         self.array = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         self.shape = array.shape
-        element = _BY_DTYPE.get(self.array.dtype)
+        element = _element_type(self.array.dtype)
         if element is None:
             raise BackendError(f"the cpu backend does not exchange {self.array.dtype} tensors")
         shape = (ctypes.c_int64 * self.array.ndim)(*self.array.shape)
@@ -311,11 +329,9 @@ def _to_numpy(value: int) -> np.ndarray:
         packed = np.empty((values + 1) // 2, np.uint8)
         if packed.nbytes:
             ctypes.memmove(packed.ctypes.data, capi._out(capi.GetTensorMutableData, value), packed.nbytes)
-        dtype = _NIBBLE_TYPES[element.value]
-        return unpack_nibbles(packed, values, dtype is ml_dtypes.int4).astype(dtype).reshape(tuple(dims))
-    if element.value not in _ELEMENT_TYPES:
-        raise BackendError(f"the cpu backend cannot return ONNX element type {element.value}")
-    result = np.empty(tuple(dims), dtype=_ELEMENT_TYPES[element.value])
+        signed = element.value == dtypes.ElementType.INT4
+        return unpack_nibbles(packed, values, signed).astype(_numpy_type(element.value)).reshape(tuple(dims))
+    result: np.ndarray = np.empty(tuple(dims), dtype=_numpy_type(element.value))
     if result.nbytes:
         data = capi._out(capi.GetTensorMutableData, value)
         ctypes.memmove(result.ctypes.data, data, result.nbytes)

@@ -35,8 +35,14 @@ from quiver.backends.cpu_settings import (
 from quiver.backends.cpu_weights import PLACEHOLDER_FOLDER, SessionWeights
 from quiver.backends.lora_strengths import StrengthFolding, fold_lora_strengths
 from quiver.errors import BackendError
+from quiver.ir import proto
 from quiver.ir.edit import iter_nodes
-from quiver.ir.proto import AttributeProto, ModelProto, TensorProto
+from quiver.ort_process import (
+    GLOBAL_POOLS_MESSAGE,
+    global_thread_pools_in_use,
+    ort_log_severity,
+    use_global_thread_pools,
+)
 
 # Level 4 of ORT's MatMulNBits (see DEFAULT_ACCURACY_LEVEL) runs only on prepacked weights, so a graph
 # with such MatMuls gets no unpacked stand-in session (it would compute in float32: another answer).
@@ -55,33 +61,8 @@ _PAGE = mmap.PAGESIZE
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4
 _REDROP_EVERY = 256  # runs between two drops of packed weights' mapped pages (0.7 ms for SmolLM2-135M)
 _DROP_WHILE_PACKING_S = 0.02  # how often mapped pages are let go while a session packs its weights
-# ORT's process-wide thread pools (`set_global_thread_pool_sizes`): once made, ORT's Python API refuses
-# sessions with threads of their own, so every session the backend makes then runs on them.
-_GLOBAL_POOLS_MESSAGE = "use_per_session_threads must be false when using a global thread pool"
-_global_thread_pools = threading.Event()
-
 # Making and dropping ORT sessions, which a fork waits for (see fork_gate); for other modules that make them.
 fork_waits = _ort_capi.fork_waits
-
-
-def use_global_thread_pools() -> None:
-    """Sessions made from now on use ORT's global thread pools (call after `set_global_thread_pool_sizes`)."""
-    _global_thread_pools.set()
-
-
-def global_thread_pools_in_use() -> bool:
-    return _global_thread_pools.is_set()
-
-
-# The log severity of the sessions the backend makes: fatal only (a failing run raises with ORT's message,
-# and a normal load prints nothing) until the user asks ORT for its logs (`set_ort_log_severity`).
-_ort_log_severity = 4
-
-
-def set_ort_log_severity(severity: int) -> None:
-    """Sessions made from now on log at this severity (0 verbose ... 4 fatal), as the user asked ORT to."""
-    global _ort_log_severity
-    _ort_log_severity = min(max(int(severity), 0), 4)
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -97,7 +78,7 @@ def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
     return [graph.weights[n] for n in sorted(names) if n in graph.weights]
 
 
-def _has_integer_matmuls(model: ModelProto) -> bool:
+def _has_integer_matmuls(model: proto.ModelProto) -> bool:
     return any(n.op_type in _INTEGER_MATMUL_OPS for n in model.graph.node)
 
 
@@ -108,26 +89,28 @@ def _has_integer_matmuls(model: ModelProto) -> bool:
 _PACKING_CHANGES_RESULTS = {"LSTM", "GRU", "RNN", "MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul"}
 
 
-def _packing_changes_results(model: ModelProto) -> bool:
+def _packing_changes_results(model: proto.ModelProto) -> bool:
     return any(
         node.op_type in _PACKING_CHANGES_RESULTS or (node.domain == "com.microsoft" and node.op_type != "FusedMatMul")
         for node in iter_nodes(model.graph)
     )
 
 
-def _with_accuracy_level(model: ModelProto, level: int) -> ModelProto:
+def _with_accuracy_level(model: proto.ModelProto, level: int) -> proto.ModelProto:
     """Quiver's own MatMulNBits nodes at the backend's accuracy level (the context stores none: ORT's 0)."""
-    result = ModelProto()
+    result = proto.ModelProto()
     result.CopyFrom(model)
     for node in result.graph.node:
         if node.op_type == "MatMulNBits":
             kept = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
-            node.attribute.extend([*kept, AttributeProto(name="accuracy_level", type=AttributeProto.INT, i=level)])
+            node.attribute.extend(
+                [*kept, proto.AttributeProto(name="accuracy_level", type=proto.AttributeProto.INT, i=level)]
+            )
     return result
 
 
-def _without_trailing_empty_inputs(model: ModelProto) -> ModelProto:
+def _without_trailing_empty_inputs(model: proto.ModelProto) -> proto.ModelProto:
     """The model with omitted trailing optional inputs left out rather than named "" (ONNX allows both).
 
     ORT 1.24-1.32 crash (SIGSEGV, while creating the session) on a quantized graph whose
@@ -135,7 +118,7 @@ def _without_trailing_empty_inputs(model: ModelProto) -> ModelProto:
     """
     if not any(node.input and not node.input[-1] for node in model.graph.node):
         return model
-    result = ModelProto()
+    result = proto.ModelProto()
     result.CopyFrom(model)
     for node in result.graph.node:
         while node.input and not node.input[-1]:
@@ -222,7 +205,7 @@ def _packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], _Sess
         dropper.join()
 
 
-def _session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[ModelProto, StrengthFolding | None]:
+def _session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[proto.ModelProto, StrengthFolding | None]:
     """The model ORT is given for this graph: LoRA strengths folded, and Quiver's MatMulNBits at the
     settings' accuracy level (the same at build, for a prepared form, as at open)."""
     model, strengths = fold_lora_strengths(_without_trailing_empty_inputs(graph.model))
@@ -242,7 +225,7 @@ class _PythonApiSession:
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_num_threads
         options.graph_optimization_level = settings.ort_level
-        options.log_severity_level = _ort_log_severity
+        options.log_severity_level = ort_log_severity()
         entries = _config(settings, prepack, weights.folder)
         if settings.prepack and not prepack:
             # A stand-in until the packed session is ready: its threads should not spin after a run and
@@ -264,12 +247,12 @@ class _PythonApiSession:
         self._readable = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in weights.readable.items()}
         if self._readable:
             options.add_external_initializers(list(self._readable), list(self._readable.values()))
-        if _global_thread_pools.is_set():
+        if global_thread_pools_in_use():
             options.use_per_session_threads = False
         try:
             self._session = ort.InferenceSession(weights.model, options, providers=["CPUExecutionProvider"])
         except RuntimeError as exc:  # global pools made by a direct call to onnxruntime: use them from now on
-            if _GLOBAL_POOLS_MESSAGE not in str(exc) or _global_thread_pools.is_set():
+            if GLOBAL_POOLS_MESSAGE not in str(exc) or global_thread_pools_in_use():
                 raise
             use_global_thread_pools()
             options.use_per_session_threads = False
@@ -341,8 +324,8 @@ def _create_session(
                         _config(settings, prepack=packed, folder=weights.folder),
                         settings.intra_op_num_threads,
                         int(settings.ort_level),
-                        per_session_threads=not _global_thread_pools.is_set(),
-                        log_severity=_ort_log_severity,
+                        per_session_threads=not global_thread_pools_in_use(),
+                        log_severity=ort_log_severity(),
                     )
                 except _ort_capi.CApiUnavailableError:
                     if c_api_only:
@@ -619,10 +602,10 @@ class CpuBackend:
         settings = self.settings_for(graph)
         model, _ = _session_model(graph, settings)
         source = cpu_prepared.source_digest(model.SerializeToString(), settings.accuracy_level)
-        return cpu_prepared.prepare(model, stored, source, settings.config(prepack=False), _ort_log_severity)
+        return cpu_prepared.prepare(model, stored, source, settings.config(prepack=False), ort_log_severity())
 
     def prepare(self, graph: FinalizedGraph) -> CpuExecutable:
         for tensor in graph.model.graph.initializer:
-            if tensor.data_location == TensorProto.EXTERNAL and tensor.name not in graph.weights:
+            if tensor.data_location == proto.TensorProto.EXTERNAL and tensor.name not in graph.weights:
                 raise BackendError(f"graph {graph.name!r}: no weight supplied for initializer {tensor.name!r}")
         return CpuExecutable(graph, self)

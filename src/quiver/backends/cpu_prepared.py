@@ -24,8 +24,7 @@ import onnxruntime as ort
 from quiver.backends._ort_capi import fork_waits
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
-from quiver.ir import dtypes
-from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, TensorProto
+from quiver.ir import dtypes, proto
 
 RUNTIME = f"onnxruntime {ort.__version__}"
 # What a prepared form may add to the context (its skeleton and the new tensors of its fusions), as a
@@ -63,25 +62,25 @@ _LAYOUT_OPS = frozenset(
 )  # fmt: skip
 
 
-def open_level(model: ModelProto, level: str) -> str:
+def open_level(model: proto.ModelProto, level: str) -> str:
     """The optimization level (a SessionSettings name) a session over the prepared `model` is made at."""
     return level if any(op in _LAYOUT_OPS for op in _op_types(model.graph)) else "disabled"
 
 
-def _op_types(graph: GraphProto) -> Iterator[str]:
+def _op_types(graph: proto.GraphProto) -> Iterator[str]:
     """The op type of every node, in subgraphs (If/Loop/Scan bodies) too."""
     for node in graph.node:
         yield node.op_type
         for attribute in node.attribute:
-            if attribute.type == AttributeProto.GRAPH:
+            if attribute.type == proto.AttributeProto.GRAPH:
                 yield from _op_types(attribute.g)
-            elif attribute.type == AttributeProto.GRAPHS:
+            elif attribute.type == proto.AttributeProto.GRAPHS:
                 for subgraph in attribute.graphs:
                     yield from _op_types(subgraph)
 
 
 def prepare(
-    model: ModelProto, stored: WeightFile, source: str, config: Mapping[str, str], log_severity: int
+    model: proto.ModelProto, stored: WeightFile, source: str, config: Mapping[str, str], log_severity: int
 ) -> AheadOfTimeForm | None:
     """ORT's "extended" optimization of `model` (a graph's session model), its large initializers mapped
     back to the graph's weights; None if ORT cannot save it or it would add too many bytes.
@@ -93,12 +92,12 @@ def prepare(
 
     if sum(where.length for where in stored.weights.values()) > _LARGEST_PREPARED:
         return None
-    readable = ModelProto()
+    readable = proto.ModelProto()
     readable.CopyFrom(model)
     layouts = {}
     for tensor in readable.graph.initializer:
         where = stored.weights.get(tensor.name)
-        if tensor.data_location == TensorProto.EXTERNAL and where is not None:
+        if tensor.data_location == proto.TensorProto.EXTERNAL and where is not None:
             layouts[tensor.name] = (tensor.data_type, tuple(tensor.dims))
             del tensor.external_data[:]
             for key, value in (("location", stored.path.name), ("offset", where.offset), ("length", where.length)):
@@ -122,7 +121,7 @@ def prepare(
         try:
             with fork_waits():  # a server may build contexts on a thread while another forks
                 ort.InferenceSession(readable.SerializeToString(), options, providers=["CPUExecutionProvider"])
-            prepared = ModelProto.FromString(target.read_bytes())
+            prepared = proto.ModelProto.FromString(target.read_bytes())
         except Exception:  # noqa: BLE001 - what ORT cannot prepare now it prepares at open, as before
             return None
         data_path = Path(folder) / "prepared.data"  # absent when no initializer is large enough to go there
@@ -155,7 +154,7 @@ class _Originals:
 
 
 def _map_weights(
-    prepared: ModelProto, data: BinaryIO, originals: _Originals, budget: float
+    prepared: proto.ModelProto, data: BinaryIO, originals: _Originals, budget: float
 ) -> tuple[dict[str, str], dict[str, np.ndarray]] | None:
     """The prepared model's external initializers as the graph's own weights where ORT left their bytes
     as they were, or as new tensors (None once those pass `budget` bytes); each becomes a placeholder.
@@ -164,7 +163,7 @@ def _map_weights(
     reused: dict[str, str] = {}
     added: dict[str, np.ndarray] = {}
     for tensor in prepared.graph.initializer:
-        if tensor.data_location != TensorProto.EXTERNAL:
+        if tensor.data_location != proto.TensorProto.EXTERNAL:
             continue
         where = {entry.key: entry.value for entry in tensor.external_data}
         offset, length = int(where.get("offset", 0)), int(where["length"])

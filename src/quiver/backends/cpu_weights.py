@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from quiver.backends.base import FinalizedGraph, MappedFile
+from quiver.ir import proto
 from quiver.ir.edit import iter_nodes
-from quiver.ir.proto import ModelProto
 
 # ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
 # data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
@@ -30,7 +30,7 @@ _SHAREABLE_SLOTS = {
 }
 
 
-def shareable_weights(model: ModelProto) -> set[str]:
+def shareable_weights(model: proto.ModelProto) -> set[str]:
     """The initializers every node uses only in a packed slot (`_SHAREABLE_SLOTS`), subgraphs included."""
     slots: dict[str, bool] = {}
     for node in iter_nodes(model.graph):
@@ -60,7 +60,9 @@ class SessionWeights:
     mapping: MappedFile | None  # the file named, when one is
 
     @classmethod
-    def of(cls, graph: FinalizedGraph, model: ModelProto, optimized: bool = True, files: bool = True) -> SessionWeights:
+    def of(
+        cls, graph: FinalizedGraph, model: proto.ModelProto, optimized: bool = True, files: bool = True
+    ) -> SessionWeights:
         """`model`: the session model (its placeholders name `graph.weights`); `optimized`: ORT's graph
         optimizers run (no level "disabled"); `files`: weights may be read from the mapped file."""
         if not optimized:  # nothing reads a weight before the kernels: all shared, placeholders as they are
@@ -73,7 +75,7 @@ class SessionWeights:
         if not offsets or len(readable) == len(graph.weights):
             return cls(model.SerializeToString(), shared, dict(graph.weights), PLACEHOLDER_FOLDER, None)
         assert mapping is not None
-        located = ModelProto()
+        located = proto.ModelProto()
         located.CopyFrom(model)
         file_name = os.path.basename(mapping.path)
         for tensor in located.graph.initializer:

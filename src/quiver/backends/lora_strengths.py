@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quiver.errors import BackendError
-from quiver.ir.proto import ModelProto, NodeProto, TensorProto, ValueInfoProto
+from quiver.ir import proto
 
 _FOLDED_SUFFIX = ".scaled_by_strength"
 _RECENT = 8  # adapter/strength combinations whose scaled weights are kept
@@ -94,7 +94,7 @@ class StrengthFolding:
         return weight * columns.reshape(shape)
 
 
-def fold_lora_strengths(model: ModelProto) -> tuple[ModelProto, StrengthFolding | None]:
+def fold_lora_strengths(model: proto.ModelProto) -> tuple[proto.ModelProto, StrengthFolding | None]:
     """The model with every foldable strength scaling removed, and how to make the scaled weights.
 
     Folds `Mul(xa, Gather(s, index))` -> `MatMul(·, B)` and `Mul(xa, Reshape(Gather(s, index)))` -> 1x1
@@ -106,9 +106,9 @@ def fold_lora_strengths(model: ModelProto) -> tuple[ModelProto, StrengthFolding 
     if not any(node.op_type == "Gather" and len(node.input) == 2 and node.input[0] in inputs for node in graph.node):
         return model, None  # no strengths read from an input: not a LoRA graph (skip the maps on start-up)
     # inline ones only: a weight stored in the context is a data-less placeholder here
-    initializers = {t.name: t for t in graph.initializer if t.data_location != TensorProto.EXTERNAL}
+    initializers = {t.name: t for t in graph.initializer if t.data_location != proto.TensorProto.EXTERNAL}
     producers = {output: node for node in graph.node for output in node.output}
-    readers: dict[str, list[NodeProto]] = {}
+    readers: dict[str, list[proto.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
@@ -140,7 +140,7 @@ def fold_lora_strengths(model: ModelProto) -> tuple[ModelProto, StrengthFolding 
     if not folds:
         return model, None
 
-    result = ModelProto()
+    result = proto.ModelProto()
     result.CopyFrom(model)
     marked = []
     for original, node in zip(graph.node, result.graph.node):
@@ -154,7 +154,7 @@ def fold_lora_strengths(model: ModelProto) -> tuple[ModelProto, StrengthFolding 
     dropped = {name for fold in folds for name in (fold.weight, fold.index, fold.strengths) if name not in read}
     kept = [value for value in result.graph.input if value.name not in dropped]
     for fold in folds:
-        value = ValueInfoProto()
+        value = proto.ValueInfoProto()
         value.CopyFrom(inputs[fold.weight])
         value.name = fold.folded
         kept.append(value)
@@ -165,11 +165,11 @@ def fold_lora_strengths(model: ModelProto) -> tuple[ModelProto, StrengthFolding 
 
 
 def _strength_side(
-    mul: NodeProto,
-    producers: Mapping[str, NodeProto],
-    inputs: Mapping[str, ValueInfoProto],
-    initializers: Mapping[str, TensorProto],
-) -> tuple[str, list[NodeProto], NodeProto] | None:
+    mul: proto.NodeProto,
+    producers: Mapping[str, proto.NodeProto],
+    inputs: Mapping[str, proto.ValueInfoProto],
+    initializers: Mapping[str, proto.TensorProto],
+) -> tuple[str, list[proto.NodeProto], proto.NodeProto] | None:
     """(the scaled activation, the nodes that make the per-column scale, its Gather) or None."""
     for side in (0, 1):
         scale = producers.get(mul.input[side])
@@ -189,7 +189,7 @@ def _strength_side(
     return None
 
 
-def _weight_axis(consumer: NodeProto, inputs: Mapping[str, ValueInfoProto]) -> int | None:
+def _weight_axis(consumer: proto.NodeProto, inputs: Mapping[str, proto.ValueInfoProto]) -> int | None:
     """Which axis of the consumer's weight the rank runs along, when the weight is a graph input."""
     if consumer.input[1] not in inputs or consumer.domain not in ("", "ai.onnx"):
         return None
@@ -201,11 +201,11 @@ def _weight_axis(consumer: NodeProto, inputs: Mapping[str, ValueInfoProto]) -> i
 
 
 def _fits(
-    weight: ValueInfoProto,
+    weight: proto.ValueInfoProto,
     axis: int,
     index: str,
-    inputs: Mapping[str, ValueInfoProto],
-    initializers: Mapping[str, TensorProto],
+    inputs: Mapping[str, proto.ValueInfoProto],
+    initializers: Mapping[str, proto.TensorProto],
 ) -> bool:
     """True when the weight's rank axis and the index have the same known length (and the Conv is 1x1)."""
     dims = _static_dims(weight)
@@ -216,11 +216,11 @@ def _fits(
     return axis == 0 or dims[2:] == [1, 1]
 
 
-def _integers(tensor: TensorProto) -> np.ndarray:
+def _integers(tensor: proto.TensorProto) -> np.ndarray:
     """An inline integer initializer (an adapter index vector) as an array, read from its protobuf fields."""
-    if tensor.data_type not in (TensorProto.INT64, TensorProto.INT32):
+    if tensor.data_type not in (proto.TensorProto.INT64, proto.TensorProto.INT32):
         raise BackendError(f"LoRA index {tensor.name!r} is not an int32 or int64 tensor")
-    dtype = np.int64 if tensor.data_type == TensorProto.INT64 else np.int32
+    dtype = np.int64 if tensor.data_type == proto.TensorProto.INT64 else np.int32
     if tensor.raw_data:
         values = np.frombuffer(tensor.raw_data, np.dtype(dtype).newbyteorder("<")).astype(dtype)
     else:
@@ -230,11 +230,11 @@ def _integers(tensor: TensorProto) -> np.ndarray:
     return values.reshape(tuple(tensor.dims))
 
 
-def _static_dims(value: ValueInfoProto) -> list[int | None]:
+def _static_dims(value: proto.ValueInfoProto) -> list[int | None]:
     return [d.dim_value if d.HasField("dim_value") else None for d in value.type.tensor_type.shape.dim]
 
 
-def _without_unread(nodes: list[tuple[bool, NodeProto]], outputs: set[str]) -> list[NodeProto]:
+def _without_unread(nodes: list[tuple[bool, proto.NodeProto]], outputs: set[str]) -> list[proto.NodeProto]:
     """The nodes less the removable ones nothing reads any more (a Gather shared with an unfolded Mul stays)."""
     while True:
         read = {name for _, node in nodes for name in node.input} | outputs

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator
 
-from quiver.ir.proto import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
+from quiver.ir import proto
 
 
-def iter_nodes(graph: GraphProto) -> Iterator[NodeProto]:
+def iter_nodes(graph: proto.GraphProto) -> Iterator[proto.NodeProto]:
     """Every node of a graph and of its subgraphs (If/Loop/Scan bodies)."""
     for node in graph.node:
         yield node
         for attr in node.attribute:
-            if attr.type == AttributeProto.GRAPH:
+            if attr.type == proto.AttributeProto.GRAPH:
                 yield from iter_nodes(attr.g)
-            elif attr.type == AttributeProto.GRAPHS:
+            elif attr.type == proto.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
                     yield from iter_nodes(sub)
 
 
-def initializers_as_inputs(model: ModelProto, names: Collection[str] | Callable[[TensorProto], bool]) -> ModelProto:
+def initializers_as_inputs(
+    model: proto.ModelProto, names: Collection[str] | Callable[[proto.TensorProto], bool]
+) -> proto.ModelProto:
     """A copy in which the chosen initializers (by name, or by predicate) are typed graph inputs instead."""
     chosen = names if callable(names) else (lambda tensor: tensor.name in names)
-    copy = ModelProto()
+    copy = proto.ModelProto()
     copy.CopyFrom(model)
     graph = copy.graph
     moved = [t for t in graph.initializer if chosen(t)]
@@ -33,9 +35,9 @@ def initializers_as_inputs(model: ModelProto, names: Collection[str] | Callable[
     return copy
 
 
-def _value_info(tensor: TensorProto) -> ValueInfoProto:
+def _value_info(tensor: proto.TensorProto) -> proto.ValueInfoProto:
     """The typed input an initializer becomes (onnx.helper.make_tensor_value_info, without importing onnx)."""
-    value = ValueInfoProto(name=tensor.name)
+    value = proto.ValueInfoProto(name=tensor.name)
     value.type.tensor_type.elem_type = tensor.data_type
     shape = value.type.tensor_type.shape
     shape.SetInParent()  # a scalar has a shape too: present, with no dims
@@ -44,22 +46,22 @@ def _value_info(tensor: TensorProto) -> ValueInfoProto:
     return value
 
 
-def quantized_io(model: ModelProto) -> ModelProto:
+def quantized_io(model: proto.ModelProto) -> proto.ModelProto:
     """The model with its I/O quantization left to the caller (QNN EP's offload_graph_io_quantization=0).
 
     A float input whose only consumer is a QuantizeLinear becomes an input of the quantized type, and a
     float output made by a DequantizeLinear becomes that node's quantized input; the Q/DQ nodes go.
     """
-    result = ModelProto()
+    result = proto.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
     constants = {t.name: t for t in graph.initializer}
-    consumers: dict[str, list[NodeProto]] = {}
+    consumers: dict[str, list[proto.NodeProto]] = {}
     producers = {o: n for n in graph.node for o in n.output}
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    dropped: list[NodeProto] = []
+    dropped: list[proto.NodeProto] = []
     renames: dict[str, str] = {}
     for value in graph.input:
         users = consumers.get(value.name, [])

@@ -10,7 +10,9 @@ ModelProto` once onnx is imported too).
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -38,12 +40,28 @@ def _generated() -> ModuleType:
 if TYPE_CHECKING:
     from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, ValueInfoProto
 else:
-    _pb = _generated()
-    AttributeProto = _pb.AttributeProto
-    GraphProto = _pb.GraphProto
-    ModelProto = _pb.ModelProto
-    NodeProto = _pb.NodeProto
-    TensorProto = _pb.TensorProto
-    ValueInfoProto = _pb.ValueInfoProto
+
+    def __getattr__(name: str) -> type:
+        # Loaded on first use, not at import: protobuf's Python runtime alone takes ~55 ms to import, and
+        # `import quiver.ort` must cost little more than `import onnxruntime`. Use these classes as
+        # `proto.ModelProto` inside functions; `from quiver.ir.proto import X` at the top of a module
+        # loads them at once.
+        if name not in __all__:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        with _loading:  # one thread registers the descriptors; the others wait and reuse them
+            generated = sys.modules.get("quiver.ir._onnx_ml_pb2") or _generated()
+            for message in __all__:
+                globals()[message] = getattr(generated, message)
+        return getattr(generated, name)
+
+    _loading = threading.Lock()
+    if hasattr(os, "register_at_fork"):  # a child forked mid-load must not inherit the lock held
+
+        def _new_lock_in_child() -> None:
+            global _loading
+            _loading = threading.Lock()
+
+        os.register_at_fork(after_in_child=_new_lock_in_child)
+
 
 __all__ = ["AttributeProto", "GraphProto", "ModelProto", "NodeProto", "TensorProto", "ValueInfoProto"]

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quiver.errors import ConversionError
-from quiver.ir import dtypes
-from quiver.ir.proto import ValueInfoProto
+from quiver.ir import dtypes, proto
 
 Dim = int | str | None
 
@@ -44,7 +43,7 @@ class TensorInfo:
         }
 
 
-def info_of_value(value: ValueInfoProto, tensor_type: TensorType) -> TensorInfo:
+def info_of_value(value: proto.ValueInfoProto, tensor_type: TensorType) -> TensorInfo:
     kind = value.type.WhichOneof("value")
     if kind not in ("tensor_type", None):
         raise ConversionError(

@@ -9,7 +9,6 @@ from typing import Any
 
 import onnxruntime as _onnxruntime
 
-from quiver.backends.cpu import set_ort_log_severity, use_global_thread_pools
 from quiver.ort import aliases
 from quiver.ort.binding import IOBinding, SessionIOBinding
 from quiver.ort.compiler import ModelCompiler
@@ -35,6 +34,7 @@ from quiver.ort.options import ExecutionMode, GraphOptimizationLevel, LoraAdapte
 from quiver.ort.provider import PROVIDER
 from quiver.ort.session import ExecutionPath, InferenceSession, ModelMetadata, NodeArg
 from quiver.ort.surface import DELEGATED, DELEGATED_MODULES
+from quiver.ort_process import set_ort_log_severity, use_global_thread_pools
 
 aliases.install(DELEGATED_MODULES)
 __version__ = _onnxruntime.__version__  # the API's version: what code that checks it expects

@@ -8,29 +8,30 @@ classes (the error classes Quiver's errors derive from) are the same objects und
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
+from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
 PREFIX = "quiver.ort."
 
 
-class DelegatedModuleAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """`quiver.ort.<delegated>[.sub...]` resolves to `onnxruntime.<delegated>[.sub...]`."""
+class DelegatedModuleAliases:
+    """`quiver.ort.<delegated>[.sub...]` resolves to `onnxruntime.<delegated>[.sub...]`: a meta path finder
+    and its loader, by protocol (importlib.abc's base classes cost ~8 ms to import and add nothing)."""
 
     def __init__(self, delegated: frozenset[str]) -> None:
         self._delegated = delegated
         self._specs: dict[str, Any] = {}
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
         if not fullname.startswith(PREFIX) or fullname[len(PREFIX) :].split(".")[0] not in self._delegated:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        # a loader by protocol (create_module, exec_module); typeshed's asks for the retired load_module too
+        return importlib.util.spec_from_loader(fullname, self)  # type: ignore[arg-type]
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
         module = importlib.import_module("onnxruntime." + spec.name[len(PREFIX) :])
         self._specs[spec.name] = module.__spec__  # the import system overwrites it: put back in exec_module
         return module

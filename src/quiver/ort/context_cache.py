@@ -19,7 +19,7 @@ from pathlib import Path
 from quiver._version import __version__
 from quiver.errors import QuiverError
 from quiver.formats.checksums import crc32
-from quiver.ir.proto import ModelProto, TensorProto
+from quiver.ir import proto
 
 CACHE_ENV = "QUIVER_ORT_CACHE"
 LIMIT_ENV = "QUIVER_ORT_CACHE_MB"
@@ -37,10 +37,10 @@ def cache_folder() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quiver" / "ort-contexts"
 
 
-def _external_files(model: ModelProto, folder: Path | None) -> list[Path] | None:
+def _external_files(model: proto.ModelProto, folder: Path | None) -> list[Path] | None:
     """The external-data files the model's initializers name (None: one cannot be found: no key)."""
     names = sorted(
-        {e.value for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL
+        {e.value for t in model.graph.initializer if t.data_location == proto.TensorProto.EXTERNAL
          for e in t.external_data if e.key == "location"}
     )  # fmt: skip
     if names and folder is None:
@@ -55,7 +55,7 @@ def _identity(path: Path) -> str:
 
 
 def key_of(
-    model: ModelProto, content: bytes, source: str | Path | bytes, folder: Path | None, build: str
+    model: proto.ModelProto, content: bytes, source: str | Path | bytes, folder: Path | None, build: str
 ) -> str | None:
     """The cache key of this model (`content`: its serialized bytes, as read) built this way (`build`: the
     options that change the context), or None where it cannot be named reliably (external data missing)."""

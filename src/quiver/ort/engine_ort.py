@@ -6,13 +6,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnxruntime
 
 from quiver import fork
-from quiver.backends.cpu import fork_waits
+from quiver.backends._ort_capi import fork_waits
 from quiver.ort.binding import ortvalue_of
 from quiver.ort.errors import InvalidArgument
 from quiver.ort.metadata import ExecutionPath, NodeArg
@@ -59,6 +59,8 @@ def _node_args(args: Sequence[Any]) -> list[NodeArg]:
 class OrtEngine:
     """The whole model on plain ONNX Runtime (ORT's CPU EP fallback), from its path when it has one
     (external data then resolves against the model's folder, as ORT does, not the working one)."""
+
+    plain_ort: Literal[True] = True  # tells the engines apart without importing the other one
 
     def __init__(self, source: str | Path | bytes, options: Any, reason: str) -> None:
         self.session = PlainOrtSession(source, options, eager=True)

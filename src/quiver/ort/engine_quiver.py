@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnxruntime
@@ -25,8 +25,8 @@ from quiver.backends import CpuBackend, get_backend
 from quiver.backends.base import Backend
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import write_text_atomically
+from quiver.ir import proto
 from quiver.ir.edit import quantized_io
-from quiver.ir.proto import ModelProto
 from quiver.ort import context_cache
 from quiver.ort.compiler import build_ep_context
 from quiver.ort.engine_ort import PlainOrtSession, adapter_feeds, run_into
@@ -119,7 +119,7 @@ def _remove_if_ours(folder: str, creator: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def overridable(model: ModelProto) -> list[str]:
+def overridable(model: proto.ModelProto) -> list[str]:
     """Initializers that are also graph inputs: ORT lets a run (or an adapter) override them."""
     inputs = {i.name for i in model.graph.input}
     return sorted(t.name for t in model.graph.initializer if t.name in inputs)
@@ -135,6 +135,7 @@ class QuiverEngine:
     """
 
     path = ExecutionPath("quiver")
+    plain_ort: Literal[False] = False
 
     def __init__(
         self,
@@ -186,7 +187,7 @@ class QuiverEngine:
     @classmethod
     def build(
         cls,
-        model: ModelProto,
+        model: proto.ModelProto,
         content: bytes,
         source: str | Path | bytes,
         folder: Path | None,
@@ -419,7 +420,7 @@ class QuiverEngine:
 
 
 def _kept_or_built(
-    model: ModelProto,
+    model: proto.ModelProto,
     content: bytes,
     source: str | Path | bytes,
     folder: Path | None,
@@ -460,7 +461,7 @@ def twin_of(source: str | Path | bytes, options: Any) -> PlainOrtSession:
 
 
 def _build_ep_context(
-    model: ModelProto,
+    model: proto.ModelProto,
     source: Path | None,
     folder: Path | None,
     graph_name: str,

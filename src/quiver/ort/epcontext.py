@@ -15,8 +15,7 @@ from pathlib import Path
 
 from quiver._version import __version__
 from quiver.formats.writer import copy_atomically, write_atomically
-from quiver.ir import dtypes
-from quiver.ir.proto import AttributeProto, ModelProto, ValueInfoProto
+from quiver.ir import dtypes, proto
 from quiver.ir.tensors import TensorInfo
 from quiver.ort.errors import InvalidGraph, NoSuchFile
 from quiver.runtime.context import Context
@@ -25,7 +24,7 @@ MS_DOMAIN = "com.microsoft"
 SOURCE = "Quiver"
 
 
-def _value_info(info: TensorInfo) -> ValueInfoProto:
+def _value_info(info: TensorInfo) -> proto.ValueInfoProto:
     from onnx import helper  # writing EPContext models is building: the onnx package is fine here
 
     shape = None if info.shape is None else list(info.shape)
@@ -38,7 +37,7 @@ def ep_context_model(
     outputs: Sequence[TensorInfo],
     cache: str | bytes,
     main_context: bool = True,
-) -> ModelProto:
+) -> proto.ModelProto:
     """The EPContext model of one graph; `cache` is a relative path (embed_mode 0) or the `.qctx` bytes (1)."""
     embedded = isinstance(cache, bytes)
     cache_bytes = cache if isinstance(cache, bytes) else cache.encode()
@@ -66,7 +65,7 @@ def ep_context_model(
     )
 
 
-def save_ep_context_model(model: ModelProto, path: Path) -> Path:
+def save_ep_context_model(model: proto.ModelProto, path: Path) -> Path:
     write_atomically(path, model.SerializeToString())
     return path
 
@@ -78,21 +77,21 @@ class EpContext:
     main_context: bool
 
 
-def _attribute_value(attribute: AttributeProto) -> object:
+def _attribute_value(attribute: proto.AttributeProto) -> object:
     """A string or integer attribute's value (onnx.helper.get_attribute_value without importing onnx);
     other kinds come back as the attribute itself, which every check below refuses by type."""
-    if attribute.type == AttributeProto.STRING:
+    if attribute.type == proto.AttributeProto.STRING:
         return attribute.s
-    if attribute.type == AttributeProto.INT:
+    if attribute.type == proto.AttributeProto.INT:
         return attribute.i
     return attribute
 
 
-def is_ep_context_model(model: ModelProto) -> bool:
+def is_ep_context_model(model: proto.ModelProto) -> bool:
     return any(n.op_type == "EPContext" and n.domain == MS_DOMAIN for n in model.graph.node)
 
 
-def read_ep_context(model: ModelProto, folder: Path | None) -> EpContext:
+def read_ep_context(model: proto.ModelProto, folder: Path | None) -> EpContext:
     """Where the context of an EPContext model is; a path may not leave the model's folder."""
     nodes = [n for n in model.graph.node if n.op_type == "EPContext" and n.domain == MS_DOMAIN]
     if len(nodes) != 1 or len(model.graph.node) != 1:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quiver.ir import dtypes
-from quiver.ir.proto import ModelProto, TensorProto
+from quiver.ir import dtypes, proto
 from quiver.ir.tensors import TensorInfo
 
 
@@ -35,7 +34,7 @@ class NodeArg:
 
 def node_arg(info: TensorInfo) -> NodeArg:
     elem = dtypes.onnx_of(info.dtype)
-    type_name = TensorProto.DataType.Name(elem).lower()
+    type_name = dtypes.type_name(elem).lower()
     return NodeArg(info.name, list(info.shape) if info.shape is not None else [], f"tensor({type_name})")
 
 
@@ -62,7 +61,7 @@ class EpAssignedSubgraph:
 class ModelMetadata:
     """`onnxruntime.ModelMetadata`'s fields."""
 
-    def __init__(self, model: ModelProto) -> None:
+    def __init__(self, model: proto.ModelProto) -> None:
         self.producer_name = model.producer_name
         self.graph_name = model.graph.name
         self.domain = model.domain

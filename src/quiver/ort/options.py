@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime
 
 from quiver.errors import AdapterError
-from quiver.formats.layout import SECTION_MAGIC
-from quiver.formats.section import SectionFile
-from quiver.lora.onnx_adapter import read_onnx_adapter
 from quiver.ort.errors import AdapterFileError, InvalidArgument, NoSuchFile
-from quiver.runtime.sections import load_section
+
+if TYPE_CHECKING:
+    from quiver.formats.section import SectionFile
 
 GraphOptimizationLevel = onnxruntime.GraphOptimizationLevel  # ORT's own enums: values compare equal either way
 ExecutionMode = onnxruntime.ExecutionMode
@@ -103,6 +102,10 @@ class LoraAdapter:
         self.path: Path | None = None
 
     def Load(self, file_path: str | Path) -> None:  # noqa: N802  (ORT's name)
+        from quiver.formats.layout import SECTION_MAGIC  # the file formats load with the first adapter
+        from quiver.lora.onnx_adapter import read_onnx_adapter
+        from quiver.runtime.sections import load_section
+
         path = Path(file_path)
         if not path.is_file():
             raise NoSuchFile(f"no adapter file at {path}")

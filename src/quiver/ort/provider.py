@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quiver.backends import available_backends
 from quiver.ort.errors import InvalidArgument
 
 PROVIDER = "QuiverExecutionProvider"
@@ -110,6 +109,8 @@ def parse_provider_options(options: Mapping[str, Any]) -> ProviderConfig:
         _backend_from_path(given["backend_path"]) if "backend_path" in given else ""
     )
     if backend:
+        from quiver.backends import available_backends  # imported when a backend is named, not with quiver.ort
+
         available = available_backends()
         if backend not in available:
             what = {

@@ -13,34 +13,34 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import onnxruntime
 
 from quiver import errors
-from quiver.backends.cpu import global_thread_pools_in_use
-from quiver.ir import dtypes
-from quiver.ir.proto import ModelProto
+from quiver.ir import dtypes, proto
 from quiver.ort.binding import IOBinding, feeds_of, ortvalue_of
-from quiver.ort.engine_ort import OrtEngine
-from quiver.ort.engine_quiver import SHARED_CONTEXTS, QuiverEngine, make_backend, twin_of
-from quiver.ort.epcontext import is_ep_context_model, read_ep_context
 from quiver.ort.errors import EnforceError, Fail, InvalidArgument, InvalidProtobuf, NoSuchFile, ort_error
 from quiver.ort.errors import NotImplemented as UnsupportedByBackend
 from quiver.ort.metadata import EpAssignedNode, EpAssignedSubgraph, ExecutionPath, ModelMetadata, NodeArg
 from quiver.ort.options import RunOptions, SessionOptions, config_entries
 from quiver.ort.provider import PROVIDER, select_provider
 from quiver.ort.session_config import profile_of, with_model_config, with_session_overrides, write_optimized_model
+from quiver.ort_process import global_thread_pools_in_use
 
-__all__ = ["SHARED_CONTEXTS", "EpAssignedNode", "EpAssignedSubgraph", "ExecutionPath", "InferenceSession",
-           "ModelMetadata", "NodeArg"]  # fmt: skip
+if TYPE_CHECKING:  # the engines are imported when a session is first made: `import quiver.ort` stays light
+    from quiver.ort.engine_ort import OrtEngine
+    from quiver.ort.engine_quiver import QuiverEngine
+
+    _Engine: TypeAlias = QuiverEngine | OrtEngine
+
+__all__ = ["EpAssignedNode", "EpAssignedSubgraph", "ExecutionPath", "InferenceSession", "ModelMetadata", "NodeArg"]
 
 _EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
-_Engine = QuiverEngine | OrtEngine
 
 
-def _load_model(path_or_bytes: str | Path | bytes) -> tuple[ModelProto, bytes, Path | None]:
+def _load_model(path_or_bytes: str | Path | bytes) -> tuple[proto.ModelProto, bytes, Path | None]:
     if isinstance(path_or_bytes, (bytes, bytearray)):
         data, folder = bytes(path_or_bytes), None
     else:
@@ -49,7 +49,7 @@ def _load_model(path_or_bytes: str | Path | bytes) -> tuple[ModelProto, bytes, P
             raise NoSuchFile(f"Load model from {path} failed: file does not exist")
         data, folder = path.read_bytes(), path.parent
     try:
-        model = ModelProto.FromString(data)
+        model = proto.ModelProto.FromString(data)
     except Exception as exc:  # protobuf raises several types on malformed input
         raise InvalidProtobuf(f"the model is not a valid ONNX protobuf ({type(exc).__name__}: {exc})") from None
     if not model.graph.node and not model.graph.output:
@@ -100,8 +100,12 @@ class InferenceSession(onnxruntime.InferenceSession):
         if self._json_profile is not None:
             self._json_profile.session_ready(opening, time.perf_counter_ns())
 
-    def _open(self, model: ModelProto, data: bytes, source: str | Path | bytes, folder: Path | None) -> _Engine:
+    def _open(self, model: proto.ModelProto, data: bytes, source: str | Path | bytes, folder: Path | None) -> _Engine:
         """Quiver's engine where it can take the model on, plain ORT's (ORT's CPU EP fallback) elsewhere."""
+        from quiver.ort.engine_ort import OrtEngine
+        from quiver.ort.engine_quiver import QuiverEngine, make_backend, twin_of
+        from quiver.ort.epcontext import is_ep_context_model, read_ep_context
+
         twin = twin_of(source, self._options)
         common = {"twin": twin, "json_profile": self._json_profile}
         backend = make_backend(self._config, self._options, self)
@@ -147,7 +151,7 @@ class InferenceSession(onnxruntime.InferenceSession):
     def _sess(self) -> Any:
         """ORT's private C session (`onnxruntime.InferenceSession._sess`): the plain-ORT session of the engine
         (its twin, on Quiver's), for client code that reaches for it."""
-        plain = self._engine.session if isinstance(self._engine, OrtEngine) else self._engine.twin
+        plain = self._engine.session if self._engine.plain_ort else self._engine.twin
         return plain.get()._sess
 
     # --- metadata -----------------------------------------------------------------------------------
@@ -201,7 +205,7 @@ class InferenceSession(onnxruntime.InferenceSession):
         input_feed: Mapping[str, Any],
         run_options: RunOptions | Any | None = None,
     ) -> list[np.ndarray]:
-        if isinstance(self._engine, OrtEngine):  # ORT takes every feed it knows (sequences, maps) as it is
+        if self._engine.plain_ort:  # ORT takes every feed it knows (sequences, maps) as it is
             return self._engine.run(output_names, input_feed, run_options)
         return self._engine.run(output_names, feeds_of(input_feed, self._input_dtype), run_options)
 
@@ -252,7 +256,7 @@ class InferenceSession(onnxruntime.InferenceSession):
     def get_provider_graph_assignment_info(self) -> list[Any]:
         """With `session.record_ep_graph_assignment_info=1`, as ORT reports it for a compiling EP: the whole
         graph is one subgraph of this session's provider (or ORT's own report when ORT runs the model)."""
-        if isinstance(self._engine, OrtEngine):
+        if self._engine.plain_ort:
             return self._engine.assignment_info()
         if self._assigned_nodes is None:
             raise Fail(
@@ -303,7 +307,7 @@ class InferenceSession(onnxruntime.InferenceSession):
         run_options: RunOptions | Any | None = None,
     ) -> list[onnxruntime.OrtValue]:
         """As `run`, with OrtValues in (viewed, not copied) and out."""
-        if isinstance(self._engine, OrtEngine):
+        if self._engine.plain_ort:
             return self._engine.run_with_ort_values(output_names, input_dict_ort_values, run_options)
         return [ortvalue_of(a) for a in self.run(output_names, input_dict_ort_values, run_options)]
 
@@ -342,8 +346,8 @@ class InferenceSession(onnxruntime.InferenceSession):
     def end_profiling(self) -> str:
         """Writes the profiles and returns the path of ORT's JSON one (`enable_profiling`), else of the QNN
         EP's CSV (`profiling_level`, `profiling_file_path`); '' when profiling is off."""
-        csv_path = self._engine.end_profiling() if isinstance(self._engine, QuiverEngine) else ""
-        if isinstance(self._engine, OrtEngine) and self._json_profile is not None:
+        csv_path = self._engine.end_profiling() if not self._engine.plain_ort else ""
+        if self._engine.plain_ort and self._json_profile is not None:
             return self._engine.end_profiling()  # ORT ran the model: its own profile, nodes and all
         return self._json_profile.write() if self._json_profile is not None else csv_path
 

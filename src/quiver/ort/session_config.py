@@ -11,8 +11,7 @@ from typing import Any
 
 import onnxruntime
 
-from quiver.formats.writer import write_text_atomically
-from quiver.ir.proto import ModelProto, TensorProto
+from quiver.ir import proto
 from quiver.ort.errors import InvalidArgument
 from quiver.ort.options import SessionOptions
 
@@ -54,7 +53,7 @@ def copy_options(options: Any, without: tuple[str, ...] = ()) -> SessionOptions:
     return copy
 
 
-def with_model_config(options: Any, model: ModelProto) -> Any:
+def with_model_config(options: Any, model: proto.ModelProto) -> Any:
     """With ORT_LOAD_CONFIG_FROM_MODEL=1, the options with the model's `ort_config` session options applied
     (to a copy: the caller's object is left as it was, as ORT leaves it)."""
     if os.environ.get(LOAD_CONFIG_VARIABLE) != "1":
@@ -90,7 +89,7 @@ def with_model_config(options: Any, model: ModelProto) -> Any:
     return copy
 
 
-def with_session_overrides(model: ModelProto, options: Any, folder: Path | None) -> ModelProto | None:
+def with_session_overrides(model: proto.ModelProto, options: Any, folder: Path | None) -> proto.ModelProto | None:
     """The model with what the options override applied, as ORT applies them when it loads one: external
     data read from files the caller gave as bytes, free dimensions fixed (by name or by denotation, on the
     graph's inputs), and initializers the caller gave (`add_initializer`, `add_external_initializers`) in
@@ -103,9 +102,9 @@ def with_session_overrides(model: ModelProto, options: Any, folder: Path | None)
         return None
     from onnx import external_data_helper, numpy_helper
 
-    model = ModelProto.FromString(model.SerializeToString())
+    model = proto.ModelProto.FromString(model.SerializeToString())
     for tensor in model.graph.initializer:  # external data whose file the caller gave as bytes
-        if tensor.data_location == TensorProto.EXTERNAL:
+        if tensor.data_location == proto.TensorProto.EXTERNAL:
             where = {entry.key: entry.value for entry in tensor.external_data}
             data = files.get(where.get("location", ""))
             if data is not None:
@@ -114,7 +113,7 @@ def with_session_overrides(model: ModelProto, options: Any, folder: Path | None)
                 if offset + length > len(data):
                     raise InvalidArgument(f"initializer {tensor.name!r}: its bytes lie past the end of the file given")
                 tensor.raw_data = data[offset : offset + length]
-                tensor.data_location = TensorProto.DEFAULT
+                tensor.data_location = proto.TensorProto.DEFAULT
                 del tensor.external_data[:]
     for value in model.graph.input:
         for dim in value.type.tensor_type.shape.dim:
@@ -178,6 +177,8 @@ class JsonProfile:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         path = Path(f"{self.prefix}_{stamp}.json")
         lines = ",\n".join(json.dumps(event) for event in self.events)  # one event per line, as ORT writes
+        from quiver.formats.writer import write_text_atomically  # with the first profile, not at import
+
         write_text_atomically(path, f"[\n{lines}\n]\n")
         self.events = []
         return str(path)

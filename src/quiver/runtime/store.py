@@ -22,8 +22,7 @@ from quiver.backends import Backend, Executable, FinalizedGraph
 from quiver.errors import ContextStateError, InvalidHeaderError
 from quiver.formats.layout import WEIGHT_LOCATION
 from quiver.formats.reader import ContextFile
-from quiver.ir import dtypes
-from quiver.ir.proto import ModelProto, TensorProto
+from quiver.ir import dtypes, proto
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.runtime.tuned import select_tuning
 
@@ -33,7 +32,7 @@ class GraphInfo:
     """A graph's parsed structure and tensor descriptions: read once per store."""
 
     name: str
-    skeleton: ModelProto
+    skeleton: proto.ModelProto
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     static: tuple[TensorInfo, ...]
@@ -46,21 +45,21 @@ class _Live:
     retired: bool = False  # out of the table: released when its last run ends
 
 
-def _parse_skeleton(file: ContextFile, name: str) -> ModelProto:
+def _parse_skeleton(file: ContextFile, name: str) -> proto.ModelProto:
     return parse_mapped_skeleton(file, file.skeleton(name), file.graphs[name].weights, f"graph {name!r}")
 
 
-def parse_mapped_skeleton(file: ContextFile, data: bytes, mapping: dict[str, int], what: str) -> ModelProto:
+def parse_mapped_skeleton(file: ContextFile, data: bytes, mapping: dict[str, int], what: str) -> proto.ModelProto:
     """A skeleton parsed and checked against its weight map: one placeholder per mapped weight, of its
     dtype and shape (a backend binds the weights' bytes to these, so a mismatch must never reach it)."""
-    model = ModelProto()
+    model = proto.ModelProto()
     try:
         model.ParseFromString(data)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise InvalidHeaderError(
             f"{file.source}: {what} is not a valid ONNX structure ({exc}); rebuild the context"
         ) from None
-    placeholders = {t.name: t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    placeholders = {t.name: t for t in model.graph.initializer if t.data_location == proto.TensorProto.EXTERNAL}
     if set(placeholders) != set(mapping):
         raise InvalidHeaderError(
             f"{file.source}: {what} weight map does not match its initializers; rebuild the context"
@@ -151,7 +150,7 @@ class Store:
                 info = self._infos[name] = _describe(self.file, name)
             return info
 
-    def prepared_model(self, name: str, number: int) -> ModelProto:
+    def prepared_model(self, name: str, number: int) -> proto.ModelProto:
         """A graph's prepared form `number` (format 1.6), parsed and checked against its weight map."""
         self._check_open()
         form = self.file.graphs[name].prepared[number]
