@@ -486,7 +486,9 @@ def _exchange(port: int, payload: bytes, close_after: bool = False) -> object:
 
 @pytest.fixture(scope="module")
 def server():  # type: ignore[no-untyped-def]
-    with TargetServer(port=0, token="secret", max_store_bytes=64 << 20, idle_timeout_s=2).start() as running:
+    with TargetServer(
+        port=0, token="secret", max_store_bytes=64 << 20, idle_timeout_s=2, auth_timeout_s=2, frame_timeout_s=2
+    ).start() as running:
         yield running
 
 
@@ -499,7 +501,7 @@ def _hello() -> bytes:
     [
         (struct.pack(">I", 0xFFFFFFF0), "too-large"),
         (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad-frame"),
-        (_frame([1, 2, 3]), "bad-request"),
+        (_frame([1, 2, 3]), "unauthorized"),
         (_frame({"op": "prepare", "graph": "g1", "config": {}}), "unauthorized"),
         (_frame({"op": "hello", "token": "wrong"}), "unauthorized"),
         (_hello() + _frame({"op": "fly"}), "bad-request"),

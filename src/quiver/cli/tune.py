@@ -171,18 +171,40 @@ def tune(
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (loopback by default).")
 @click.option("--port", default=22598, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--token", help=f"A shared token clients must present (default: ${TOKEN_ENVIRONMENT}).")
-@click.option("--max-store-mb", default=8192, show_default=True, type=click.IntRange(1), help="Tensor store quota.")
+@click.option(
+    "--max-store-mb", default=8192, show_default=True, type=click.IntRange(1),
+    help="Memory budget for everything kept for clients (tensors, uploads, input copies, messages).",
+)  # fmt: skip
 @click.option("--idle-timeout-s", default=120.0, show_default=True, type=click.FloatRange(min=1))
-def target_server(host: str, port: int, token: str | None, max_store_mb: int, idle_timeout_s: float) -> None:
+@click.option(
+    "--auth-timeout-s", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+    help="How long a new connection has to present the token.",
+)  # fmt: skip
+@click.option(
+    "--max-clients", default=16, show_default=True, type=click.IntRange(1, 1024),
+    help="Clients served at once (after their hello).",
+)  # fmt: skip
+def target_server(
+    host: str,
+    port: int,
+    token: str | None,
+    max_store_mb: int,
+    idle_timeout_s: float,
+    auth_timeout_s: float,
+    max_clients: int,
+) -> None:
     """Serve this device to remote tuners: prepare, profile and run graph variants (qnn-gpu-target-server)."""
-    from quiver.tuning.server import TargetServer
+    from quiver.tuning.server import TargetServer, return_large_blocks_to_the_system
 
+    return_large_blocks_to_the_system()
     server = TargetServer(
         host,
         port,
         token or os.environ.get(TOKEN_ENVIRONMENT),
         max_store_bytes=max_store_mb << 20,
         idle_timeout_s=idle_timeout_s,
+        auth_timeout_s=auth_timeout_s,
+        max_clients=max_clients,
     )
     console.print(f"quiver target server on {server.host}:{server.port} (Ctrl-C stops it)")
     # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: a shell starts background jobs with

@@ -30,9 +30,10 @@ def tier_name(fingerprint: Mapping[str, str]) -> str:
     """A file name for a device tier: readable (backend, processor, cores) plus a hash of every field, so a
     different runtime build or processor gets its own file."""
     digest = hashlib.sha256(json.dumps(dict(fingerprint), sort_keys=True).encode()).hexdigest()[:10]
-    cpu = re.sub(r"[^a-z0-9]+", "-", fingerprint.get("cpu", "").lower()).strip("-")[:40] or "unknown"
-    backend = re.sub(r"[^a-z0-9]+", "-", fingerprint.get("backend", "backend").lower())[:16]
-    return f"{backend}-{cpu}-{fingerprint.get('cores', '?')}c-{digest}"
+    cpu = re.sub(r"[^a-z0-9]+", "-", str(fingerprint.get("cpu", "")).lower()).strip("-")[:40] or "unknown"
+    backend = re.sub(r"[^a-z0-9]+", "-", str(fingerprint.get("backend", "backend")).lower())[:16]
+    cores = re.sub(r"[^0-9]+", "", str(fingerprint.get("cores", "")))[:6] or "?"  # a file name: no path parts
+    return f"{backend}-{cpu}-{cores}c-{digest}"
 
 
 class PerformanceCache:

@@ -55,10 +55,31 @@ class RemoteProfiler:
         self.sent_tensors = 0
         hello = self._call({"op": "hello", "token": token, "protocol": PROTOCOL})
         if hello.get("protocol") != PROTOCOL:
-            spoken = hello.get("protocol")
+            spoken = str(hello.get("protocol"))[:20]
             raise TargetServerError(f"the target server at {target} speaks protocol {spoken}, not {PROTOCOL}")
-        self._fingerprint = {str(k): str(v) for k, v in dict(hello["fingerprint"]).items()}
-        self._version = int(hello["knob_space_version"])
+        self._fingerprint = self._checked_fingerprint(hello.get("fingerprint"))
+        self._version = self._checked(hello.get("knob_space_version"), int, "knob_space_version")
+
+    def _bad_reply(self, what: str) -> TargetServerError:
+        return TargetServerError(
+            f"the target server at {self.target} sent {what}; is it a quiver target-server?", "bad-frame"
+        )
+
+    def _checked(self, value: Any, kind: type, what: str) -> Any:
+        """A reply's field, as the server's own replies type it (a hostile server is refused, not trusted)."""
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise self._bad_reply(f"a '{what}' that is not {kind.__name__}")
+        return value
+
+    def _checked_fingerprint(self, value: Any) -> dict[str, str]:
+        if not isinstance(value, dict) or not 0 < len(value) <= 64:
+            raise self._bad_reply("a device fingerprint that is not a map")
+        fingerprint = {}
+        for key, item in value.items():
+            if not isinstance(key, str) or not isinstance(item, (str, int)) or len(key) > 64 or len(str(item)) > 256:
+                raise self._bad_reply("a device fingerprint field that is not a short name and value")
+            fingerprint[key] = str(item)
+        return fingerprint
 
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -101,10 +122,16 @@ class RemoteProfiler:
         reply = self._call(
             {"op": "load_graph", "name": graph.name, "model": graph.model.SerializeToString(), "weights": keys}
         )
-        knobs = tuple(
-            Knob(str(k["name"]), tuple(k["values"]), str(k.get("help", "")), k.get("exact")) for k in reply["knobs"]
-        )
-        return str(reply["graph"]), knobs
+        knobs = []
+        for knob in self._checked(reply.get("knobs"), list, "knobs"):
+            knob = self._checked(knob, dict, "knobs[]")
+            values = tuple(self._checked(knob.get("values"), list, "knobs[].values"))
+            exact = knob.get("exact")
+            if not values or not all(isinstance(v, (bool, int, str)) for v in values) or exact not in (None, *values):
+                raise self._bad_reply("a knob whose values are not booleans, integers or strings")
+            name = self._checked(knob.get("name"), str, "knobs[].name")
+            knobs.append(Knob(name, values, str(knob.get("help", ""))[:1000], exact))
+        return self._checked(reply.get("graph"), str, "graph"), tuple(knobs)
 
     def upload(self, feed_sets: Sequence[FeedSet]) -> str:
         sets, tensors = [], {}
@@ -117,21 +144,41 @@ class RemoteProfiler:
                     entry[part][name] = key
             sets.append(entry)
         self._send(tensors)
-        return str(self._call({"op": "inputs", "sets": sets})["inputs"])
+        return self._checked(self._call({"op": "inputs", "sets": sets}).get("inputs"), str, "inputs")
 
     def prepare(self, graph: str, config: Mapping[str, KnobValue]) -> str:
-        return str(self._call({"op": "prepare", "graph": graph, "config": dict(config)})["variant"])
+        reply = self._call({"op": "prepare", "graph": graph, "config": dict(config)})
+        return self._checked(reply.get("variant"), str, "variant")
 
     def time(self, variant: str, inputs: str, index: int, runs: int) -> list[float]:
         reply = self._call({"op": "time", "variant": variant, "inputs": inputs, "index": index, "runs": runs})
-        return [float(t) for t in reply["times"]]
+        times = self._checked(reply.get("times"), list, "times")
+        if len(times) != runs or not all(isinstance(t, float) and 0 <= t < 1e6 for t in times):
+            raise self._bad_reply(f"'times' that are not {runs} durations in seconds")
+        return list(times)
 
     def outputs(self, variant: str, inputs: str) -> list[dict[str, np.ndarray]]:
         reply = self._call({"op": "outputs", "variant": variant, "inputs": inputs})
-        return [
-            {n: np.frombuffer(o["data"], np.dtype(o["dtype"])).reshape(o["shape"]) for n, o in result.items()}
-            for result in reply["outputs"]
-        ]
+        results = []
+        for result in self._checked(reply.get("outputs"), list, "outputs"):
+            arrays = {}
+            for name, output in self._checked(result, dict, "outputs[]").items():
+                arrays[str(name)] = self._output_array(self._checked(output, dict, "outputs[][]"))
+            results.append(arrays)
+        return results
+
+    def _output_array(self, output: dict[str, Any]) -> np.ndarray:
+        try:
+            dtype = np.dtype(self._checked(output.get("dtype"), str, "dtype"))
+        except TypeError:
+            raise self._bad_reply("an output of an unknown dtype") from None
+        shape = self._checked(output.get("shape"), list, "shape")
+        data = self._checked(output.get("data"), bytes, "data")
+        if dtype.kind not in "biuf" or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise self._bad_reply("an output that is not a numeric tensor")
+        if int(np.prod(shape, dtype=object)) * dtype.itemsize != len(data):
+            raise self._bad_reply("an output whose bytes do not match its shape")
+        return np.frombuffer(data, dtype).reshape(shape)
 
     def release(self, variant: str) -> None:
         self._call({"op": "release", "variant": variant})
