@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -209,3 +213,93 @@ def test_encodings_of_a_damaged_quantized_skeleton_are_a_typed_error(seeds: list
     with quiver.Context.from_binary(damaged) as context:
         with pytest.raises(quiver.EncodingsError, match="damaged"):
             context.graph("base").encodings()
+
+
+# --- schema fuzz: cache records and dialog configs ---------------------------------------------------------------
+def _random_json(rng: random.Random, depth: int = 0) -> object:
+    """A JSON value of any type, edge values favoured (negative, huge, empty, nested, non-ASCII)."""
+    choices: list[object] = [None, True, False, 0, -1, 1, 2, 10**6, -(10**18), 2**63, 1e308, -0.0, 0.5, "",
+                             "ultra", "yes", "../../x", "é\u0000", [], {}]  # fmt: skip
+    if depth < 3 and rng.random() < 0.3:
+        if rng.random() < 0.5:
+            return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(["a", "config", "size"]): _random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+    return rng.choice(choices)
+
+
+def _mutate(document: dict[str, Any], rng: random.Random) -> None:
+    """Replaces (or drops) one value somewhere in `document`, in place."""
+    node: Any = document
+    while True:
+        keys = list(node) if isinstance(node, dict) else list(range(len(node))) if isinstance(node, list) else []
+        if not keys:
+            return
+        key = rng.choice(keys)
+        child = node[key]
+        if isinstance(child, (dict, list)) and child and rng.random() < 0.6:
+            node = child
+            continue
+        if isinstance(node, dict) and rng.random() < 0.15:
+            del node[key]
+        else:
+            node[key] = _random_json(rng)
+        return
+
+
+def test_mutated_cache_records_are_accepted_or_tuning_errors(tmp_path: Path) -> None:
+    from quiver.errors import TuningError
+    from quiver.tuning import PerformanceCache
+
+    fingerprint = {"backend": "cpu", "cpu": "Fuzz CPU", "cores": "2"}
+    good = {"config": {"intra_op_num_threads": 1, "allow_spinning": False, "graph_optimization_level": "basic"},
+            "changed": {"intra_op_num_threads": 1}, "default_ms": 2.0, "tuned_ms": 1.0}  # fmt: skip
+    cache = PerformanceCache(tmp_path, fingerprint)
+    rng = random.Random(5)
+    outcomes: Counter[str] = Counter()
+    for _ in range(2000):
+        records = {"k": json.loads(json.dumps(good))}
+        for _ in range(rng.randint(1, 3)):
+            _mutate(records, rng)  # the records: a changed wrapper only makes the file another device's
+        document = {"format": "quiver-performance-cache", "version": 1, "fingerprint": fingerprint, "records": records}
+        cache.path.write_text(json.dumps(document))
+        try:
+            PerformanceCache(tmp_path, fingerprint)
+            outcomes["accepted"] += 1
+        except TuningError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 200 and outcomes["accepted"] > 20, outcomes  # both outcomes were reached
+
+
+def test_mutated_dialog_configs_are_read_or_dialog_config_errors(tmp_path: Path) -> None:
+    from quiver.errors import DialogConfigError
+    from quiver.t2t.config import read_dialog_config
+
+    for name in ("tokenizer.json", "model.qctx", "all.qsec"):
+        (tmp_path / name).write_bytes(b"")  # the reader checks that named files exist, not what they hold
+    good = {"dialog": {
+        "context": {"size": 64, "n-vocab": 100, "bos-token": 0, "eos-token": [1, 2]},
+        "sampler": {"seed": 1, "temp": 0.7, "top-k": 5, "top-p": 0.9, "greedy": False},
+        "tokenizer": {"path": "tokenizer.json"},
+        "engine": {"n-threads": 1, "backend": {"type": "cpu"}, "model": {"binary": {
+            "ctx-bins": ["model.qctx"],
+            "lora": {"alpha-tensor-name": "lora_alpha",
+                     "adapters": [{"name": "all", "alphas": ["all"], "bin-sections": ["all.qsec"]}],
+                     "groups": [{"name": "g", "members": ["all"]}]},
+        }}},
+    }}  # fmt: skip
+    rng = random.Random(6)
+    outcomes: Counter[str] = Counter()
+    path = tmp_path / "genie_config.json"
+    for _ in range(2000):
+        document = json.loads(json.dumps(good))
+        for _ in range(rng.randint(1, 3)):
+            _mutate(document, rng)
+        path.write_text(json.dumps(document))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a QNN backend name warns and runs on cpu
+                read_dialog_config(path)
+            outcomes["read"] += 1
+        except DialogConfigError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 200 and outcomes["read"] > 20, outcomes  # both outcomes were reached

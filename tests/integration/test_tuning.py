@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import random
 import socket
 import struct
@@ -36,6 +37,11 @@ from tests.support.cli import quiver as run_quiver
 from tests.support.helpers import executables
 
 FINGERPRINT = {"backend": "cpu", "onnxruntime": "1.0", "cpu": "Test CPU 9000", "cores": "2"}
+
+
+def _record(**config: object) -> dict[str, object]:
+    """A cache record as `quiver tune` stores one."""
+    return {"config": config, "changed": {}, "default_ms": 2.0, "tuned_ms": 1.5}
 
 
 def _workload(context: quiver.Context, graph: str, input_ids: np.ndarray):  # type: ignore[no-untyped-def]
@@ -256,14 +262,14 @@ def test_each_device_fingerprint_gets_its_own_cache_file(tmp_path: Path) -> None
     a = PerformanceCache(tmp_path, FINGERPRINT)
     b = PerformanceCache(tmp_path, {**FINGERPRINT, "onnxruntime": "2.0"})
     assert a.path != b.path and a.path.name.startswith("cpu-test-cpu-9000-2c-")
-    a.store("k", {"config": {"x": 1}})
-    assert PerformanceCache(tmp_path, FINGERPRINT).lookup("k") == {"config": {"x": 1}}
+    a.store("k", _record(intra_op_num_threads=1))
+    assert PerformanceCache(tmp_path, FINGERPRINT).lookup("k") == _record(intra_op_num_threads=1)
     assert b.lookup("k") is None
 
 
 def test_a_cache_file_from_another_device_is_rebuilt_and_says_what_changed(tmp_path: Path) -> None:
     cache = PerformanceCache(tmp_path, FINGERPRINT)
-    cache.store("k", {"config": {}})
+    cache.store("k", _record())
     moved = tmp_path / "other"
     moved.mkdir()
     changed = {**FINGERPRINT, "cores": "8"}
@@ -274,9 +280,9 @@ def test_a_cache_file_from_another_device_is_rebuilt_and_says_what_changed(tmp_p
 
 
 def test_invalidating_the_cache_empties_this_tier_only(tmp_path: Path) -> None:
-    PerformanceCache(tmp_path, FINGERPRINT).store("k", {"config": {}})
+    PerformanceCache(tmp_path, FINGERPRINT).store("k", _record())
     other = PerformanceCache(tmp_path, {**FINGERPRINT, "cpu": "Other"})
-    other.store("k", {"config": {}})
+    other.store("k", _record())
     assert PerformanceCache(tmp_path, FINGERPRINT, invalidate=True).lookup("k") is None
     assert PerformanceCache(tmp_path, {**FINGERPRINT, "cpu": "Other"}).lookup("k") is not None
 
@@ -288,10 +294,50 @@ def test_a_damaged_cache_file_is_a_tuning_error_that_says_what_to_do(tmp_path: P
         PerformanceCache(tmp_path, FINGERPRINT)
 
 
+@pytest.mark.parametrize(
+    "record, field",
+    [
+        (_record(intra_op_num_threads=1_000_000), "intra_op_num_threads=1000000 is out of range"),
+        (_record(intra_op_num_threads={"a": {"b": 1}}), "is not an int"),
+        (_record(graph_optimization_level="ultra"), "graph_optimization_level='ultra'"),
+        (_record(dynamic_block_base=-5), "dynamic_block_base=-5"),
+        (_record(allow_spinning="yes"), "allow_spinning='yes'"),
+        (_record(turbo=True), "'turbo' is not a knob"),
+        ({**_record(), "default_ms": "fast"}, "'default_ms' must be a duration"),
+        ({**_record(), "tuned_ms": [1]}, "'tuned_ms' must be a duration"),
+        ({**_record(), "changed": [1, 2]}, "'changed' must be"),
+        ({**_record(), "changed": {"prepack": False}}, "'changed' must be"),
+        ([1], "not a JSON object"),
+    ],
+)
+def test_a_bad_cache_record_is_an_error_naming_the_file_and_the_field(
+    tmp_path: Path, record: object, field: str
+) -> None:
+    cache = PerformanceCache(tmp_path, FINGERPRINT)
+    cache.store("good", _record())
+    document = json.loads(cache.path.read_text())
+    document["records"]["bad"] = record
+    cache.path.write_text(json.dumps(document))
+    with pytest.raises(TuningError) as raised:
+        PerformanceCache(tmp_path, FINGERPRINT)
+    assert str(cache.path) in str(raised.value) and field in str(raised.value), raised.value
+
+
+def test_a_deeply_nested_or_non_regular_cache_file_is_a_tuning_error(tmp_path: Path) -> None:
+    cache = PerformanceCache(tmp_path, FINGERPRINT)
+    cache.path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(TuningError, match="damaged"):
+        PerformanceCache(tmp_path, FINGERPRINT)
+    cache.path.unlink()
+    os.mkfifo(cache.path)  # would block a reader forever
+    with pytest.raises(TuningError, match="not a regular file"):
+        PerformanceCache(tmp_path, FINGERPRINT)
+
+
 def _store_many(folder: str, prefix: str) -> None:
     cache = PerformanceCache(folder, FINGERPRINT)
     for i in range(40):
-        cache.store(f"{prefix}{i}", {"config": {"i": i}})
+        cache.store(f"{prefix}{i}", _record(dynamic_block_base=i % 3 * 2))
 
 
 def test_two_tuners_writing_at_once_lose_nothing(tmp_path: Path) -> None:
@@ -652,6 +698,21 @@ def test_quiver_tune_errors_are_one_line(family_context: Path, tmp_path: Path, i
         run_quiver("tune", family_context, "--input-list", listing, "-o", out, "--target", "127.0.0.1:1"),
         "cannot reach",
     )
+    cache = PerformanceCache(tmp_path / "perf", CpuBackend().device_fingerprint())
+    cache.store("copied", _record(intra_op_num_threads=1_000_000))  # as a hand-edited or hostile file holds
+    assert_one_line_error(
+        run_quiver("tune", family_context, "--input-list", listing, "-o", out, "--performance-cache-dir",
+                   tmp_path / "perf"),
+        "intra_op_num_threads=1000000 is out of range",
+    )  # fmt: skip
+    assert not out.exists()
+
+
+def test_a_tuned_value_this_machine_cannot_honour_leaves_the_default() -> None:
+    from quiver.backends.cpu_settings import SessionSettings
+
+    tuned = {"intra_op_num_threads": 1_000_000, "dynamic_block_base": 2, "accuracy_level": 9, "prepack": "no"}
+    assert SessionSettings().tuned(tuned) == SessionSettings(dynamic_block_base=2)
 
 
 def test_quiver_build_with_a_tuning_config_tunes_the_context(

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -389,6 +391,85 @@ def test_cli_streams_text_and_prints_json(llama: Tiny) -> None:
 def test_cli_errors_are_one_line(llama: Tiny, args: list[str], message: str) -> None:
     result = _cli("t2t", "run", "-c", str(llama.config), "-p", PROMPT, *args)
     assert result.returncode == 1 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _set(path: str, value: object) -> Callable[[dict[str, Any]], None]:
+    """An edit of the dialog config: `path` is dotted keys under "dialog"."""
+
+    def edit(dialog: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node = dialog
+        for key in parents:
+            node = node[key]
+        node[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (_set("engine.n-threads", 1_000_000), "engine.n-threads"),
+        (_set("context.n-vocab", -1), "context.n-vocab"),
+        (_set("context.eos-token", 1_000_000), "context.eos-token"),
+        (_set("context.bos-token", 1_000_000), "context.bos-token"),
+        (_set("sampler.greedy", "no"), "sampler.greedy"),
+        (_set("sampler.seed", -1), "sampler.seed"),
+        (_set("sampler.temp", 1e308), "sampler.temp"),
+        (_set("engine.backend.type", ["cpu"]), "backend.type"),
+        (_set("engine.model.binary.lora.adapters", 3), "lora adapters"),
+        (_set("engine.model.binary.lora.groups", 3), "lora groups"),
+        (_set("engine.model.binary.lora.groups", [{"name": "g", "members": 3}]), "lora members"),
+    ],
+)
+def test_a_hostile_dialog_config_is_a_one_line_error_naming_the_field(
+    llama: Tiny, edit: Callable[[dict[str, Any]], None], field: str
+) -> None:
+    document = json.loads(llama.config.read_text())
+    edit(document["dialog"])
+    path = llama.out / f"hostile-{field.replace(' ', '-')}.json"  # beside the real one: its paths resolve
+    path.write_text(json.dumps(document))
+    result = _cli("t2t", "run", "-c", str(path), "-p", PROMPT)
+    assert result.returncode == 1 and field in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_a_deeply_nested_dialog_config_is_a_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "nested.json"
+    path.write_text('{"dialog": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    result = _cli("t2t", "run", "-c", str(path), "-p", PROMPT)
+    assert result.returncode == 1 and "not a readable JSON" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-l", "all,all,1e308"], "strength 1e+308"),
+        (["-l", "all,all,nan"], "strength nan"),
+        (["--seed", "-1"], "seed -1"),
+        (["--temp", "inf"], "temperature inf"),
+    ],
+)
+def test_hostile_run_flags_are_one_line_errors(llama: Tiny, args: list[str], message: str) -> None:
+    result = _cli("t2t", "run", "-c", str(llama.config), "-p", PROMPT, *args)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_prompt_of_undecodable_bytes_is_a_one_line_error(llama: Tiny) -> None:
+    command = [sys.executable, "-m", "quiver", "t2t", "run", "-c", str(llama.config), "-p", b"caf\xe9 \xff"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "not UTF-8" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token_without_nan(llama: Tiny) -> None:
+    args = ["t2t", "run", "-c", str(llama.config), "-p", PROMPT, "--max-new-tokens", "5", "--min-new-tokens", "5"]
+    greedy = _cli(*args, "--greedy", "--json")
+    tiny = _cli(*args, "--temp", "1e-40", "--seed", "3", "--json")
+    assert greedy.returncode == 0 and tiny.returncode == 0, tiny.stderr
+    assert json.loads(tiny.stdout)["new_ids"] == json.loads(greedy.stdout)["new_ids"]
 
 
 def test_cli_export_refuses_a_folder_without_a_model(tmp_path: Path) -> None:

@@ -70,16 +70,34 @@ class SessionSettings:
 
     def tuned(self, values: Mapping[str, KnobValue], keep: frozenset[str] = frozenset()) -> SessionSettings:
         """These settings with a tuned configuration's values, except the fields named in `keep` (chosen
-        by the user); names this backend does not know are ignored (a newer knob space)."""
-        fields = {f.name: type(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        by the user); names this backend does not know (a newer knob space) and values out of range (a
+        damaged entry: more threads than this machine has cores) are ignored, their defaults stand."""
         changes: dict[str, Any] = {}
         for name, value in values.items():
-            if name in fields and name not in keep and type(value) is fields[name]:
+            if name not in keep and tuned_value_problem(name, value) is None:
                 changes[name] = value
-        try:
-            return dataclasses.replace(self, **changes)
-        except BackendError:
-            return self  # a tuned value out of range (a damaged entry): the defaults stand
+        return dataclasses.replace(self, **changes)
+
+
+def tuned_value_problem(name: str, value: object, cores: int | None = None) -> str | None:
+    """Why a tuned value cannot be used on a machine of `cores` cores (default: this one's), or None."""
+    cores = cores or os.cpu_count() or 1
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(SessionSettings)}
+    if name not in kinds:
+        return f"{name!r} is not a knob of the cpu backend (its knobs: {', '.join(sorted(kinds))})"
+    if type(value) is not kinds[name]:
+        return f"{name}={value!r} is not a{'n' if kinds[name] is int else ''} {kinds[name].__name__}"
+    if name == "intra_op_num_threads":
+        holds, expected = isinstance(value, int) and 0 <= value <= cores, f"0 (all cores) to {cores} (the cores)"
+    elif name == "dynamic_block_base":
+        holds, expected = isinstance(value, int) and 0 <= value <= 64, "0 to 64"
+    elif name == "graph_optimization_level":
+        holds, expected = value in OPTIMIZATION_LEVELS, f"one of {sorted(OPTIMIZATION_LEVELS)}"
+    elif name == "accuracy_level":
+        holds, expected = value in (0, 1, 2, 3, 4), "one of ORT's MatMulNBits levels 0-4"
+    else:
+        holds, expected = True, ""
+    return None if holds else f"{name}={value!r} is out of range: it must be {expected}"
 
 
 def knobs(integer_matmuls: bool, prepacks: bool) -> tuple[Knob, ...]:

@@ -23,7 +23,8 @@ def write_tuned(
     """Writes `source` with `entries` as its tuning (replacing what it had), atomically, to `destination`.
 
     The regions before the header are copied unchanged; the header is the source's, with `tuning` and
-    `identity` set. `destination` may be the source's own path: the file is replaced, never rewritten.
+    `identity` set. `destination` may be the source's own path: the file is replaced, never rewritten,
+    and only by a file that reads back (a tuning the reader refuses is an error here, not in `run`).
     """
     destination = Path(destination).resolve()
     header = json.loads(bytes(source.buffer[source.header_offset :]).decode("utf-8"))
@@ -47,7 +48,9 @@ def write_tuned(
             out.write(preamble.pack(MAGIC))
             out.flush()
             os.fsync(out.fileno())
-            publish(Path(tmp), destination)
+        with ContextFile.open(tmp):  # read back, every check made, before it replaces anything
+            pass
+        publish(Path(tmp), destination)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -18,6 +18,10 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return array
 
 
+# Strengths are float32 in the graph: beyond this they only overflow what they scale (Genie's are 0 to 1).
+MAX_LORA_STRENGTH = 100.0
+
+
 @dataclass(frozen=True)
 class LoraStrengths:
     """The `lora_alpha` feed a section's metadata sets: one strength per adapter (Genie's LoRA strengths)."""
@@ -80,8 +84,11 @@ class LoraStrengths:
                 f"adapter {adapter!r} is not in the section applied to graph {graph!r} (it holds {list(self.active)}); "
                 "apply a section of a use case with that adapter first"
             )
-        if not np.isfinite(value):
-            raise TensorUpdateError(f"strength {value} for adapter {adapter!r} is not a finite number")
+        if not np.isfinite(value) or abs(value) > MAX_LORA_STRENGTH:
+            raise TensorUpdateError(
+                f"strength {value} for adapter {adapter!r} is not a number from -{MAX_LORA_STRENGTH} to "
+                f"{MAX_LORA_STRENGTH} (1 is the adapter as trained, 0 turns it off)"
+            )
         alphas = self.alphas.copy()
         alphas[self.adapters.index(adapter)] = value
         return replace(self, alphas=_frozen(alphas))

@@ -9,6 +9,8 @@ writes. QNN backend types (QnnHtp, QnnGpu, QnnGenAiTransformer…) run on Quiver
 from __future__ import annotations
 
 import json
+import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +84,8 @@ def _tokens(value: Any, where: str, source: Path) -> tuple[int, ...]:
 
 
 def _file(base: Path, value: Any, where: str, source: Path) -> Path:
-    if not isinstance(value, str) or not value:
-        raise DialogConfigError(f"{source}: {where} must be a path")
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise DialogConfigError(f"{source}: {where} must be a path, not {str(value)[:80]!r}")
     path = (base / value).resolve()
     if not path.is_file():
         raise DialogConfigError(f"{source}: {where} names {value!r}, which is not a file ({path}); check the config")
@@ -110,6 +112,8 @@ def read_dialog_config(path: str | Path) -> DialogConfig:
     if not isinstance(ctx_bins, list) or len(ctx_bins) != 1:
         raise DialogConfigError(f"{source}: engine.model.binary.ctx-bins must list one context binary (.qctx)")
     kind = backend.get("type", "cpu")
+    if not isinstance(kind, str):
+        raise DialogConfigError(f'{source}: dialog.engine.backend.type must be a name such as "cpu", not {kind!r}')
     if kind in _QNN_BACKENDS:
         warnings.warn(f"{source}: backend {kind} is QNN's; Quiver runs this dialog on its cpu backend", stacklevel=2)
         kind = "cpu"
@@ -128,7 +132,7 @@ def read_dialog_config(path: str | Path) -> DialogConfig:
             temperature=_number(sampler, "temp", "sampler", source, float, 0.8),
             top_k=_number(sampler, "top-k", "sampler", source, int, 40),
             top_p=_number(sampler, "top-p", "sampler", source, float, 0.95),
-            greedy=bool(sampler.get("greedy", False)),
+            greedy=_flag(sampler, "greedy", "sampler", source),
         ),
         tokenizer=_file(base, tokenizer.get("path"), "tokenizer.path", source),
         n_threads=_number(engine, "n-threads", "engine", source, int, 0),
@@ -139,9 +143,39 @@ def read_dialog_config(path: str | Path) -> DialogConfig:
         prefill_window=_number(quiver, "prefill-window", "quiver", source, int, DEFAULT_PREFILL_WINDOW),
         **_lora(binary.get("lora"), base, source),
     )
-    if config.context_size < 2 or config.prefill_window < 1 or config.n_threads < 0:
-        raise DialogConfigError(f"{source}: context.size, quiver.prefill-window or engine.n-threads is out of range")
+    _check_ranges(config)
     return config
+
+
+def _flag(raw: dict[str, Any], key: str, where: str, source: Path) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise DialogConfigError(f"{source}: {where}.{key} must be true or false, not {value!r}")
+    return value
+
+
+def _check_ranges(config: DialogConfig) -> None:
+    """Every number within what it can mean on this machine; the first one out of range is named."""
+    cores = os.cpu_count() or 1
+    sampler = config.sampler
+    checks: list[tuple[bool, str, object, str]] = [
+        (config.context_size >= 2, "context.size", config.context_size, "at least 2"),
+        (config.n_vocab >= 1, "context.n-vocab", config.n_vocab, "at least 1"),
+        (0 <= config.n_threads <= cores, "engine.n-threads", config.n_threads, f"0 (all cores) to {cores}"),
+        (config.prefill_window >= 1, "quiver.prefill-window", config.prefill_window, "at least 1"),
+        (0 <= sampler.seed < 2**63, "sampler.seed", sampler.seed, "0 to 2^63 - 1"),
+        (0 <= sampler.temperature <= 100 and math.isfinite(sampler.temperature), "sampler.temp",
+         sampler.temperature, "0 (greedy) to 100"),
+        (sampler.top_k >= 0, "sampler.top-k", sampler.top_k, "0 (all) or more"),
+        (0 < sampler.top_p <= 1, "sampler.top-p", sampler.top_p, "above 0, at most 1"),
+    ]  # fmt: skip
+    tokens = [("context.bos-token", config.bos_token), ("context.pad-token", config.pad_token)]
+    tokens += [("context.eos-token", t) for t in config.eos_tokens]
+    checks += [(t is None or t < config.n_vocab, name, t, f"a token id below n-vocab ({config.n_vocab})")
+               for name, t in tokens]  # fmt: skip
+    for holds, name, value, expected in checks:
+        if not holds:
+            raise DialogConfigError(f"{config.path}: {name} is {value!r}; it must be {expected}")
 
 
 def _lora(raw: Any, base: Path, source: Path) -> dict[str, Any]:
@@ -152,7 +186,7 @@ def _lora(raw: Any, base: Path, source: Path) -> dict[str, Any]:
     if not isinstance(alpha, str):
         raise DialogConfigError(f"{source}: lora.alpha-tensor-name must be the name of the alpha input")
     adapters = {}
-    for entry in lora.get("adapters", []):
+    for entry in _list(lora, "adapters", source):
         entry = _object(entry, "lora.adapters[]", source)
         name = entry.get("name")
         alphas = entry.get("alphas", [])
@@ -165,13 +199,20 @@ def _lora(raw: Any, base: Path, source: Path) -> dict[str, Any]:
             tuple(_file(base, s, f"lora adapter {name!r} bin-sections", source) for s in sections),
         )
     groups = {}
-    for group in lora.get("groups", []):
+    for group in _list(lora, "groups", source):
         group = _object(group, "lora.groups[]", source)
-        members = group.get("members", [])
-        if not isinstance(group.get("name"), str) or not all(m in adapters for m in members):
+        members = _list(group, "members", source)
+        if not isinstance(group.get("name"), str) or not all(isinstance(m, str) and m in adapters for m in members):
             raise DialogConfigError(f"{source}: lora group {group.get('name')!r} names adapters the config lacks")
         groups[group["name"]] = tuple(members)
     return {"alpha_tensor": alpha, "adapters": adapters, "groups": groups}
+
+
+def _list(raw: dict[str, Any], key: str, source: Path) -> list[Any]:
+    value = raw.get(key, [])
+    if not isinstance(value, list):
+        raise DialogConfigError(f"{source}: lora {key} must be a JSON list, not {value!r}")
+    return value
 
 
 def dialog_config_document(config: DialogConfig, relative_to: Path) -> dict[str, Any]:

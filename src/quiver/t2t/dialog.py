@@ -152,6 +152,8 @@ class Dialog:
         or top-p without `greedy` samples. `min_new_tokens` keeps eos tokens out until that many were
         generated; `on_token` receives the text as it is decided.
         """
+        if isinstance(prompt, str) and not _is_utf8(prompt):
+            raise GenerationError("the prompt is not UTF-8 text (it holds undecodable bytes); give it as UTF-8")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         defaults = self.config.sampler
         if greedy is None:
@@ -382,3 +384,12 @@ class Dialog:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether `text` can be UTF-8 (Python keeps undecodable command-line bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

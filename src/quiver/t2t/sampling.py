@@ -31,6 +31,7 @@ class Sampling:
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
                 f"repetition penalty {self.repetition_penalty} must be > 0",
             ),
+            (self.seed is None or 0 <= self.seed < 2**64, f"seed {self.seed} must be 0 to 2^64 - 1"),
         ]
         for holds, message in checks:
             if not holds:
@@ -58,7 +59,8 @@ class Sampler:
             scores[ids] = np.where(chosen < 0, chosen * s.repetition_penalty, chosen / s.repetition_penalty)
         if s.is_greedy:
             return int(np.argmax(scores))
-        scores = scores / np.float32(s.temperature)
+        # in float64, kept finite: a tiny temperature must not overflow the scores (inf - inf is NaN)
+        scores = np.clip(scores.astype(np.float64) / s.temperature, -1e300, 1e300)
         if 0 < s.top_k < scores.size:
             kth = np.partition(scores, -s.top_k)[-s.top_k]
             scores = np.where(scores < kth, -np.inf, scores)

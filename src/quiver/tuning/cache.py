@@ -18,7 +18,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from quiver.errors import TuningError
+from quiver.backends.cpu_settings import tuned_value_problem
+from quiver.errors import QuiverError, TuningError
+from quiver.formats.files import read_text
 from quiver.formats.writer import write_text_atomically
 from quiver.runtime.tuned import differences
 
@@ -34,6 +36,34 @@ def tier_name(fingerprint: Mapping[str, str]) -> str:
     backend = re.sub(r"[^a-z0-9]+", "-", str(fingerprint.get("backend", "backend")).lower())[:16]
     cores = re.sub(r"[^0-9]+", "", str(fingerprint.get("cores", "")))[:6] or "?"  # a file name: no path parts
     return f"{backend}-{cpu}-{cores}c-{digest}"
+
+
+def _cores(fingerprint: Mapping[str, str]) -> int | None:
+    cores = str(fingerprint.get("cores", ""))
+    return int(cores) if cores.isdigit() and 0 < int(cores) <= 1 << 16 else None
+
+
+def _is_ms(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
+
+
+def record_problem(record: object, cores: int | None) -> str | None:
+    """What is wrong with a cache record of the cpu backend (field, value, what it must be), or None."""
+    if not isinstance(record, dict):
+        return "it is not a JSON object"
+    config, changed = record.get("config"), record.get("changed", {})
+    if not isinstance(config, dict):
+        return "'config' must be an object of knob values"
+    for name, value in config.items():
+        problem = tuned_value_problem(str(name), value, cores)
+        if problem:
+            return f"config: {problem}"
+    if not isinstance(changed, dict) or any(config.get(k, object()) != v for k, v in changed.items()):
+        return "'changed' must be an object of values the config holds"
+    for name in ("default_ms", "tuned_ms"):
+        if not _is_ms(record.get(name)):
+            return f"{name!r} must be a duration in milliseconds, not {str(record.get(name))[:40]}"
+    return None
 
 
 class PerformanceCache:
@@ -69,16 +99,17 @@ class PerformanceCache:
             os.close(fd)  # releases the lock
 
     def _read(self) -> dict[str, dict[str, Any]]:
-        """The file's records; none when it is missing or was made on another device (it is rebuilt)."""
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        """The file's records, each checked; none when it is missing or was made on another device (it is
+        rebuilt). A damaged record is an error that names the file, the record and the field."""
+        if not self.path.exists() and not self.path.is_symlink():
             return {}
-        except (OSError, UnicodeDecodeError) as exc:
-            raise TuningError(f"cannot read the performance cache {self.path} ({exc}); delete it") from None
+        try:
+            text = read_text(self.path, limit=256 << 20, what="performance cache")  # never a FIFO or device
+        except QuiverError as exc:
+            raise TuningError(f"cannot read the performance cache ({exc}); delete it") from None
         try:
             data = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise TuningError(
                 f"the performance cache {self.path} is damaged ({exc}); delete it or pass "
                 "--invalidate-performance-cache"
@@ -92,7 +123,16 @@ class PerformanceCache:
             changed = differences(stored, self.fingerprint) if isinstance(stored, dict) else ["its format"]
             self.notes.append(f"{self.path.name} was made on another device ({'; '.join(changed)}): rebuilding it")
             return {}
-        return {k: v for k, v in data["records"].items() if isinstance(v, dict)}
+        cores = _cores(self.fingerprint)
+        for key, record in data["records"].items():
+            problem = record_problem(record, cores) if self.fingerprint.get("backend") == "cpu" else None
+            problem = problem or (None if isinstance(record, dict) else "it is not a JSON object")
+            if problem:
+                raise TuningError(
+                    f"the performance cache {self.path} has a bad record {str(key)[:16]}...: {problem}; delete the "
+                    "file or pass --invalidate-performance-cache"
+                )
+        return dict(data["records"])
 
     def lookup(self, key: str) -> dict[str, Any] | None:
         return self._records.get(key)

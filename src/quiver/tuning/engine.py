@@ -132,12 +132,12 @@ def tune_context(
     for workload in workloads:
         key = cache_key(file, workload.graph, workload, version)
         record = cache.lookup(key) if cache is not None else None
-        if record is not None and isinstance(record.get("config"), dict):
+        if record is not None:  # checked when the cache was read
             on_progress(f"{workload.graph}: from the performance cache")
             result.graphs[workload.graph] = GraphResult(
                 dict(record["config"]),
-                float(record.get("default_ms", 0)),
-                float(record.get("tuned_ms", 0)),
+                float(record["default_ms"]),
+                float(record["tuned_ms"]),
                 0,
                 dict(record.get("changed") or {}),
             )
