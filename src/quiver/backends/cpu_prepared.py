@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -25,6 +25,7 @@ from quiver.backends._ort_capi import fork_waits
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes, proto
+from quiver.ir.edit import iter_nodes
 
 RUNTIME = f"onnxruntime {ort.__version__}"
 # What a prepared form may add to the context (its skeleton and the new tensors of its fusions), as a
@@ -64,19 +65,7 @@ _LAYOUT_OPS = frozenset(
 
 def open_level(model: proto.ModelProto, level: str) -> str:
     """The optimization level (a SessionSettings name) a session over the prepared `model` is made at."""
-    return level if any(op in _LAYOUT_OPS for op in _op_types(model.graph)) else "disabled"
-
-
-def _op_types(graph: proto.GraphProto) -> Iterator[str]:
-    """The op type of every node, in subgraphs (If/Loop/Scan bodies) too."""
-    for node in graph.node:
-        yield node.op_type
-        for attribute in node.attribute:
-            if attribute.type == proto.AttributeProto.GRAPH:
-                yield from _op_types(attribute.g)
-            elif attribute.type == proto.AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    yield from _op_types(subgraph)
+    return level if any(node.op_type in _LAYOUT_OPS for node in iter_nodes(model.graph)) else "disabled"
 
 
 def prepare(
