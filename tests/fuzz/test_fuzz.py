@@ -303,3 +303,37 @@ def test_mutated_dialog_configs_are_read_or_dialog_config_errors(tmp_path: Path)
         except DialogConfigError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 200 and outcomes["read"] > 20, outcomes  # both outcomes were reached
+
+
+def test_mutated_lora_configs_are_read_or_adapter_errors(tmp_path: Path) -> None:
+    import yaml
+
+    from quiver.errors import AdapterError
+    from quiver.lora.prepare import load_lora_config
+
+    (tmp_path / "map.json").write_text(json.dumps({"q": "q_proj"}))
+    (tmp_path / "base.onnx").write_bytes(b"")  # the reader checks that the base model exists, not what it holds
+    good = {
+        "adapter": [{"name": "chat", "lora_config": "chat"}, {"name": "sharp", "lora_config": "sharp"}],
+        "use-case": [
+            {"name": "base", "adapter_names": [], "model_name": "base.onnx"},
+            {"name": "both", "adapter_names": ["chat", "sharp"], "adapter_alphas": [0.5, 1.0]},
+        ],
+        "attach_point_onnx_mapping": "map.json",
+    }
+    rng = random.Random(7)
+    outcomes: Counter[str] = Counter()
+    path = tmp_path / "lora.yaml"
+    for _ in range(2000):
+        document = json.loads(json.dumps(good))
+        for _ in range(rng.randint(1, 3)):
+            _mutate(document, rng)
+        path.write_text(yaml.safe_dump(document))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # quant_overrides warns
+                load_lora_config(path)
+            outcomes["read"] += 1
+        except AdapterError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 200 and outcomes["read"] > 20, outcomes  # both outcomes were reached

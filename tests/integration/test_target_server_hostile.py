@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -269,6 +270,26 @@ def _hostile_request(port: int, kind: int) -> None:
         pass  # refused or closed by the server: what a hostile client gets
 
 
+def _hostile_load(port: int, count: int, clients: int) -> None:
+    """`count` hostile requests from `clients` threads: 3 in 8 without the token, 5 in 8 with it (uploads)."""
+    requests = iter([i % 8 for i in range(count)])
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                kind = next(requests, None)
+            if kind is None:
+                return
+            _hostile_request(port, min(kind, 3))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's RSS from /proc")
 def test_a_thousand_hostile_requests_from_fifty_clients_stay_within_the_budget() -> None:
     with socket.socket() as probe:
@@ -291,27 +312,19 @@ def test_a_thousand_hostile_requests_from_fifty_clients_stay_within_the_budget()
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-        requests = iter([i % 8 for i in range(1000)])  # 3 in 8 without the token, 5 in 8 with it (uploads)
-        lock = threading.Lock()
-
-        def client() -> None:
-            while True:
-                with lock:
-                    kind = next(requests, None)
-                if kind is None:
-                    return
-                _hostile_request(port, min(kind, 3))
-
-        clients = [threading.Thread(target=client) for _ in range(50)]
-        for thread in clients:
-            thread.start()
-        time.sleep(0.5)
-        served_meanwhile = _served_within(port)
-        for thread in clients:
-            thread.join(300)
+        # the 50 clients run in a process of their own: here they would hold the GIL the measured client needs
+        load = multiprocessing.get_context("spawn").Process(target=_hostile_load, args=(port, 1000, 50))
+        load.start()
+        served_meanwhile = []  # a client with the token, again and again while the load lasts
+        deadline = time.monotonic() + 300
+        while load.is_alive() and time.monotonic() < deadline:
+            served_meanwhile.append(_served_within(port))
+            time.sleep(0.2)
+        load.join(10)
         done.set()
         sampler.join()
-        assert served_meanwhile < 1.0
+        assert load.exitcode == 0 and len(served_meanwhile) >= 3
+        assert max(served_meanwhile) < 1.0, served_meanwhile
         assert peak[0] <= baseline + 64 + 100, (baseline, peak[0])
         assert _wait_for(lambda: _rss_mb(process.pid) <= baseline + 20, 15), (baseline, _rss_mb(process.pid))
         assert _served_within(port) < 1.0

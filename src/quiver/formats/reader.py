@@ -8,6 +8,8 @@ import mmap
 import os
 import re
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +31,7 @@ from quiver.errors import (
 )
 from quiver.formats import compression
 from quiver.formats.checksums import crc32
+from quiver.formats.file_guard import WATCHER
 from quiver.formats.files import open_regular
 from quiver.formats.layout import (
     DATA_START,
@@ -293,6 +296,19 @@ def _digests_of(buffer: memoryview, spans: list[tuple[int, int, bool]]) -> list[
     return digests
 
 
+def _marker(file: TensorFile) -> Callable[[], None]:
+    """What the file guard calls when another program begins to change the file: marks it changed, without
+    keeping it alive (an unclosed file is still collected)."""
+    mark = weakref.WeakMethod(file._mark_changed)
+
+    def on_change() -> None:
+        method = mark()
+        if method is not None:
+            method()
+
+    return on_change
+
+
 class TensorFile:
     """A validated Quiver tensor file (preamble, content-keyed tensors, JSON header) over a read-only buffer.
 
@@ -309,6 +325,8 @@ class TensorFile:
         self.source = source
         self._mmap = buffer if isinstance(buffer, mmap.mmap) else None
         self._fd: int | None = None  # the mapped file, kept open to notice changes made in place
+        self._guard: int | None = None  # its guard against truncation (formats.file_guard), where it has one
+        self._changed = False  # set by the guard: another program began to change the file
         self._identity: tuple[int, ...] = ()
         self._private: mmap.mmap | None = None  # a private copy mapped from a memfd (closed with the file)
         self._buffer = memoryview(buffer).cast("B")
@@ -409,7 +427,11 @@ class TensorFile:
                 return file
             file._fd = os.dup(f.fileno())
             file._identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            file._guard = WATCHER.guard(file._fd, _marker(file))
             return file
+
+    def _mark_changed(self) -> None:
+        self._changed = True
 
     def _take_private_copy(self, data: memoryview | mmap.mmap, done: int) -> None:
         """Swaps the mapping for the copy `data` (`done` bytes read), refused if the file changed meanwhile
@@ -441,7 +463,7 @@ class TensorFile:
             info = os.fstat(self._fd)
         except OSError:
             return  # closed meanwhile: nothing maps it any more
-        if (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != self._identity:
+        if self._changed or (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) != self._identity:
             raise FileChangedError(
                 f"{self.source} was truncated or rewritten in place while it was loaded; files in use must be "
                 "replaced (write a new file, then rename it over the old one): load it again"
@@ -529,6 +551,9 @@ class TensorFile:
         self.close()
 
     def close(self) -> None:
+        if self._guard is not None:
+            WATCHER.release(self._guard)
+            self._guard = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

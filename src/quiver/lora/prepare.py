@@ -50,7 +50,9 @@ class LoraProject:
 
 
 def _list(raw: dict[str, Any], key: str, source: Path) -> list[Any]:
-    value = raw.get(key, [])
+    value = raw.get(key)
+    if value is None:  # absent, or a YAML key with nothing after it
+        return []
     if not isinstance(value, list):
         raise AdapterError(f"{source}: {key!r} must be a list")
     return value
@@ -107,11 +109,12 @@ def read_adapters_and_use_cases(path: str | Path) -> tuple[dict[str, Any], dict[
                 "quantize with --quantization-overrides instead",
                 stacklevel=2,
             )
-        names = [str(n) for n in entry.get("adapter_names") or []]
+        names = [str(n) for n in _list(entry, "adapter_names", path)]
         unknown = sorted(set(names) - set(adapters))
         if unknown:
             raise AdapterError(f"{path}: use case {entry['name']!r} names unknown adapters {unknown}")
-        alphas = [_alpha(a, str(entry["name"]), path) for a in entry.get("adapter_alphas") or [1.0] * len(names)]
+        given_alphas = _list(entry, "adapter_alphas", path) or [1.0] * len(names)
+        alphas = [_alpha(a, str(entry["name"]), path) for a in given_alphas]
         if len(alphas) != len(names):
             raise AdapterError(f"{path}: use case {entry['name']!r} has {len(names)} adapters but {len(alphas)} alphas")
         model = folder / str(entry["model_name"]) if entry.get("model_name") else None
