@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import socket
 import struct
 import time
@@ -147,6 +148,16 @@ def test_sections_made_for_a_context_apply_to_its_tuned_copy(tmp_path: Path) -> 
         again = context.get_binary_section("lora")
     with quiver.Context.from_binary(source) as original:
         original.apply_binary_section("lora", again)
+
+
+def test_a_tuning_the_reader_would_refuse_is_never_written(family_context: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tuned.qctx"
+    shutil.copyfile(family_context, out)
+    before = out.read_bytes()
+    nested = TuningEntry("t", {"backend": "cpu"}, {"base": {"prepack": {"a": 1}}})  # type: ignore[dict-item]
+    with ContextFile.open(family_context) as file, pytest.raises(InvalidHeaderError, match="tuning"):
+        write_tuned(file, out, [nested])
+    assert out.read_bytes() == before and list(tmp_path.iterdir()) == [out]  # untouched, no temporary left
 
 
 @pytest.mark.parametrize(
