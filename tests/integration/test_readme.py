@@ -38,7 +38,7 @@ def test_the_readme_is_an_entry_point_not_a_manual() -> None:
 
 
 def test_every_code_block_of_the_readme_and_the_guides_is_an_example_or_a_synopsis() -> None:
-    for path in ["README.md", *GUIDES, "docs/cli.md", "docs/t2t.md", "docs/tuning.md", "docs/lora.md"]:
+    for path in ["README.md", *GUIDES, "docs/cli.md", "docs/t2t.md", "docs/tuning.md", "docs/lora.md", "docs/serve.md"]:
         languages = re.findall(r"^```(\w*)$", (ROOT / path).read_text(), re.M)[0::2]  # opening fences
         assert set(languages) <= {*EXAMPLE_LANGUAGES, "text"}, (path, languages)
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import click
 
-from quiver.cli import context, lora, quantize, t2t, tune  # noqa: F401  (each registers its commands)
+from quiver.cli import context, lora, quantize, serve, t2t, tune  # noqa: F401  (each registers its commands)
 from quiver.cli.common import cli, err_console, printable
 from quiver.errors import QuiverError
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -346,6 +346,28 @@ class Dialog:
     @property
     def adapters(self) -> list[str]:
         return list(self.config.adapters)
+
+    @property
+    def adapter(self) -> str | None:
+        """The adapter the next query runs with (`apply_lora`), or None: the base model."""
+        return self._adapter
+
+    def use(self, adapter: str | None, strengths: Mapping[str, float] | None = None) -> None:
+        """Runs the next query on `adapter` (None: the base model) with `strengths` for the adapters its
+        section holds (those not given keep the section's own); resets the conversation. A server calls
+        this per request: applying a section takes well under a millisecond. The base model after an
+        adapter is the adapter at strength 0: its LoRA branches then add exactly zero."""
+        with self._lock:
+            if adapter is None:
+                if self._adapter is not None:
+                    for name, value in self._decode.lora_strengths.items():
+                        if value:
+                            self._set_strength(name, 0.0)
+            else:
+                self._apply(adapter)  # the section's strengths again, whatever a previous query set
+                for name, value in (strengths or {}).items():
+                    self._set_strength(name, value)
+            self._history, self._pending = [], []
 
     def apply_lora(self, name: str) -> None:
         """Applies an adapter's sections (Genie's applyLora); the next query starts a new conversation."""

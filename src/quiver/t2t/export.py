@@ -34,6 +34,7 @@ from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config, token_
 
 DEFAULT_CONTEXT_SIZE = 2048
 CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
+CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja")
 _FOREIGN_ADAPTER = (
     "they are not projections of this model (q/k/v/o_proj, gate/up/down_proj): is the adapter for another model?"
 )
@@ -150,6 +151,10 @@ def export(
         context.close()
     if tokenizer.resolve() != (out / TOKENIZER_FILE).resolve():
         write_atomically(out / TOKENIZER_FILE, read_regular(tokenizer))
+    for chat_file in CHAT_FILES:  # the chat template `quiver serve` renders, where the model has one
+        source = folder / chat_file
+        if source.is_file() and source.resolve() != (out / chat_file).resolve():
+            write_atomically(out / chat_file, read_regular(source, limit=16 << 20, what=chat_file))
     dialog = DialogConfig(
         path=out / CONFIG_FILE,
         context_size=size,

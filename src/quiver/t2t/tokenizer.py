@@ -21,8 +21,10 @@ class TextTokenizer:
         except Exception as exc:  # tokenizers raises its own Exception subclass
             raise DialogConfigError(f"{path}: not a tokenizer.json the tokenizers library reads ({exc})") from None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` False for text that has them already (a rendered chat
+        template: transformers' apply_chat_template tokenizes it so)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))

@@ -1,0 +1,64 @@
+"""`quiver serve`: OpenAI's HTTP API over a Genie dialog config (vLLM's and llama.cpp's server role)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import click
+
+from quiver.cli.common import cli, console
+from quiver.errors import QuiverError
+
+API_KEY_ENVIRONMENT = "QUIVER_API_KEY"
+
+
+class ServeError(QuiverError):
+    """`quiver serve` cannot start as asked."""
+
+
+@cli.command("serve")
+@click.option("-c", "--config", "config_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="A Genie dialog config (genie_config.json, from `quiver t2t export`).")  # fmt: skip
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--api-key", help=f"The key clients must send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENVIRONMENT})."
+)
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1, 100_000),
+              help="Requests that may wait; more are answered 429.")  # fmt: skip
+@click.option("--chat-template", type=click.Path(dir_okay=False, path_type=Path),
+              help="A Jinja chat template (default: the model's, beside the config).")  # fmt: skip
+def serve_command(
+    config_path: Path, host: str, port: int, api_key: str | None, max_queue: int, chat_template: Path | None
+) -> None:
+    """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
+    try:
+        from quiver.serve.app import Server, base_name, serve
+        from quiver.serve.chat import find_chat_template
+    except ImportError as exc:
+        raise ServeError(
+            f"serving needs the serve extra ({exc.name} is missing): pip install 'quiver[serve]'"
+        ) from None
+    from quiver.t2t.dialog import Dialog
+    from quiver.tuning.server import is_loopback
+
+    key = api_key or os.environ.get(API_KEY_ENVIRONMENT) or None
+    if key is None and not is_loopback(host):
+        raise ServeError(f"a server on {host} (beyond loopback) needs an API key: pass --api-key or set "
+                         f"{API_KEY_ENVIRONMENT}, or listen on 127.0.0.1")  # fmt: skip
+    template = find_chat_template(config_path.resolve().parent, chat_template)
+    dialog = Dialog.from_config(config_path)
+    server = Server(dialog, base_name(config_path), template, key, max_queue)
+
+    def ready(bound_host: str, bound_port: int) -> None:
+        models = ", ".join(server.served.model_ids())
+        console.print(f"quiver serve on http://{bound_host}:{bound_port}/v1 (models: {models}; Ctrl-C stops it)")
+
+    # Ctrl-C (SIGINT) and SIGTERM stop it however it was started (uvicorn handles both)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        serve(server, host, port, on_ready=ready)
+    finally:
+        dialog.close()

@@ -1,0 +1,263 @@
+"""`quiver serve`: OpenAI's HTTP API over a Genie dialog config, on Starlette (routes) and uvicorn (HTTP).
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream` as server-sent
+events ending in `data: [DONE]`), `GET /health`, `GET /metrics`. With an API key every route but
+`/health` needs `Authorization: Bearer KEY`, checked before a byte of the body is read; bodies are
+read up to `max_body_bytes`. Bad requests get OpenAI's error object with 400/401/404/413; a full queue
+gets 429 with `Retry-After`. A client that goes away cancels its request at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from quiver.errors import QuiverError
+from quiver.serve.chat import ChatTemplate
+from quiver.serve.engine import Done, Engine, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.metrics import Metrics
+from quiver.serve.openai_api import (
+    ApiError,
+    Served,
+    chat_messages,
+    chunk,
+    completion,
+    completion_prompt,
+    generation,
+    new_id,
+)
+from quiver.t2t.dialog import Dialog
+
+MAX_BODY_BYTES = 4 << 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions (chat runs until the context is full)
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class _ApiKey:
+    """Refuses every request but `GET /health` without the key, before the route reads anything."""
+
+    def __init__(self, app: ASGIApp, key: str | None) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.key is not None and scope.get("path") != "/health":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.key.encode()):
+                error = ApiError(401, "a valid API key is required: 'Authorization: Bearer KEY'", None,
+                                 "invalid_api_key")  # fmt: skip
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Server:
+    """The routes over one engine; `app` is the ASGI application uvicorn runs."""
+
+    def __init__(
+        self,
+        dialog: Dialog,
+        base: str,
+        chat_template: ChatTemplate | None = None,
+        api_key: str | None = None,
+        max_queue: int = 64,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.dialog = dialog
+        self.served = Served(base, dialog.adapters, dialog.config.context_size, dialog.config.n_vocab)
+        self.chat_template = chat_template
+        self.max_body_bytes = max_body_bytes
+        self.engine = Engine(dialog, max_queue, on_start=self._started)
+        self.metrics = Metrics(lambda: self.engine.waiting, lambda: 1.0 if self.engine.busy else 0.0)
+        routes = [
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/v1/models", self._counted("/v1/models", self._models), methods=["GET"]),
+            Route("/v1/completions", self._counted("/v1/completions", self._completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._counted("/v1/chat/completions", self._chat), methods=["POST"]),
+        ]
+        self.app: ASGIApp = _ApiKey(Starlette(routes=routes), api_key or None)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def _started(self, job: Job) -> None:
+        if job.generation.adapter is not None:
+            self.metrics.adapter_loads.inc()
+
+    def _counted(self, route: str, handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
+        async def counted(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except ApiError as error:
+                response = _error_response(error)
+            except Exception as exc:  # noqa: BLE001  the server answers, in OpenAI's schema, and goes on
+                response = _error_response(ApiError(500, f"internal error: {type(exc).__name__}", None, "internal"))
+            self.metrics.requests.labels(route, str(response.status_code)).inc()
+            return response
+
+        return counted
+
+    # --- routes -----------------------------------------------------------------------------------------
+    async def _health(self, _: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _metrics(self, _: Request) -> Response:
+        return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _models(self, _: Request) -> Response:
+        created = int(time.time())
+        models = [{"id": m, "object": "model", "created": created, "owned_by": "quiver"}
+                  for m in self.served.model_ids()]  # fmt: skip
+        return JSONResponse({"object": "list", "data": models})
+
+    async def _completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        prompt = completion_prompt(body, self.served.vocabulary)
+        ids = self.dialog.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return await self._generate(body, generation(body, self.served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS), False)
+
+    async def _chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        messages = chat_messages(body)
+        if self.chat_template is None:
+            raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with "
+                           "--chat-template", "messages", "no_chat_template")  # fmt: skip
+        try:
+            text = self.chat_template.render(messages)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages", "invalid_value") from None
+        ids = self.dialog.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        return await self._generate(body, generation(body, self.served, ids, None), True)
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"the body exceeds {self.max_body_bytes} bytes", None, "body_too_large")
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > self.max_body_bytes:
+                raise ApiError(413, f"the body exceeds {self.max_body_bytes} bytes", None, "body_too_large")
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the body is not valid JSON", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
+        return body
+
+    async def _generate(self, body: dict[str, Any], request: Generation, chat: bool) -> Response:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be true or false", "stream", "invalid_type")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        try:
+            job = self.engine.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except QueueFullError as exc:
+            raise ApiError(429, str(exc), None, "queue_full") from None
+        request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])
+        if stream:
+            return StreamingResponse(self._events(job, events, request_id, model, chat), media_type="text/event-stream")
+        try:
+            done = await self._collect(job, events)
+        except asyncio.CancelledError:
+            self.engine.cancel(job)
+            raise
+        return JSONResponse(completion(request_id, model, done, chat))
+
+    async def _collect(self, job: Job, events: asyncio.Queue[Event]) -> Done:
+        previous = job.submitted
+        while True:
+            event = await events.get()
+            if isinstance(event, Token):
+                previous = self._timed(job, event, previous)
+            elif isinstance(event, Failed):
+                raise _failure(event.error)
+            else:
+                self._count(event)
+                return event
+
+    async def _events(
+        self, job: Job, events: asyncio.Queue[Event], request_id: str, model: str, chat: bool
+    ) -> AsyncIterator[str]:
+        """The stream's server-sent events; the request is cancelled if the client goes away."""
+        first, previous = True, job.submitted
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Token):
+                    previous = self._timed(job, event, previous)
+                    yield _sse(chunk(request_id, model, chat, text=event.text, first=first))
+                elif isinstance(event, Failed):
+                    yield _sse(_failure(event.error).body())
+                    break
+                else:
+                    self._count(event)
+                    yield _sse(chunk(request_id, model, chat, done=event, first=first))
+                    break
+                first = False
+            yield "data: [DONE]\n\n"
+        finally:
+            self.engine.cancel(job)  # a no-op once it is done; a client gone stops it at the next step
+
+    def _timed(self, job: Job, token: Token, previous: float) -> float:
+        (self.metrics.first_token if previous == job.submitted else self.metrics.between_tokens).observe(
+            token.at - previous
+        )
+        return token.at
+
+    def _count(self, done: Done) -> None:
+        self.metrics.prompt_tokens.inc(done.prompt_tokens)
+        self.metrics.generated_tokens.inc(len(done.token_ids))
+
+
+def _failure(error: QuiverError) -> ApiError:
+    """A generation the engine refused (an adapter's strength it lacks...): the client's request is bad."""
+    return ApiError(400, str(error), None, "generation_failed")
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+def serve(server: Server, host: str, port: int, on_ready: Callable[[str, int], object] | None = None) -> None:
+    """Runs the server with uvicorn until interrupted (SIGINT, SIGTERM)."""
+    import uvicorn
+
+    config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", lifespan="off")
+    runner = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.create_task(runner.serve())
+        while not runner.started and not task.done():
+            await asyncio.sleep(0.01)
+        if runner.started and on_ready is not None:
+            bound = runner.servers[0].sockets[0].getsockname()
+            on_ready(str(bound[0]), int(bound[1]))
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.close()
+
+
+def base_name(config_path: Path) -> str:
+    """The base model's id: the folder of its dialog config (e.g. `smollm2`)."""
+    return config_path.resolve().parent.name or "base"

@@ -1,0 +1,31 @@
+"""What `GET /metrics` reports, in Prometheus's text format (prometheus_client), one registry per server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """Requests by route and status, tokens, queue and batch, adapter loads, time to first token and
+    between tokens."""
+
+    def __init__(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("quiver_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("quiver_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("quiver_generated_tokens", "Tokens generated", registry=r)
+        self.adapter_loads = Counter("quiver_adapter_loads", "Adapter sections applied for a request", registry=r)
+        Gauge("quiver_queue_length", "Requests waiting for the engine", registry=r).set_function(waiting)
+        Gauge("quiver_batch_size", "Sequences in the running decode step", registry=r).set_function(running)
+        self.first_token = Histogram("quiver_time_to_first_token_seconds", "From arrival to the first token",
+                                     buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.between_tokens = Histogram("quiver_inter_token_latency_seconds", "Between two tokens of a stream",
+                                        buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+
+    def text(self) -> bytes:
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,192 @@
+"""OpenAI's HTTP API as Quiver serves it: requests checked field by field, replies and errors in its schema.
+
+Only what the engine can honour is accepted: `n` 1, no `logprobs`, no `echo`, no `tools`; anything
+else is a 400 naming the field, as OpenAI's own server names it (`param`). Quiver's extensions ride in
+the body (the `openai` client's `extra_body`): `lora`, strengths per adapter (Genie's), e.g.
+`{"lora": {"chat": 0.5}}`. Non-streaming replies carry each choice's `token_ids`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from quiver.serve.engine import Done, Generation
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "functions", "suffix", "logit_bias")
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP `status` and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @property
+    def kind(self) -> str:
+        return {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the server offers: the base model's id, the adapters' names, the context, the vocabulary."""
+
+    base: str
+    adapters: Sequence[str]
+    context_size: int
+    vocabulary: int
+
+    def model_ids(self) -> list[str]:
+        return [self.base, *self.adapters]
+
+
+def _field(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise ApiError(400, f"'{name}' must be {expected}, not {type(value).__name__}", name, "invalid_type")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = float(_field(body, name, (int, float), default))
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ApiError(400, f"'{name}' must be from {low} to {high}, not {value}", name, "invalid_value")
+    return value
+
+
+def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tokens: int | None) -> Generation:
+    """A request body's sampling fields and adapter, checked against what is served."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, 0, [], {}):
+            raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    if _field(body, "n", (int,), 1) != 1:
+        raise ApiError(400, "'n' must be 1: this server makes one choice per request", "n", "invalid_value")
+    model = _field(body, "model", (str,))
+    if model is None:
+        raise ApiError(400, "'model' is required: the base model's id or an adapter's name", "model", "missing")
+    if model not in served.model_ids():
+        raise ApiError(404, f"the model '{model[:100]}' does not exist; GET /v1/models lists them", "model",
+                       "model_not_found")  # fmt: skip
+    room = served.context_size - len(prompt_ids) - 1
+    if room < 1:
+        where = "messages" if "messages" in body else "prompt"
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the {served.context_size}-token "
+                       "context; shorten it", where, "context_length_exceeded")  # fmt: skip
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:  # chat: until the context is full; completions: OpenAI's 16
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= room:
+        raise ApiError(400, f"'max_tokens' must be 1 to {room} (the context's room after the prompt), not "
+                       f"{str(max_tokens)[:40]}", "max_tokens", "invalid_value")  # fmt: skip
+    stop = _field(body, "stop", (str, list), [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stops):
+        raise ApiError(400, f"'stop' must be a string or up to {MAX_STOP} non-empty strings", "stop", "invalid_value")
+    seed = _field(body, "seed", (int,))
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ApiError(400, "'seed' must be 0 to 2^63 - 1", "seed", "invalid_value")
+    strengths = _field(body, "lora", (dict,), {})
+    if strengths and model == served.base:
+        raise ApiError(400, "'lora' sets an adapter's strengths: name an adapter as the model", "lora", "invalid_value")
+    for name, value in strengths.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ApiError(400, f"'lora.{str(name)[:40]}' must be a finite number", "lora", "invalid_value")
+    return Generation(
+        prompt_ids=prompt_ids,
+        adapter=None if model == served.base else model,
+        strengths={str(k): float(v) for k, v in strengths.items()},
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        seed=seed,
+        stop=tuple(stops),
+    )
+
+
+def completion_prompt(body: Any, vocabulary: int) -> str | list[int]:
+    """`prompt`: text, or token ids (one prompt: lists of prompts would need `n` choices)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        if not all(0 <= i < vocabulary for i in prompt):
+            raise ApiError(400, f"token ids in 'prompt' must be 0 to {vocabulary - 1}", "prompt", "invalid_value")
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt", "invalid_value")
+
+
+def chat_messages(body: Any) -> list[dict[str, str]]:
+    """`messages`: a list of {role, content} with text content (parts of type text are joined)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
+    checked = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # [{"type": "text", "text": ...}]
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(p for p in parts if isinstance(p, str)) if len(parts) == len(content) else None
+        if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
+            raise ApiError(400, f"messages[{index}] must have a role (system, user, assistant) and text content",
+                           f"messages[{index}]", "invalid_value")  # fmt: skip
+        checked.append({"role": "system" if role == "developer" else role, "content": content})
+    return checked
+
+
+def _usage(done: Done) -> dict[str, int]:
+    generated = len(done.token_ids)
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": done.prompt_tokens + generated}  # fmt: skip
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def completion(request_id: str, model: str, done: Done, chat: bool) -> dict[str, Any]:
+    """The whole reply of a non-streaming request."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "token_ids": done.token_ids}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": done.text}
+    else:
+        choice |= {"text": done.text, "logprobs": None}
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": _usage(done)}  # fmt: skip
+
+
+def chunk(request_id: str, model: str, chat: bool, text: str | None = None, done: Done | None = None,
+          first: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One server-sent event of a streaming reply: a piece of text, or the end (finish reason, usage)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason if done else None}
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice |= {"text": text or "", "logprobs": None}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    event = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+    if done is not None:
+        event["usage"] = _usage(done)
+    return event

@@ -1,0 +1,292 @@
+"""`quiver serve` as its users drive it: the official `openai` client and plain HTTP, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from quiver.t2t.dialog import Dialog
+from quiver.t2t.export import ExportOptions, export
+from tests.support.tiny_llm import tiny_adapter, tiny_decoder
+
+KEY = "serve-test-key"
+PROMPT = "the quick brown fox"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@dataclass
+class Running:
+    config: Path
+    url: str
+    process: subprocess.Popen[str]
+
+    def client(self, key: str | None = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("serve")
+    weights = tiny_decoder(root / "model", "LlamaForCausalLM")
+    config = json.loads((root / "model" / "tokenizer_config.json").read_text()) if (
+        root / "model" / "tokenizer_config.json").is_file() else {}  # fmt: skip
+    config |= {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
+    (root / "model" / "tokenizer_config.json").write_text(json.dumps(config))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    tiny_adapter(root / "all", weights, 4, targets, seed=1)
+    tiny_adapter(root / "qv", weights, 2, ["q_proj", "v_proj"], seed=2)
+    adapters = {"all": root / "all", "qv": root / "qv"}
+    return export(root / "model", root / "out", adapters, options=ExportOptions(context_size=64)).path
+
+
+def _start(config: Path, *options: str) -> Running:
+    command = [sys.executable, "-m", "quiver", "serve", "-c", str(config), "--port", "0", *options]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if "http://" not in line:
+        process.kill()
+        raise AssertionError(f"the server did not start: {line}{process.communicate(timeout=30)[1]}")
+    url = line.split("http://", 1)[1].split("/v1", 1)[0]
+    return Running(config, f"http://{url}", process)
+
+
+def _stop(running: Running) -> None:
+    running.process.terminate()
+    assert running.process.wait(30) in (0, -15)
+
+
+@pytest.fixture(scope="module")
+def server(exported: Path) -> Iterator[Running]:
+    running = _start(exported, "--api-key", KEY)
+    yield running
+    _stop(running)
+
+
+def _t2t_greedy(config: Path, *args: str, tokens: int = 8) -> list[int]:
+    command = [sys.executable, "-m", "quiver", "t2t", "run", "-c", str(config), "-p", PROMPT, "--greedy", "--json",
+               "--max-new-tokens", str(tokens), *args]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return list(json.loads(result.stdout)["new_ids"])
+
+
+def _http(url: str, method: str = "GET", body: bytes | None = None, key: str | None = KEY) -> tuple[int, Any, Any]:
+    request = urllib.request.Request(url, data=body, method=method)
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.loads(error.read() or b"null")
+
+
+# --- the API the openai client speaks --------------------------------------------------------------------------
+def test_the_models_are_the_base_and_every_adapter(server: Running) -> None:
+    ids = [m.id for m in server.client().models.list().data]
+    assert ids == ["out", "all", "qv"]
+
+
+@pytest.mark.parametrize("adapter", [None, "all", "qv"])
+def test_greedy_completions_are_the_tokens_t2t_run_gives(server: Running, adapter: str | None) -> None:
+    expected = _t2t_greedy(server.config, *(["-l", adapter] if adapter else []))
+    model = adapter or "out"
+    reply = server.client().completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    choice = reply.choices[0]
+    assert choice.model_extra is not None and choice.model_extra["token_ids"] == expected
+    assert reply.usage is not None and reply.usage.completion_tokens == len(expected)
+    streamed = server.client().completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
+def test_a_request_sets_the_strengths_of_its_adapter(server: Running) -> None:
+    client = server.client()
+    base = client.completions.create(model="out", prompt=PROMPT, max_tokens=8, temperature=0)
+    off = client.completions.create(model="all", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"lora": {"all": 0.0}})  # fmt: skip
+    on = client.completions.create(model="all", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert off.choices[0].model_extra["token_ids"] == base.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert on.choices[0].model_extra["token_ids"] == _t2t_greedy(server.config, "-l", "all")  # type: ignore[index]
+
+
+def test_chat_renders_the_models_template_and_streams_the_same_reply(server: Running) -> None:
+    client = server.client()
+    messages: Any = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model="qv", messages=messages, max_tokens=6, temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].finish_reason in ("stop", "length")
+    pieces = list(client.chat.completions.create(model="qv", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True))  # fmt: skip
+    assert pieces[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in pieces) == whole.choices[0].message.content
+    assert pieces[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_sampling_with_a_seed_repeats(server: Running) -> None:
+    client = server.client()
+    runs = [client.completions.create(model="out", prompt=PROMPT, max_tokens=8, temperature=0.9, seed=5)
+            for _ in range(2)]  # fmt: skip
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+
+
+# --- bad requests: OpenAI's status codes and error objects, the server serving on ---------------------------------
+def test_without_the_key_only_health_answers(server: Running) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    status, _, body = _http(f"{server.url}/v1/models", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert _http(f"{server.url}/health", key=None)[0] == 200
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": "x"}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 10_000}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "nope", "prompt": PROMPT}).encode(), 404, "model"),
+        (json.dumps({"prompt": PROMPT}).encode(), 400, "model"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "n": 2}).encode(), 400, "n"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "stop": ["a"] * 5}).encode(), 400, "stop"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "logprobs": 3}).encode(), 400, "logprobs"),
+        (json.dumps({"model": "out", "prompt": ""}).encode(), 400, "prompt"),
+        (json.dumps({"model": "out", "prompt": [10**9]}).encode(), 400, "prompt"),
+        (json.dumps({"model": "all", "prompt": PROMPT, "lora": {"all": "x"}}).encode(), 400, "lora"),
+        (json.dumps({"model": "out", "prompt": PROMPT * 100}).encode(), 400, "prompt"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "stream": "yes"}).encode(), 400, "stream"),
+    ],
+)
+def test_bad_requests_get_openais_error_object(server: Running, body: bytes, status: int, param: str | None) -> None:
+    got, _, reply = _http(f"{server.url}/v1/completions", "POST", body)
+    assert got == status and set(reply["error"]) == {"message", "type", "param", "code"}, reply
+    assert reply["error"]["param"] == param
+    assert server.client().completions.create(model="out", prompt=PROMPT, max_tokens=2, temperature=0).choices
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server: Running) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # the headers only: no body follows
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {5 << 20}\r\n\r\n".encode())  # fmt: skip
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413") and '"code":"body_too_large"' in reply.replace(" ", "")
+
+
+def test_a_strength_the_adapter_lacks_is_a_400_and_chat_messages_are_checked(server: Running) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="no strength"):
+        client.completions.create(model="qv", prompt=PROMPT, max_tokens=2, extra_body={"lora": {"nope": 1.0}})
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="out", messages=[{"role": "wizard", "content": "x"}])  # type: ignore[misc]
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_the_rest_are_served(exported: Path) -> None:
+    running = _start(exported, "--max-queue", "1")
+    try:
+        body = json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}).encode()
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(lambda _: _http(f"{running.url}/v1/completions", "POST", body, None), range(12)))
+        refused = [r for r in results if r[0] == 429]
+        assert refused and all(r[1]["Retry-After"] and r[2]["error"]["type"] == "rate_limit_error" for r in refused)
+        assert all(r[0] == 200 for r in results if r[0] != 429)
+    finally:
+        _stop(running)
+
+
+def test_a_client_that_goes_away_mid_stream_leaves_the_server_serving(server: Running) -> None:
+    client = server.client()
+    for _ in range(3):
+        stream = client.completions.create(model="out", prompt=PROMPT, max_tokens=50, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()  # gone after its first token (the engine-level test shows the job stops)
+    assert client.completions.create(model="out", prompt=PROMPT, max_tokens=2, temperature=0).choices
+
+
+def test_metrics_count_requests_and_tokens(server: Running) -> None:
+    server.client().completions.create(model="out", prompt=PROMPT, max_tokens=3, temperature=0)
+    request = urllib.request.Request(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    for name in ("quiver_requests_total", "quiver_generated_tokens_total", "quiver_queue_length",
+                 "quiver_time_to_first_token_seconds_bucket", "quiver_adapter_loads_total"):  # fmt: skip
+        assert name in text, name
+    assert 'route="/v1/completions",status="200"' in text
+
+
+def test_a_server_beyond_loopback_needs_a_key(exported: Path) -> None:
+    command = [sys.executable, "-m", "quiver", "serve", "-c", str(exported), "--host", "0.0.0.0", "--port", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "needs an API key" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_engine_refuses_beyond_its_queue_and_skips_what_was_cancelled(exported: Path) -> None:
+    from quiver.serve.engine import Done, Engine, Generation, QueueFullError
+
+    with Dialog.from_config(exported) as dialog:
+        ids = dialog.tokenizer.encode(PROMPT)
+        request = Generation(ids, None, {}, 40, 0.0, 1.0, None, ())
+        engine = Engine(dialog, max_queue=1)
+        finished: list[Any] = []
+        arrived = threading.Event()
+
+        def sink(event: Any) -> None:
+            if isinstance(event, Done):
+                finished.append(event)
+                arrived.set()
+
+        engine.submit(request, sink)  # the worker takes it
+        time.sleep(0.05)
+        waiting = engine.submit(request, sink)
+        with pytest.raises(QueueFullError):
+            engine.submit(request, sink)
+        engine.cancel(waiting)
+        assert arrived.wait(30)
+        deadline = time.monotonic() + 10
+        while (engine.waiting or engine.busy) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker skips the cancelled one
+        assert len(finished) == 1  # the cancelled one never ran
+        arrived.clear()
+
+        def cancelling(event: Any) -> None:  # a client gone after the first token
+            if isinstance(event, Done):
+                finished.append(event)
+                arrived.set()
+            else:
+                engine.cancel(running)
+
+        running = engine.submit(request, cancelling)
+        assert arrived.wait(30)
+        engine.close()
+        assert finished[-1].finish_reason == "cancelled" and len(finished[-1].token_ids) < 40
+
+
+def test_the_serving_guides_example_runs(server: Running, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.support import ROOT
+
+    guide = (ROOT / "docs" / "serve.md").read_text()
+    block = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    code = (block.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1").replace('"KEY"', f'"{KEY}"')
+            .replace('"chat"', '"all"').replace('"sharp"', '"qv"'))  # fmt: skip
+    exec(compile(code, "docs/serve.md", "exec"), {})
+    assert "['out', 'all', 'qv']" in capsys.readouterr().out
