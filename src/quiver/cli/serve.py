@@ -56,9 +56,14 @@ def serve_command(
         models = ", ".join(server.served.model_ids())
         console.print(f"quiver serve on http://{bound_host}:{bound_port}/v1 (models: {models}; Ctrl-C stops it)")
 
-    # Ctrl-C (SIGINT) and SIGTERM stop it however it was started (uvicorn handles both)
+    # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: uvicorn shuts down on either, then
+    # raises it again, which ends here as KeyboardInterrupt (a shell starts background jobs with SIGINT
+    # ignored, and Python then leaves it ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve(server, host, port, on_ready=ready)
+    except KeyboardInterrupt:
+        pass
     finally:
         dialog.close()
