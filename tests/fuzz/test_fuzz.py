@@ -8,6 +8,7 @@ import random
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -287,21 +288,8 @@ def test_mutated_dialog_configs_are_read_or_dialog_config_errors(tmp_path: Path)
                      "groups": [{"name": "g", "members": ["all"]}]},
         }}},
     }}  # fmt: skip
-    rng = random.Random(6)
-    outcomes: Counter[str] = Counter()
-    path = tmp_path / "genie_config.json"
-    for _ in range(2000):
-        document = json.loads(json.dumps(good))
-        for _ in range(rng.randint(1, 3)):
-            _mutate(document, rng)
-        path.write_text(json.dumps(document))
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a QNN backend name warns and runs on cpu
-                read_dialog_config(path)
-            outcomes["read"] += 1
-        except DialogConfigError:
-            outcomes["refused"] += 1
+    outcomes = _mutations_read(good, 6, lambda d: _written(tmp_path / "genie_config.json", json.dumps(d)),
+                               read_dialog_config, DialogConfigError)  # fmt: skip
     assert outcomes["refused"] > 200 and outcomes["read"] > 20, outcomes  # both outcomes were reached
 
 
@@ -321,19 +309,38 @@ def test_mutated_lora_configs_are_read_or_adapter_errors(tmp_path: Path) -> None
         ],
         "attach_point_onnx_mapping": "map.json",
     }
-    rng = random.Random(7)
+    outcomes = _mutations_read(good, 7, lambda d: _written(tmp_path / "lora.yaml", yaml.safe_dump(d)),
+                               load_lora_config, AdapterError)  # fmt: skip
+    assert outcomes["refused"] > 200 and outcomes["read"] > 20, outcomes  # both outcomes were reached
+
+
+def _written(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _mutations_read(
+    good: dict[str, Any],
+    seed: int,
+    write: Callable[[dict[str, Any]], Path],
+    read: Callable[[Path], object],
+    refusal: type[Exception],
+    count: int = 2000,
+) -> Counter[str]:
+    """Writes `count` mutations of `good` and reads each back: every one must be read or refused with
+    `refusal` (anything else fails the test); how many of each."""
+    rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
-    path = tmp_path / "lora.yaml"
-    for _ in range(2000):
+    for _ in range(count):
         document = json.loads(json.dumps(good))
         for _ in range(rng.randint(1, 3)):
             _mutate(document, rng)
-        path.write_text(yaml.safe_dump(document))
+        path = write(document)
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # quant_overrides warns
-                load_lora_config(path)
+                warnings.simplefilter("ignore")  # a QNN backend name or quant_overrides warns, and is read
+                read(path)
             outcomes["read"] += 1
-        except AdapterError:
+        except refusal:
             outcomes["refused"] += 1
-    assert outcomes["refused"] > 200 and outcomes["read"] > 20, outcomes  # both outcomes were reached
+    return outcomes
