@@ -32,6 +32,7 @@ from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: E402
+from serve import measure_serve  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
 from timing import alternating_medians  # noqa: E402
 from tuning import measure_tuning  # noqa: E402
@@ -268,7 +269,17 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
-SECTIONS = ("family", "real_models", "wheel_models", "lora_sections", "quantization", "ort_api", "t2t", "tuning")
+SECTIONS = (
+    "family",
+    "real_models",
+    "wheel_models",
+    "lora_sections",
+    "quantization",
+    "ort_api",
+    "t2t",
+    "serve",
+    "tuning",
+)
 
 
 def main() -> None:
@@ -345,6 +356,10 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("text generation ...", file=sys.stderr)
             report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=15)
+        if "serve" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("serving ...", file=sys.stderr)
+            report["serve"] = measure_serve(folder, Path(corpus.stdout.strip()))
         if "tuning" in sections:
             models = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
             llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)

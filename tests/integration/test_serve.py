@@ -140,6 +140,13 @@ def test_chat_renders_the_models_template_and_streams_the_same_reply(server: Run
     assert pieces[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_min_tokens_keeps_the_end_of_sequence_out(server: Running) -> None:
+    reply = server.client().completions.create(model="out", prompt=PROMPT, max_tokens=30, temperature=0,
+                                               extra_body={"min_tokens": 30})  # fmt: skip
+    assert reply.usage is not None and reply.usage.completion_tokens == 30
+    assert reply.choices[0].finish_reason == "length"
+
+
 def test_sampling_with_a_seed_repeats(server: Running) -> None:
     client = server.client()
     runs = [client.completions.create(model="out", prompt=PROMPT, max_tokens=8, temperature=0.9, seed=5)
@@ -174,6 +181,7 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "all", "prompt": PROMPT, "lora": {"all": "x"}}).encode(), 400, "lora"),
         (json.dumps({"model": "out", "prompt": PROMPT * 100}).encode(), 400, "prompt"),
         (json.dumps({"model": "out", "prompt": PROMPT, "stream": "yes"}).encode(), 400, "stream"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 4, "min_tokens": 5}).encode(), 400, "min_tokens"),
     ],
 )
 def test_bad_requests_get_openais_error_object(server: Running, body: bytes, status: int, param: str | None) -> None:

@@ -49,6 +49,7 @@ class Generation:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    min_tokens: int = 0  # end-of-sequence tokens are kept out until this many were generated (vLLM's)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ class Engine:
             result: QueryResult = self.dialog.query(
                 request.prompt_ids,
                 max_new_tokens=request.max_tokens,
+                min_new_tokens=request.min_tokens,
                 greedy=request.temperature == 0,
                 temperature=request.temperature if request.temperature > 0 else None,
                 top_p=request.top_p if request.temperature > 0 else None,

@@ -3,7 +3,7 @@
 Only what the engine can honour is accepted: `n` 1, no `logprobs`, no `echo`, no `tools`; anything
 else is a 400 naming the field, as OpenAI's own server names it (`param`). Quiver's extensions ride in
 the body (the `openai` client's `extra_body`): `lora`, strengths per adapter (Genie's), e.g.
-`{"lora": {"chat": 0.5}}`. Non-streaming replies carry each choice's `token_ids`.
+`{"lora": {"chat": 0.5}}`, and vLLM's `min_tokens`. Non-streaming replies carry each choice's `token_ids`.
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= room:
         raise ApiError(400, f"'max_tokens' must be 1 to {room} (the context's room after the prompt), not "
                        f"{str(max_tokens)[:40]}", "max_tokens", "invalid_value")  # fmt: skip
+    min_tokens = _field(body, "min_tokens", (int,), 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise ApiError(400, f"'min_tokens' must be 0 to max_tokens ({max_tokens})", "min_tokens", "invalid_value")
     stop = _field(body, "stop", (str, list), [])
     stops = [stop] if isinstance(stop, str) else stop
     if len(stops) > MAX_STOP or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stops):
@@ -116,6 +119,7 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         seed=seed,
         stop=tuple(stops),
+        min_tokens=min_tokens,
     )
 
 
