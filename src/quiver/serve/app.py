@@ -129,7 +129,8 @@ class Server:
         body = await self._body(request)
         prompt = completion_prompt(body, self.served.vocabulary)
         ids = self.dialog.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return await self._generate(body, generation(body, self.served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS), False)
+        generation_ = generation(body, self.served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await self._generate(request, body, generation_, False)
 
     async def _chat(self, request: Request) -> Response:
         body = await self._body(request)
@@ -142,7 +143,7 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages", "invalid_value") from None
         ids = self.dialog.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
-        return await self._generate(body, generation(body, self.served, ids, None), True)
+        return await self._generate(request, body, generation(body, self.served, ids, None), True)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         declared = request.headers.get("content-length", "")
@@ -161,7 +162,7 @@ class Server:
             raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
         return body
 
-    async def _generate(self, body: dict[str, Any], request: Generation, chat: bool) -> Response:
+    async def _generate(self, http: Request, body: dict[str, Any], request: Generation, chat: bool) -> Response:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be true or false", "stream", "invalid_type")
@@ -174,12 +175,19 @@ class Server:
         request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])
         if stream:
             return StreamingResponse(self._events(job, events, request_id, model, chat), media_type="text/event-stream")
+        watcher = asyncio.create_task(self._cancel_when_gone(http, job))
         try:
             done = await self._collect(job, events)
-        except asyncio.CancelledError:
-            self.engine.cancel(job)
-            raise
+        finally:
+            watcher.cancel()
+            self.engine.cancel(job)  # a no-op once it is done
         return JSONResponse(completion(request_id, model, done, chat))
+
+    async def _cancel_when_gone(self, http: Request, job: Job) -> None:
+        """A client that hangs up before its whole reply frees the engine at the next step."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.25)
+        self.engine.cancel(job)
 
     async def _collect(self, job: Job, events: asyncio.Queue[Event]) -> Done:
         previous = job.submitted
