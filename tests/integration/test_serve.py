@@ -95,9 +95,14 @@ def _http(url: str, method: str = "GET", body: bytes | None = None, key: str | N
         request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.headers, json.loads(response.read() or b"null")
+            return response.status, response.headers, _decoded(response.read(), response.headers)
     except urllib.error.HTTPError as error:
-        return error.code, error.headers, json.loads(error.read() or b"null")
+        return error.code, error.headers, _decoded(error.read(), error.headers)
+
+
+def _decoded(data: bytes, headers: Any) -> Any:
+    """JSON replies as objects, the plain-text ones (vLLM's adapter routes) as text."""
+    return json.loads(data or b"null") if "json" in headers.get("Content-Type", "") else data.decode()
 
 
 # --- the API the openai client speaks --------------------------------------------------------------------------
@@ -312,3 +317,33 @@ def test_the_serving_guides_example_runs(server: Running, capsys: pytest.Capture
             .replace('"chat"', '"all"').replace('"sharp"', '"qv"'))  # fmt: skip
     exec(compile(code, "docs/serve.md", "exec"), {})
     assert "['out', 'all', 'qv']" in capsys.readouterr().out
+
+
+def test_adapters_load_and_unload_while_serving_when_allowed(exported: Path, server: Running) -> None:
+    body = json.dumps({"lora_name": "copy", "lora_path": str(exported.parent / "all.qsec")}).encode()
+    status, _, reply = _http(f"{server.url}/v1/load_lora_adapter", "POST", body)
+    assert status == 404 and reply["error"]["code"] == "not_enabled"  # off unless the server was told
+    running = _start(exported, "--allow-adapter-loading")
+    try:
+        client = running.client(key=None)
+        load = f"{running.url}/v1/load_lora_adapter"
+        assert urllib.request.urlopen(urllib.request.Request(load, data=body, method="POST"), timeout=60).status == 200
+        assert [m.id for m in client.models.list().data] == ["out", "all", "qv", "copy"]
+        tokens = [client.completions.create(model=m, prompt=PROMPT, max_tokens=8, temperature=0).choices[0]
+                  .model_extra["token_ids"] for m in ("copy", "all")]  # type: ignore[index]  # fmt: skip
+        assert tokens[0] == tokens[1]  # the same section under another name
+        for bad, code in [
+            ({"lora_name": "copy", "lora_path": str(exported.parent / "qv.qsec")}, "exists"),
+            ({"lora_name": "peft", "lora_path": str(exported.parent)}, "unsupported"),
+            ({"lora_name": "junk", "lora_path": str(exported)}, "invalid_adapter"),  # not a section
+            ({"lora_name": "none", "lora_path": "/no/such.qsec"}, "invalid_adapter"),
+        ]:
+            status, _, reply = _http(load, "POST", json.dumps(bad).encode(), None)
+            assert status == 400 and reply["error"]["code"] == code, reply
+        unload = json.dumps({"lora_name": "copy"}).encode()
+        assert _http(f"{running.url}/v1/unload_lora_adapter", "POST", unload, None)[0] == 200
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="copy", prompt=PROMPT, max_tokens=2)
+        assert _http(f"{running.url}/v1/unload_lora_adapter", "POST", unload, None)[0] == 404
+    finally:
+        _stop(running)

@@ -30,8 +30,16 @@ class ServeError(QuiverError):
               help="Requests that may wait; more are answered 429.")  # fmt: skip
 @click.option("--chat-template", type=click.Path(dir_okay=False, path_type=Path),
               help="A Jinja chat template (default: the model's, beside the config).")  # fmt: skip
+@click.option("--allow-adapter-loading", is_flag=True,
+              help="Let clients load and unload adapters (.qsec paths on this machine) while it serves.")  # fmt: skip
 def serve_command(
-    config_path: Path, host: str, port: int, api_key: str | None, max_queue: int, chat_template: Path | None
+    config_path: Path,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_queue: int,
+    chat_template: Path | None,
+    allow_adapter_loading: bool,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
@@ -50,7 +58,7 @@ def serve_command(
                          f"{API_KEY_ENVIRONMENT}, or listen on 127.0.0.1")  # fmt: skip
     template = find_chat_template(config_path.resolve().parent, chat_template)
     dialog = Dialog.from_config(config_path)
-    server = Server(dialog, base_name(config_path), template, key, max_queue)
+    server = Server(dialog, base_name(config_path), template, key, max_queue, adapter_loading=allow_adapter_loading)
 
     def ready(bound_host: str, bound_port: int) -> None:
         models = ", ".join(server.served.model_ids())

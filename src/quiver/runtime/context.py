@@ -490,6 +490,16 @@ class Context:
                 self._staged.pop(name, None)
         return loaded
 
+    def check_binary_section(
+        self,
+        graph: str | Graph | None,
+        section: str | Path | bytes | bytearray | memoryview | SectionFile,
+    ) -> SectionFile:
+        """Every check `apply_binary_section` makes (damage, context, graphs, tensors), changing nothing."""
+        loaded = sections.load_section(section)
+        self._bind(loaded, list(loaded.graphs) if graph is None else [_graph_name(graph)])
+        return loaded
+
     def _set_lora_strength(self, graph: str, adapter: str, value: float) -> None:
         with self._lock:
             state = self._state(graph)

@@ -76,10 +76,12 @@ class Server:
         api_key: str | None = None,
         max_queue: int = 64,
         max_body_bytes: int = MAX_BODY_BYTES,
+        adapter_loading: bool = False,
     ) -> None:
         self.dialog = dialog
-        self.served = Served(base, dialog.adapters, dialog.config.context_size, dialog.config.n_vocab)
+        self.base = base
         self.chat_template = chat_template
+        self.adapter_loading = adapter_loading
         self.max_body_bytes = max_body_bytes
         self.engine = Engine(dialog, max_queue, on_start=self._started)
         self.metrics = Metrics(lambda: self.engine.waiting, lambda: 1.0 if self.engine.busy else 0.0)
@@ -89,8 +91,16 @@ class Server:
             Route("/v1/models", self._counted("/v1/models", self._models), methods=["GET"]),
             Route("/v1/completions", self._counted("/v1/completions", self._completions), methods=["POST"]),
             Route("/v1/chat/completions", self._counted("/v1/chat/completions", self._chat), methods=["POST"]),
+            Route("/v1/load_lora_adapter", self._counted("/v1/load_lora_adapter", self._load), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self._counted("/v1/unload_lora_adapter", self._unload), methods=["POST"]),
         ]
         self.app: ASGIApp = _ApiKey(Starlette(routes=routes), api_key or None)
+
+    @property
+    def served(self) -> Served:
+        """The models as they are now (adapters may be loaded and unloaded while the server runs)."""
+        config = self.dialog.config
+        return Served(self.base, self.dialog.adapters, config.context_size, config.n_vocab)
 
     def close(self) -> None:
         self.engine.close()
@@ -144,6 +154,38 @@ class Server:
             raise ApiError(400, str(exc), "messages", "invalid_value") from None
         ids = self.dialog.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         return await self._generate(request, body, generation(body, self.served, ids, None), True)
+
+    async def _load(self, request: Request) -> Response:
+        """vLLM's route: `{"lora_name", "lora_path"}`, a section (.qsec) made for this model's context,
+        checked now and usable by the next request."""
+        body = await self._adapter_body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError(400, "give 'lora_name' and 'lora_path' (a .qsec of this model)", "lora_path", "missing")
+        if name == self.base or name in self.dialog.adapters:
+            raise ApiError(400, f"the model '{name[:100]}' exists already; unload it first", "lora_name", "exists")
+        if Path(path).is_dir():
+            raise ApiError(400, "a PEFT folder cannot be loaded while serving yet: make its section with `quiver t2t "
+                           "export --lora` and give the .qsec", "lora_path", "unsupported")  # fmt: skip
+        try:
+            await asyncio.to_thread(self.dialog.add_adapter, name, [path])
+        except QuiverError as exc:
+            raise ApiError(400, f"cannot load {path[:200]}: {exc}", "lora_path", "invalid_adapter") from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def _unload(self, request: Request) -> Response:
+        body = await self._adapter_body(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in self.dialog.adapters:
+            raise ApiError(404, f"no adapter '{str(name)[:100]}' to unload", "lora_name", "model_not_found")
+        self.dialog.remove_adapter(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    async def _adapter_body(self, request: Request) -> dict[str, Any]:
+        if not self.adapter_loading:
+            raise ApiError(404, "loading adapters while serving is off: start the server with "
+                           "--allow-adapter-loading", None, "not_enabled")  # fmt: skip
+        return await self._body(request)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         declared = request.headers.get("content-length", "")

@@ -22,7 +22,8 @@ from quiver import fork
 from quiver.backends.cpu import CpuBackend
 from quiver.errors import GenerationError, QuiverError
 from quiver.runtime.context import Context
-from quiver.t2t.config import DialogConfig, read_dialog_config
+from quiver.runtime.state import LoraStrengths
+from quiver.t2t.config import DialogConfig, LoraAdapterConfig, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.sampling import Sampler, Sampling
 from quiver.t2t.tokenizer import TextTokenizer
@@ -63,6 +64,7 @@ class Dialog:
 
     def __init__(self, config: DialogConfig) -> None:
         self.config = config
+        self._adapters = dict(config.adapters)  # the config's, and those added since (`add_adapter`)
         self.tokenizer = TextTokenizer(config.tokenizer)
         backend = (
             CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False)
@@ -345,7 +347,27 @@ class Dialog:
     # --- adapters -----------------------------------------------------------------------------------
     @property
     def adapters(self) -> list[str]:
-        return list(self.config.adapters)
+        return list(self._adapters)
+
+    def add_adapter(self, name: str, sections: Sequence[str | Path]) -> None:
+        """Makes one more adapter usable by name (a server loads them while it runs): its sections are
+        checked against the context now, every check `apply_lora` would make, and applied when a query
+        uses it. Its strengths are those its sections' metadata name."""
+        if not name or name in self._adapters:
+            raise GenerationError(f"an adapter needs a new name; {name!r} is {'taken' if name else 'empty'}")
+        if not sections:
+            raise GenerationError(f"adapter {name!r} needs at least one section (.qsec)")
+        alphas: list[str] = []
+        for section in sections:
+            loaded = self._context.check_binary_section(None, section)
+            strengths = LoraStrengths.from_metadata(loaded.metadata, str(section))
+            alphas += [a for a in (strengths.active if strengths else ()) if a not in alphas]
+        self._adapters[name] = LoraAdapterConfig(name, tuple(alphas), tuple(Path(s) for s in sections))
+
+    def remove_adapter(self, name: str) -> None:
+        """Forgets an adapter added or configured (queries on it are refused from now on)."""
+        if self._adapters.pop(name, None) is None:
+            raise GenerationError(f"no LoRA adapter {name!r}; it has {self.adapters or 'none'}")
 
     @property
     def adapter(self) -> str | None:
@@ -376,7 +398,7 @@ class Dialog:
             self._history, self._pending = [], []
 
     def _apply(self, name: str) -> None:
-        adapter = self.config.adapters.get(name)
+        adapter = self._adapters.get(name)
         if adapter is None:
             raise GenerationError(f"no LoRA adapter {name!r} in {self.config.path}; it has {self.adapters or 'none'}")
         for section in adapter.bin_sections:
