@@ -408,6 +408,9 @@ def _reply(sock: Any, message: dict[str, Any]) -> bool:
 class _TCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: under a flood of connections the kernel then drops new SYNs,
+    # and a client with the token waits for its SYN to be sent again, a second later
+    request_queue_size = 1024
     target: TargetServer
 
 
