@@ -79,14 +79,16 @@ class SessionSettings:
         return dataclasses.replace(self, **changes)
 
 
+_KNOB_TYPES = {f.name: type(f.default) for f in dataclasses.fields(SessionSettings)}
+
+
 def tuned_value_problem(name: str, value: object, cores: int | None = None) -> str | None:
     """Why a tuned value cannot be used on a machine of `cores` cores (default: this one's), or None."""
     cores = cores or os.cpu_count() or 1
-    kinds = {f.name: type(f.default) for f in dataclasses.fields(SessionSettings)}
-    if name not in kinds:
-        return f"{name!r} is not a knob of the cpu backend (its knobs: {', '.join(sorted(kinds))})"
-    if type(value) is not kinds[name]:
-        return f"{name}={value!r} is not a{'n' if kinds[name] is int else ''} {kinds[name].__name__}"
+    if name not in _KNOB_TYPES:
+        return f"{name!r} is not a knob of the cpu backend (its knobs: {', '.join(sorted(_KNOB_TYPES))})"
+    if type(value) is not _KNOB_TYPES[name]:
+        return f"{name}={value!r} is not a{'n' if _KNOB_TYPES[name] is int else ''} {_KNOB_TYPES[name].__name__}"
     if name == "intra_op_num_threads":
         holds, expected = isinstance(value, int) and 0 <= value <= cores, f"0 (all cores) to {cores} (the cores)"
     elif name == "dynamic_block_base":

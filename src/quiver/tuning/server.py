@@ -84,6 +84,9 @@ class TensorStore:
     def charge(self, nbytes: int, what: str) -> None:
         """Reserves `nbytes` of the budget (dropping unused tensors to make room), or raises `too-large`."""
         with self.lock:
+            if self._used + nbytes <= self.quota:  # every frame is charged: the common case costs no scan
+                self._used += nbytes
+                return
             unused = [k for k in self._tensors if not self._pins[k]]  # least recently used first
             if self._used - sum(self._tensors[k].nbytes for k in unused) + nbytes > self.quota:
                 raise ProtocolError(
