@@ -12,33 +12,23 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
-from quiver.t2t.dialog import Dialog
+from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.export import ExportOptions, export
+from tests.support.serving import KEY, Running, http, start_server, stop_server, t2t_greedy
 from tests.support.tiny_llm import tiny_adapter, tiny_decoder
 
-KEY = "serve-test-key"
 PROMPT = "the quick brown fox"
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-@dataclass
-class Running:
-    config: Path
-    url: str
-    process: subprocess.Popen[str]
-
-    def client(self, key: str | None = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -56,53 +46,15 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export(root / "model", root / "out", adapters, options=ExportOptions(context_size=64)).path
 
 
-def _start(config: Path, *options: str) -> Running:
-    command = [sys.executable, "-m", "quiver", "serve", "-c", str(config), "--port", "0", *options]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if "http://" not in line:
-        process.kill()
-        raise AssertionError(f"the server did not start: {line}{process.communicate(timeout=30)[1]}")
-    url = line.split("http://", 1)[1].split("/v1", 1)[0]
-    return Running(config, f"http://{url}", process)
-
-
-def _stop(running: Running) -> None:
-    running.process.terminate()  # SIGTERM: a clean shutdown
-    assert running.process.wait(30) == 0
-
-
 @pytest.fixture(scope="module")
 def server(exported: Path) -> Iterator[Running]:
-    running = _start(exported, "--api-key", KEY)
+    running = start_server(exported, "--api-key", KEY)
     yield running
-    _stop(running)
+    stop_server(running)
 
 
 def _t2t_greedy(config: Path, *args: str, tokens: int = 8) -> list[int]:
-    command = [sys.executable, "-m", "quiver", "t2t", "run", "-c", str(config), "-p", PROMPT, "--greedy", "--json",
-               "--max-new-tokens", str(tokens), *args]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return list(json.loads(result.stdout)["new_ids"])
-
-
-def _http(url: str, method: str = "GET", body: bytes | None = None, key: str | None = KEY) -> tuple[int, Any, Any]:
-    request = urllib.request.Request(url, data=body, method=method)
-    request.add_header("Content-Type", "application/json")
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.headers, _decoded(response.read(), response.headers)
-    except urllib.error.HTTPError as error:
-        return error.code, error.headers, _decoded(error.read(), error.headers)
-
-
-def _decoded(data: bytes, headers: Any) -> Any:
-    """JSON replies as objects, the plain-text ones (vLLM's adapter routes) as text."""
-    return json.loads(data or b"null") if "json" in headers.get("Content-Type", "") else data.decode()
+    return t2t_greedy(config, PROMPT, *args, tokens=tokens)
 
 
 # --- the API the openai client speaks --------------------------------------------------------------------------
@@ -163,9 +115,9 @@ def test_sampling_with_a_seed_repeats(server: Running) -> None:
 def test_without_the_key_only_health_answers(server: Running) -> None:
     with pytest.raises(openai.AuthenticationError):
         server.client(key="wrong").models.list()
-    status, _, body = _http(f"{server.url}/v1/models", key=None)
+    status, _, body = http(f"{server.url}/v1/models", key=None)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
-    assert _http(f"{server.url}/health", key=None)[0] == 200
+    assert http(f"{server.url}/health", key=None)[0] == 200
 
 
 @pytest.mark.parametrize(
@@ -190,7 +142,7 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
     ],
 )
 def test_bad_requests_get_openais_error_object(server: Running, body: bytes, status: int, param: str | None) -> None:
-    got, _, reply = _http(f"{server.url}/v1/completions", "POST", body)
+    got, _, reply = http(f"{server.url}/v1/completions", "POST", body)
     assert got == status and set(reply["error"]) == {"message", "type", "param", "code"}, reply
     assert reply["error"]["param"] == param
     assert server.client().completions.create(model="out", prompt=PROMPT, max_tokens=2, temperature=0).choices
@@ -228,16 +180,16 @@ def test_a_strength_the_adapter_lacks_is_a_400_and_chat_messages_are_checked(ser
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_the_rest_are_served(exported: Path) -> None:
-    running = _start(exported, "--max-queue", "1")
+    running = start_server(exported, "--max-queue", "1", "--max-batch", "1")
     try:
         body = json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}).encode()
         with ThreadPoolExecutor(12) as pool:
-            results = list(pool.map(lambda _: _http(f"{running.url}/v1/completions", "POST", body, None), range(12)))
+            results = list(pool.map(lambda _: http(f"{running.url}/v1/completions", "POST", body, None), range(12)))
         refused = [r for r in results if r[0] == 429]
         assert refused and all(r[1]["Retry-After"] and r[2]["error"]["type"] == "rate_limit_error" for r in refused)
         assert all(r[0] == 200 for r in results if r[0] != 429)
     finally:
-        _stop(running)
+        stop_server(running)
 
 
 def test_a_client_that_goes_away_mid_stream_leaves_the_server_serving(server: Running) -> None:
@@ -267,13 +219,37 @@ def test_a_server_beyond_loopback_needs_a_key(exported: Path) -> None:
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("lora", "says"),
+    [("nameonly", "NAME=PATH"), ("x=/no/such/folder", "such"), ("big={wide}", "rank"), ("all={peft}", "taken")],
+)
+def test_a_bad_lora_at_start_is_one_line(exported: Path, tmp_path: Path, lora: str, says: str) -> None:
+    """`--lora` adapters are checked before the server listens: not NAME=PATH, missing, a rank beyond the
+    context's branches, a name taken."""
+    from safetensors.numpy import load_file, save_file
+
+    wide = tmp_path / "wide"  # the "all" adapter's modules at twice its rank
+    wide.mkdir()
+    tensors = load_file(str(exported.parent.parent / "all" / "adapter_model.safetensors"))
+    config = json.loads((exported.parent.parent / "all" / "adapter_config.json").read_text()) | {"r": 8}
+    save_file({k: np.concatenate([v, v], axis=0 if ".lora_A." in k else 1) for k, v in tensors.items()},
+              str(wide / "adapter_model.safetensors"))  # fmt: skip
+    (wide / "adapter_config.json").write_text(json.dumps(config))
+    entry = lora.format(wide=wide, peft=exported.parent.parent / "qv")
+    command = [sys.executable, "-m", "quiver", "serve", "-c", str(exported), "--port", "0", "--lora", entry]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and says in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_the_engine_refuses_beyond_its_queue_and_skips_what_was_cancelled(exported: Path) -> None:
     from quiver.serve.engine import Done, Engine, Generation, QueueFullError
 
-    with Dialog.from_config(exported) as dialog:
-        ids = dialog.tokenizer.encode(PROMPT)
+    decoder = BatchDecoder.from_config(exported, max_batch=1)  # one running, then the queue
+    try:
+        ids = decoder.tokenizer.encode(PROMPT)
         request = Generation(ids, None, {}, 40, 0.0, 1.0, None, ())
-        engine = Engine(dialog, max_queue=1)
+        engine = Engine(decoder, max_queue=1)
         finished: list[Any] = []
         arrived = threading.Event()
 
@@ -283,16 +259,19 @@ def test_the_engine_refuses_beyond_its_queue_and_skips_what_was_cancelled(export
                 arrived.set()
 
         engine.submit(request, sink)  # the worker takes it
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while engine.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
         waiting = engine.submit(request, sink)
         with pytest.raises(QueueFullError):
             engine.submit(request, sink)
         engine.cancel(waiting)
-        assert arrived.wait(30)
-        deadline = time.monotonic() + 10
-        while (engine.waiting or engine.busy) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while (engine.waiting or engine.batch_size or len(finished) < 2) and time.monotonic() < deadline:
             time.sleep(0.01)  # the worker skips the cancelled one
-        assert len(finished) == 1  # the cancelled one never ran
+        ran, skipped = sorted(finished, key=lambda done: len(done.token_ids), reverse=True)
+        assert len(ran.token_ids) == 40 and ran.finish_reason == "length"
+        assert skipped.token_ids == [] and skipped.finish_reason == "cancelled"  # it never ran
         arrived.clear()
 
         def cancelling(event: Any) -> None:  # a client gone after the first token
@@ -306,6 +285,46 @@ def test_the_engine_refuses_beyond_its_queue_and_skips_what_was_cancelled(export
         assert arrived.wait(30)
         engine.close()
         assert finished[-1].finish_reason == "cancelled" and len(finished[-1].token_ids) < 40
+    finally:
+        decoder.close()
+
+
+def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Path) -> None:
+    """Six requests through a batch of four: they join as rows free up and leave at different steps (each
+    that ends hands its row to the last), on three adapters and strengths; each gets what it gets alone."""
+    from quiver.serve.engine import Done, Engine, Generation
+    from quiver.t2t.dialog import Dialog
+
+    cases = [(None, {}, 5), ("all", {}, 20), ("qv", {}, 9), ("all", {"all": 0.5}, 14), ("qv", {}, 3), (None, {}, 17)]
+    prompts = [PROMPT, "jumps over", "the lazy dog", PROMPT, "a b c", "over the dog"]
+    with Dialog.from_config(exported) as dialog:
+        expected = []
+        for (adapter, strengths, tokens), prompt in zip(cases, prompts):
+            dialog.use(adapter, strengths)
+            expected.append(dialog.query(prompt, max_new_tokens=tokens, greedy=True).new_ids)
+    decoder = BatchDecoder.from_config(exported, max_batch=4, adapter_slots=2)
+    try:
+        engine = Engine(decoder)
+        done: dict[int, Any] = {}
+        finished = threading.Event()
+
+        def sink_of(index: int) -> Any:
+            def sink(event: Any) -> None:
+                if isinstance(event, Done):
+                    done[index] = event
+                    if len(done) == len(cases):
+                        finished.set()
+
+            return sink
+
+        for index, ((adapter, strengths, tokens), prompt) in enumerate(zip(cases, prompts)):
+            ids = decoder.tokenizer.encode(prompt)
+            engine.submit(Generation(ids, adapter, strengths, tokens, 0.0, 1.0, None, ()), sink_of(index))
+        assert finished.wait(60)
+        engine.close()
+        assert [done[i].token_ids for i in range(len(cases))] == expected
+    finally:
+        decoder.close()
 
 
 def test_the_serving_guides_example_runs(server: Running, capsys: pytest.CaptureFixture[str]) -> None:
@@ -321,29 +340,37 @@ def test_the_serving_guides_example_runs(server: Running, capsys: pytest.Capture
 
 def test_adapters_load_and_unload_while_serving_when_allowed(exported: Path, server: Running) -> None:
     body = json.dumps({"lora_name": "copy", "lora_path": str(exported.parent / "all.qsec")}).encode()
-    status, _, reply = _http(f"{server.url}/v1/load_lora_adapter", "POST", body)
+    status, _, reply = http(f"{server.url}/v1/load_lora_adapter", "POST", body)
     assert status == 404 and reply["error"]["code"] == "not_enabled"  # off unless the server was told
-    running = _start(exported, "--allow-adapter-loading")
+    running = start_server(exported, "--allow-adapter-loading", "--lora", f"start={exported.parent.parent / 'qv'}")
     try:
         client = running.client(key=None)
         load = f"{running.url}/v1/load_lora_adapter"
         assert urllib.request.urlopen(urllib.request.Request(load, data=body, method="POST"), timeout=60).status == 200
-        assert [m.id for m in client.models.list().data] == ["out", "all", "qv", "copy"]
+        assert [m.id for m in client.models.list().data] == ["out", "all", "qv", "start", "copy"]
+        started = [client.completions.create(model=m, prompt=PROMPT, max_tokens=8, temperature=0).choices[0]
+                   .model_extra["token_ids"] for m in ("start", "qv")]  # type: ignore[index]  # fmt: skip
+        assert started[0] == started[1]  # --lora NAME=PEFT_FOLDER at start: the adapter the "qv" section holds
         tokens = [client.completions.create(model=m, prompt=PROMPT, max_tokens=8, temperature=0).choices[0]
                   .model_extra["token_ids"] for m in ("copy", "all")]  # type: ignore[index]  # fmt: skip
         assert tokens[0] == tokens[1]  # the same section under another name
         for bad, code in [
             ({"lora_name": "copy", "lora_path": str(exported.parent / "qv.qsec")}, "exists"),
-            ({"lora_name": "peft", "lora_path": str(exported.parent)}, "unsupported"),
+            ({"lora_name": "folder", "lora_path": str(exported.parent)}, "invalid_adapter"),  # no PEFT in it
+            ({"lora_name": "x" * 300, "lora_path": str(exported.parent / "qv.qsec")}, "invalid_value"),
             ({"lora_name": "junk", "lora_path": str(exported)}, "invalid_adapter"),  # not a section
             ({"lora_name": "none", "lora_path": "/no/such.qsec"}, "invalid_adapter"),
         ]:
-            status, _, reply = _http(load, "POST", json.dumps(bad).encode(), None)
+            status, _, reply = http(load, "POST", json.dumps(bad).encode(), None)
             assert status == 400 and reply["error"]["code"] == code, reply
+        peft = json.dumps({"lora_name": "peft", "lora_path": str(exported.parent.parent / "all")}).encode()
+        assert http(load, "POST", peft, None)[0] == 200  # the PEFT folder the "all" section was made from
+        reply = client.completions.create(model="peft", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert reply.choices[0].model_extra is not None and reply.choices[0].model_extra["token_ids"] == tokens[1]
         unload = json.dumps({"lora_name": "copy"}).encode()
-        assert _http(f"{running.url}/v1/unload_lora_adapter", "POST", unload, None)[0] == 200
+        assert http(f"{running.url}/v1/unload_lora_adapter", "POST", unload, None)[0] == 200
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="copy", prompt=PROMPT, max_tokens=2)
-        assert _http(f"{running.url}/v1/unload_lora_adapter", "POST", unload, None)[0] == 404
+        assert http(f"{running.url}/v1/unload_lora_adapter", "POST", unload, None)[0] == 404
     finally:
-        _stop(running)
+        stop_server(running)

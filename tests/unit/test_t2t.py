@@ -155,10 +155,14 @@ def test_adapters_and_strengths_follow_the_numpy_forward_pass(llama: Tiny, adapt
 def test_prefill_and_decode_share_every_weight(llama: Tiny) -> None:
     with quiver.Context.from_binary(llama.out / "model.qctx") as context:
         graphs = context.file.graphs
-        assert sorted(graphs) == ["decode", "prefill"]
-        prefill, decode = graphs["prefill"].weights, graphs["decode"].weights
+        assert sorted(graphs) == ["batch", "decode", "prefill"]
+        prefill, decode, batch = graphs["prefill"].weights, graphs["decode"].weights, graphs["batch"].weights
         assert prefill == decode  # every tensor name maps to the same stored weight
-        assert len(set(prefill.values())) == len(context.file.weights)
+        # the batched graph too: its adapter tables are inputs, not weights; only a few shape constants are its own
+        assert all(prefill[name] == index for name, index in batch.items() if name in prefill)
+        own = {index for name, index in batch.items() if name not in prefill} - set(prefill.values())
+        assert len(set(prefill.values()) | own) == len(context.file.weights)
+        assert sum(context.file.weights[i].length for i in own) < 1024
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(llama: Tiny) -> None:
@@ -247,6 +251,25 @@ def test_stop_sequences_end_the_text(llama: Tiny) -> None:
         stop = full.text[len(full.text) // 2 :][:2]
         cut = dialog.query(PROMPT, max_new_tokens=12, min_new_tokens=12, greedy=True, stop=[stop])
     assert cut.stop_reason == "stop-sequence" and cut.text == full.text[: full.text.find(stop)]
+
+
+def test_streamed_text_never_shows_a_stop_string_or_its_beginning(llama: Tiny) -> None:
+    """Text that may begin a stop string is held back until it does not: the pieces streamed are the
+    final text exactly (a stop string split over tokens never leaks its first characters)."""
+    with Dialog.from_config(llama.config) as dialog:
+        full = dialog.query(PROMPT, max_new_tokens=12, min_new_tokens=12, greedy=True)
+        for start in range(1, len(full.text) - 2):
+            stop = full.text[start : start + 3]
+            dialog.reset()
+            pieces: list[str] = []
+            cut = dialog.query(PROMPT, max_new_tokens=12, min_new_tokens=12, greedy=True, stop=[stop],
+                               on_token=pieces.append)  # fmt: skip
+            assert "".join(pieces) == cut.text == full.text[: full.text.find(stop)]
+        dialog.reset()
+        pieces = []
+        never = dialog.query(PROMPT, max_new_tokens=12, min_new_tokens=12, greedy=True, stop=[full.text[-2:] + "#"],
+                             on_token=pieces.append)  # fmt: skip
+    assert "".join(pieces) == never.text == full.text  # held back, then released at the end
 
 
 def test_bad_queries_and_adapters_are_generation_errors(llama: Tiny) -> None:

@@ -30,6 +30,14 @@ class ServeError(QuiverError):
               help="Requests that may wait; more are answered 429.")  # fmt: skip
 @click.option("--chat-template", type=click.Path(dir_okay=False, path_type=Path),
               help="A Jinja chat template (default: the model's, beside the config).")  # fmt: skip
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Sequences decoded together in one step (each has a KV cache of the context size).")  # fmt: skip
+@click.option("--max-loras", default=None, type=click.IntRange(1, 1024),
+              help="Adapter slots: adapters (at given strengths) held at once [default: --max-batch].")  # fmt: skip
+@click.option("--prefill-window", default=None, type=click.IntRange(1, 1 << 20),
+              help="Prompt tokens prefilled between two decode steps [default: the config's].")  # fmt: skip
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH",
+              help="One more adapter to serve: a PEFT folder or a .qsec of this context (repeatable).")  # fmt: skip
 @click.option("--allow-adapter-loading", is_flag=True,
               help="Let clients load and unload adapters (.qsec paths on this machine) while it serves.")  # fmt: skip
 def serve_command(
@@ -39,6 +47,10 @@ def serve_command(
     api_key: str | None,
     max_queue: int,
     chat_template: Path | None,
+    max_batch: int,
+    max_loras: int | None,
+    prefill_window: int | None,
+    loras: tuple[str, ...],
     allow_adapter_loading: bool,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
@@ -49,7 +61,7 @@ def serve_command(
         raise ServeError(
             f"serving needs the serve extra ({exc.name} is missing): pip install 'quiver[serve]'"
         ) from None
-    from quiver.t2t.dialog import Dialog
+    from quiver.t2t.batch import BatchDecoder
     from quiver.tuning.server import is_loopback
 
     key = api_key or os.environ.get(API_KEY_ENVIRONMENT) or None
@@ -57,8 +69,23 @@ def serve_command(
         raise ServeError(f"a server on {host} (beyond loopback) needs an API key: pass --api-key or set "
                          f"{API_KEY_ENVIRONMENT}, or listen on 127.0.0.1")  # fmt: skip
     template = find_chat_template(config_path.resolve().parent, chat_template)
-    dialog = Dialog.from_config(config_path)
-    server = Server(dialog, base_name(config_path), template, key, max_queue, adapter_loading=allow_adapter_loading)
+    added = [_named_path(entry) for entry in loras]
+    decoder = BatchDecoder.from_config(config_path, max_batch, max_loras)
+    try:
+        for name, path in added:
+            decoder.add_adapter(name, path)
+    except QuiverError:
+        decoder.close()
+        raise
+    server = Server(
+        decoder,
+        base_name(config_path),
+        template,
+        key,
+        max_queue,
+        adapter_loading=allow_adapter_loading,
+        prefill_window=prefill_window,
+    )
 
     def ready(bound_host: str, bound_port: int) -> None:
         models = ", ".join(server.served.model_ids())
@@ -74,4 +101,11 @@ def serve_command(
     except KeyboardInterrupt:
         pass
     finally:
-        dialog.close()
+        decoder.close()
+
+
+def _named_path(entry: str) -> tuple[str, Path]:
+    name, sep, path = entry.partition("=")
+    if not sep or not name or not path:
+        raise ServeError(f"--lora {entry!r}: give NAME=PATH (a PEFT folder or a .qsec)")
+    return name, Path(path)

@@ -6,6 +6,14 @@ R, the largest total rank any use case needs there; idx [R] says which entry of 
 input scales each rank column. ΔW = Σᵢ αᵢ·sᵢ·Bᵢ·Aᵢ, as PEFT computes with several adapters active.
 A Conv attach point gets Conv(x, A) (the base conv's geometry) -> ⊙ alpha per channel -> 1x1 Conv(·, s·B).
 
+Per-row slots (`per_row=True`: the batched graph `quiver serve` decodes with, every row of a step on its
+own adapter, BGMV's job): A and B are graph inputs holding K adapter slots stacked, Aᵀ as [K·R, in] and
+B as [K·R, out] (slot k in rows kR to kR+R-1; a slot's B carries its strengths already), and the input
+`lora_slots` [batch, K] is each row's slot, one-hot. The branch is x·A_allᵀ (every slot's down-projection
+in one product: the tables are read once per step, whatever the batch), masked to the row's own slot,
+times B_all: Σₖ onehotₖ·(x·Aₖᵀ)·Bₖ. No down-projection is shared in this form (nor in the graph whose
+sections fill the slots: their tensors must match by name).
+
 Linear attach points that read the same input (q/k/v, gate/up) share one down-projection: one MatMul
 by their A's side by side, then a Split. A small MatMul costs ORT about as much to launch as to
 compute, so three become one (about 1 % of a run of the benchmark transformer).
@@ -13,7 +21,7 @@ compute, so three become one (about 1 % of a run of the benchmark transformer).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +29,15 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from quiver.errors import AdapterError
+from quiver.ir.ops import MS_DOMAIN
 from quiver.ir.tensors import LORA_ALPHA_INPUT
 from quiver.lora.attach import AttachPoint
 from quiver.lora.peft import PeftAdapter
 
 ALPHA_INPUT = LORA_ALPHA_INPUT
+SLOT_INPUT = "lora_slots"  # [batch, slots] float32: each row's adapter slot, one-hot, in a per-row graph
+SLOT_AXIS = "adapter_slots"
+_B_SUFFIX, _INDEX_SUFFIX = ".B", ".adapter_index"  # a branch's B and the adapter of each of its ranks
 
 
 @dataclass(frozen=True)
@@ -101,11 +113,21 @@ def _splice_point(
 
 
 def create_lora_graph(
-    model: onnx.ModelProto, attach_points: Mapping[str, AttachPoint], ranks: Mapping[str, int], adapter_count: int
+    model: onnx.ModelProto,
+    attach_points: Mapping[str, AttachPoint],
+    ranks: Mapping[str, int],
+    adapter_count: int,
+    per_row: bool = False,
+    share_down_projections: bool = True,
 ) -> tuple[onnx.ModelProto, list[LoraSlot]]:
-    """The base model with a zero LoRA branch at each attach point and a `lora_alpha` input."""
-    if ALPHA_INPUT in {i.name for i in model.graph.input}:
-        raise AdapterError(f"the model already has an input named {ALPHA_INPUT!r}; it already has LoRA branches")
+    """The base model with a zero LoRA branch at each attach point and a `lora_alpha` input, or with
+    `per_row`, branches over per-row adapter slots (the module docstring) and a `lora_slots` input.
+    `share_down_projections` False gives every attach point its own A (a per-row graph never shares)."""
+    control = SLOT_INPUT if per_row else ALPHA_INPUT
+    if control in {i.name for i in model.graph.input}:
+        raise AdapterError(f"the model already has an input named {control!r}; it already has LoRA branches")
+    if per_row and any(p.op_type == "Conv" for p in attach_points.values()):
+        raise AdapterError("per-row adapter slots are made for linear layers (a decoder); this model adapts a Conv")
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
@@ -117,11 +139,12 @@ def create_lora_graph(
     constants = {t.name for t in graph.initializer}
     outputs = {o.name for o in graph.output}
     points = sorted(attach_points.items())
-    shared = _shared_inputs(points, by_name, result)
+    shared = _shared_inputs(points, by_name, result) if share_down_projections and not per_row else {}
     group_of = {module: group for group, modules in enumerate(shared.values()) for module in modules}
     widths = {x: sum(ranks[m] for m in modules) for x, modules in shared.items()}
     offsets: dict[str, int] = {}
     projected: dict[str, str] = {}  # module -> its branch's x·Aᵀ, which a shared down-projection's Split makes
+    masks: dict[int, list[onnx.NodeProto]] = {}  # per-row: rank -> the nodes making `lora.mask{rank}`
     slots = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}
     before: dict[str, list[onnx.NodeProto]] = {}  # a shared down-projection goes before its first reader
@@ -135,31 +158,48 @@ def create_lora_graph(
             offsets[x] = offset + rank
         else:
             a_name, offset, width = f"{tag}.A", 0, rank
-        slot = LoraSlot(point, rank, a_name, f"{tag}.B", f"{tag}.adapter_index", offset, width)
+        slot = LoraSlot(point, rank, a_name, tag + _B_SUFFIX, tag + _INDEX_SUFFIX, offset, width)
         a_shape, b_shape = _branch_shapes(slot)
-        if offset == 0:
-            graph.initializer.append(numpy_helper.from_array(np.zeros(a_shape, np.float32), slot.a_name))
-        graph.initializer.extend(
-            [
-                numpy_helper.from_array(np.zeros(b_shape, np.float32), slot.b_name),
-                numpy_helper.from_array(np.zeros(rank, np.int64), slot.index_name),
-            ]
-        )
+        if per_row:  # slot tables the caller owns and feeds: Aᵀ [K·R, in], B [K·R, out]
+            rows = f"{SLOT_AXIS}*{rank}"
+            graph.input.extend(
+                helper.make_tensor_value_info(name, TensorProto.FLOAT, [rows, size])
+                for name, size in ((slot.a_name, point.in_features), (slot.b_name, point.out_features))
+            )
+        else:
+            if offset == 0:
+                graph.initializer.append(numpy_helper.from_array(np.zeros(a_shape, np.float32), slot.a_name))
+            graph.initializer.extend(
+                [
+                    numpy_helper.from_array(np.zeros(b_shape, np.float32), slot.b_name),
+                    numpy_helper.from_array(np.zeros(rank, np.int64), slot.index_name),
+                ]
+            )
         # Add the delta after a following bias Add, if there is one: MatMul + bias stays fusable for ORT.
         splice_name, splice = _splice_point(point.node, node, users, constants, outputs)
         base_out, final_out = f"{tag}.base", splice.output[0]
         splice.output[0] = base_out
-        branch = [helper.make_node("Gather", [ALPHA_INPUT, slot.index_name], [alpha], name=f"{tag}.alpha")]
-        if point.op_type == "Conv":  # QNN's Conv -> Mul -> Conv: A keeps the base conv's geometry, B is 1x1
+        if per_row:  # every slot's x·Aᵀ, the row's own kept, times every slot's B: the row's delta
+            masks.setdefault(rank, _slot_mask(rank))
+            branch = [
+                helper.make_node(
+                    "FusedMatMul", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down", domain=MS_DOMAIN, transB=1
+                ),
+                helper.make_node("Mul", [f"{tag}.xa", f"lora.mask{rank}"], [f"{tag}.scaled"], name=f"{tag}.mask"),
+                helper.make_node("MatMul", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
+            ]
+        elif point.op_type == "Conv":  # QNN's Conv -> Mul -> Conv: A keeps the base conv's geometry, B is 1x1
             per_channel = f"{tag}.per_channel"
             graph.initializer.append(numpy_helper.from_array(np.array([1, -1, 1, 1], np.int64), per_channel))
-            branch += [
+            branch = [
+                helper.make_node("Gather", [ALPHA_INPUT, slot.index_name], [alpha], name=f"{tag}.alpha"),
                 helper.make_node("Conv", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down", **dict(point.conv)),
                 helper.make_node("Reshape", [alpha, per_channel], [f"{tag}.alpha4"], name=f"{tag}.alpha4"),
                 helper.make_node("Mul", [f"{tag}.xa", f"{tag}.alpha4"], [f"{tag}.scaled"], name=f"{tag}.scale"),
                 helper.make_node("Conv", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
             ]
         else:
+            branch = [helper.make_node("Gather", [ALPHA_INPUT, slot.index_name], [alpha], name=f"{tag}.alpha")]
             if module not in group_of:
                 branch.append(helper.make_node("MatMul", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down"))
             branch += [
@@ -181,15 +221,38 @@ def create_lora_graph(
             helper.make_node("MatMul", [x, a_name], [f"{down}.xa"], name=f"{down}.down"),
             helper.make_node("Split", [f"{down}.xa", sizes], parts, axis=-1, name=sizes),
         ]
-    ordered = []
+    ordered = [node for nodes in masks.values() for node in nodes]
     for i, node in enumerate(graph.node):  # each branch right after its attach node: stays topological
         ordered.extend(before.get(node.name or f"node_{i}", []))
         ordered.append(node)
         ordered.extend(new_nodes.get(node.name or f"node_{i}", []))
     del graph.node[:]
     graph.node.extend(ordered)
-    graph.input.append(helper.make_tensor_value_info(ALPHA_INPUT, TensorProto.FLOAT, [adapter_count]))
+    if per_row:
+        graph.input.append(helper.make_tensor_value_info(SLOT_INPUT, TensorProto.FLOAT, ["batch", SLOT_AXIS]))
+        graph.initializer.extend(
+            numpy_helper.from_array(np.array(shape, np.int64), name)
+            for name, shape in (("lora.mask_shape", [0, 1, -1, 1]), ("lora.mask_flat", [0, 1, -1]))
+        )
+        graph.initializer.extend(
+            numpy_helper.from_array(np.array([1, 1, 1, rank], np.int64), f"lora.mask{rank}_width") for rank in masks
+        )
+        if not any(o.domain == MS_DOMAIN for o in result.opset_import):
+            result.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    else:
+        graph.input.append(helper.make_tensor_value_info(ALPHA_INPUT, TensorProto.FLOAT, [adapter_count]))
     return result, slots
+
+
+def _slot_mask(rank: int) -> list[onnx.NodeProto]:
+    """`lora.mask{rank}` [batch, 1, K·rank]: the one-hot `lora_slots` repeated over each slot's rank
+    columns (made once per rank: every branch of that rank multiplies by it)."""
+    tag = f"lora.mask{rank}"
+    return [
+        helper.make_node("Reshape", [SLOT_INPUT, "lora.mask_shape"], [f"{tag}.4d"], name=f"{tag}.4d"),
+        helper.make_node("Expand", [f"{tag}.4d", f"{tag}_width"], [f"{tag}.wide"], name=f"{tag}.wide"),
+        helper.make_node("Reshape", [f"{tag}.wide", "lora.mask_flat"], [tag], name=tag),
+    ]
 
 
 def use_case_values(
@@ -232,6 +295,30 @@ def use_case_values(
             column = end
         values.update({slot.b_name: b_t, slot.index_name: index})
     return values
+
+
+def table_module(name: str) -> tuple[str, str] | None:
+    """The adapted module (as PEFT names it) and the side ("A" or "B") of a per-row graph's table, from its
+    name (`lora.<index>.<module>.A`), or None for another input."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != "lora" or not parts[1].isdigit() or parts[-1] not in ("A", "B"):
+        return None
+    return ".".join(parts[2:-1]), parts[-1]
+
+
+def slot_values(tables: Iterable[str], values: Mapping[str, np.ndarray], alphas: np.ndarray) -> dict[str, np.ndarray]:
+    """One per-row slot's rows of each table (`tables`: the per-row graph's A and B inputs) from a use
+    case's updateable tensors (a section's) and its strengths: Aᵀ [R, in], and B [R, out] with each rank
+    row times the strength of the adapter it belongs to (its `adapter_index`)."""
+    entries: dict[str, np.ndarray] = {}
+    for name in tables:
+        value = values[name]
+        if name.endswith(_B_SUFFIX):
+            index = np.asarray(values[name[: -len(_B_SUFFIX)] + _INDEX_SUFFIX], np.int64)
+            entries[name] = value * alphas[index][:, None]
+        else:
+            entries[name] = value.T
+    return entries
 
 
 @dataclass(frozen=True)

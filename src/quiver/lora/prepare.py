@@ -195,15 +195,20 @@ def lora_graph(
     name: str,
     attach_map: Mapping[str, str] | None = None,
     remedy: str = "",
+    per_row: bool = False,
+    share_down_projections: bool = True,
 ) -> LoraGraph:
     """One max-rank LoRA graph for every use case over `base` (adapters in the order given); `remedy`
-    ends the error when an adapted module has no attach point."""
+    ends the error when an adapted module has no attach point. `per_row` and `share_down_projections`:
+    `quiver.lora.create.create_lora_graph`'s."""
     modules = sorted({m for adapter in adapters.values() for m in adapter.modules})
     points, missing = find_attach_points(base, modules, attach_map)
     if missing:
         raise AdapterError(f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; {remedy}")
     cases = {u.name: u.adapters for u in use_cases}
-    model, slots = create_lora_graph(base, points, slot_ranks(adapters, cases), len(adapters))
+    model, slots = create_lora_graph(
+        base, points, slot_ranks(adapters, cases), len(adapters), per_row, share_down_projections
+    )
     return LoraGraph(model, slots, list(adapters), name)
 
 

@@ -69,7 +69,8 @@ _REMEMBERED_BYTES = 4096  # smaller feeds (token ids, positions) are new arrays 
 
 
 def validate_outputs(graph_name: str, outputs: tuple[TensorInfo, ...], out: Mapping[str, np.ndarray]) -> None:
-    """Output buffers must be writable, C-contiguous numpy arrays of the output's dtype and (fixed) shape."""
+    """Output buffers must be writable, C-contiguous numpy arrays of the output's dtype and shape: its fixed
+    dimensions as they are, a named one (a batch) of any size the run's feeds then give it (ORT checks)."""
     expected = {o.name: o for o in outputs}
     for name, array in out.items():
         info = expected.get(name)
@@ -79,8 +80,13 @@ def validate_outputs(graph_name: str, outputs: tuple[TensorInfo, ...], out: Mapp
             raise FeedDTypeError(f"graph {graph_name!r}: the buffer for {name!r} must be a writable C-contiguous array")
         if array.dtype != info.numpy_dtype:
             raise FeedDTypeError(f"graph {graph_name!r}: output {name!r} is {info.dtype}; its buffer is {array.dtype}")
-        if info.shape is None or any(not isinstance(d, int) for d in info.shape) or tuple(info.shape) != array.shape:
+        fits = (
+            info.shape is not None
+            and len(info.shape) == array.ndim
+            and all(not isinstance(d, int) or d == n for d, n in zip(info.shape, array.shape))
+        )
+        if not fits:
             raise FeedShapeError(
                 f"graph {graph_name!r}: output {name!r} has shape {list(info.shape or [])}; its buffer is "
-                f"{list(array.shape)} (buffers are for outputs of a fixed shape)"
+                f"{list(array.shape)} (buffers are for outputs of a known rank and fixed dimensions)"
             )

@@ -37,9 +37,10 @@ from quiver.serve.openai_api import (
     generation,
     new_id,
 )
-from quiver.t2t.dialog import Dialog
+from quiver.t2t.batch import BatchDecoder
 
 MAX_BODY_BYTES = 4 << 20
+MAX_MODEL_NAME = 256  # characters of an adapter name a client gives
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions (chat runs until the context is full)
 
 
@@ -70,21 +71,23 @@ class Server:
 
     def __init__(
         self,
-        dialog: Dialog,
+        decoder: BatchDecoder,
         base: str,
         chat_template: ChatTemplate | None = None,
         api_key: str | None = None,
         max_queue: int = 64,
         max_body_bytes: int = MAX_BODY_BYTES,
         adapter_loading: bool = False,
+        prefill_window: int | None = None,
     ) -> None:
-        self.dialog = dialog
+        self.decoder = decoder
         self.base = base
         self.chat_template = chat_template
         self.adapter_loading = adapter_loading
         self.max_body_bytes = max_body_bytes
-        self.engine = Engine(dialog, max_queue, on_start=self._started)
-        self.metrics = Metrics(lambda: self.engine.waiting, lambda: 1.0 if self.engine.busy else 0.0)
+        decoder.on_fill = self._filled
+        self.engine = Engine(decoder, max_queue, on_step=self._stepped, prefill_window=prefill_window)
+        self.metrics = Metrics(lambda: self.engine.waiting, lambda: self.engine.batch_size)
         routes = [
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
@@ -99,15 +102,18 @@ class Server:
     @property
     def served(self) -> Served:
         """The models as they are now (adapters may be loaded and unloaded while the server runs)."""
-        config = self.dialog.config
-        return Served(self.base, self.dialog.adapters, config.context_size, config.n_vocab)
+        config = self.decoder.config
+        return Served(self.base, self.decoder.adapters.names, config.context_size, config.n_vocab)
 
     def close(self) -> None:
         self.engine.close()
 
-    def _started(self, job: Job) -> None:
-        if job.generation.adapter is not None:
-            self.metrics.adapter_loads.inc()
+    def _filled(self, seconds: float) -> None:
+        self.metrics.adapter_loads.inc()
+        self.metrics.adapter_fill.observe(seconds)
+
+    def _stepped(self, rows: int) -> None:
+        self.metrics.decode_steps.labels(str(rows)).inc()
 
     def _counted(self, route: str, handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
         async def counted(request: Request) -> Response:
@@ -138,7 +144,7 @@ class Server:
     async def _completions(self, request: Request) -> Response:
         body = await self._body(request)
         prompt = completion_prompt(body, self.served.vocabulary)
-        ids = self.dialog.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = self.decoder.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         generation_ = generation(body, self.served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await self._generate(request, body, generation_, False)
 
@@ -152,23 +158,24 @@ class Server:
             text = self.chat_template.render(messages)
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages", "invalid_value") from None
-        ids = self.dialog.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        ids = self.decoder.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         return await self._generate(request, body, generation(body, self.served, ids, None), True)
 
     async def _load(self, request: Request) -> Response:
-        """vLLM's route: `{"lora_name", "lora_path"}`, a section (.qsec) made for this model's context,
-        checked now and usable by the next request."""
+        """vLLM's route: `{"lora_name", "lora_path"}`, a PEFT folder or a section (.qsec) made for this
+        model's context, checked now and usable by the next request."""
         body = await self._adapter_body(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise ApiError(400, "give 'lora_name' and 'lora_path' (a .qsec of this model)", "lora_path", "missing")
-        if name == self.base or name in self.dialog.adapters:
+            raise ApiError(400, "give 'lora_name' and 'lora_path' (a PEFT folder, or a .qsec of this model)",
+                           "lora_path", "missing")  # fmt: skip
+        if len(name) > MAX_MODEL_NAME or not name.isprintable():
+            raise ApiError(400, f"'lora_name' must be up to {MAX_MODEL_NAME} printable characters", "lora_name",
+                           "invalid_value")  # fmt: skip
+        if name == self.base or name in self.decoder.adapters.names:
             raise ApiError(400, f"the model '{name[:100]}' exists already; unload it first", "lora_name", "exists")
-        if Path(path).is_dir():
-            raise ApiError(400, "a PEFT folder cannot be loaded while serving yet: make its section with `quiver t2t "
-                           "export --lora` and give the .qsec", "lora_path", "unsupported")  # fmt: skip
         try:
-            await asyncio.to_thread(self.dialog.add_adapter, name, [path])
+            await asyncio.to_thread(self.decoder.add_adapter, name, path)
         except QuiverError as exc:
             raise ApiError(400, f"cannot load {path[:200]}: {exc}", "lora_path", "invalid_adapter") from None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
@@ -176,9 +183,9 @@ class Server:
     async def _unload(self, request: Request) -> Response:
         body = await self._adapter_body(request)
         name = body.get("lora_name")
-        if not isinstance(name, str) or name not in self.dialog.adapters:
+        if not isinstance(name, str) or name not in self.decoder.adapters.names:
             raise ApiError(404, f"no adapter '{str(name)[:100]}' to unload", "lora_name", "model_not_found")
-        self.dialog.remove_adapter(name)
+        self.decoder.remove_adapter(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def _adapter_body(self, request: Request) -> dict[str, Any]:

@@ -1,14 +1,23 @@
-"""The generation engine behind `quiver serve`: a bounded queue of requests and one worker that runs them.
+"""The generation engine behind `quiver serve`: continuous batching of requests on mixed adapters.
 
-The worker owns the dialog (its KV cache, its applied adapter): each request gets the adapter and
-strengths it names (a section applied in well under a millisecond), a fresh conversation, and its
-tokens as they are decided. Events go to a sink the caller gives (the HTTP layer's event loop), so a
-slow client never holds the worker. One request runs at a time for now; batching many sequences in one
-decode step is the next step of this engine (see the issue "Serving").
+One worker thread drives a `BatchDecoder`. Requests wait in a bounded queue and join the running batch
+at step boundaries: a request takes a KV row and its adapter's slot (filled from the adapter's sections,
+or its PEFT folder, if no slot holds it), and its prompt is prefilled a window at a time. Each decode
+step runs every sequence in the batch, each on its own adapter and strengths, in one run of the
+batched graph. A sequence that ends (or whose client went away) leaves at the next step boundary and
+gives its row and slot back. Events go to a sink the caller gives (the HTTP layer's event loop), so a
+slow client never holds the worker.
+
+Prefill against decode: a request never stalls a stream that began before it arrived by more than one
+prefill window (a decode step follows each window). Requests that arrive together, while no stream
+decodes yet, are prefilled back to back before their first decode step, as vLLM's scheduler gives
+prefills priority: each gets its first token as early as the machine allows, and a stream of that
+wave waits for the wave's prompts once, between its first and second token.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -16,8 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from quiver.errors import QuiverError
-from quiver.t2t.dialog import Dialog, QueryResult
+from quiver.t2t.batch import BatchDecoder
+from quiver.t2t.continuation import Continuation
+from quiver.t2t.sampling import Sampler, Sampling
 
 FinishReason = Literal["stop", "length", "cancelled"]
 _FINISH: dict[str, FinishReason] = {
@@ -27,10 +40,6 @@ _FINISH: dict[str, FinishReason] = {
     "context-full": "length",
     "aborted": "cancelled",
 }
-
-
-class _Cancelled(Exception):
-    """Raised from the token callback when the client is gone: the query ends at once."""
 
 
 class QueueFullError(QuiverError):
@@ -84,25 +93,47 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-class Engine:
-    """Runs generations on one dialog, first come first served, at most `max_queue` waiting."""
+@dataclass
+class _Sequence:
+    """A request in the batch: its row, its adapter slot, its prompt as fed so far, its reply."""
 
-    def __init__(self, dialog: Dialog, max_queue: int = 64, on_start: Callable[[Job], object] | None = None) -> None:
-        self.dialog = dialog
+    job: Job
+    row: int
+    slot: int
+    reply: Continuation
+    cached: int = 0  # tokens in its cache row
+    began: float = math.inf  # when its prompt was all in (its stream began)
+
+
+class Engine:
+    """Runs generations in one batch of at most `decoder.max_batch` sequences, `max_queue` waiting."""
+
+    def __init__(
+        self,
+        decoder: BatchDecoder,
+        max_queue: int = 64,
+        on_step: Callable[[int], object] | None = None,
+        prefill_window: int | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self._window = prefill_window or decoder.config.prefill_window
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
-        self._running: Job | None = None
-        self._lock = threading.Lock()
-        self._on_start = on_start
+        self._rows: list[_Sequence] = []  # decoding: row i is self._rows[i]
+        self._prefilling: _Sequence | None = None  # in the row after them
+        self._held: Job | None = None  # taken from the queue, waiting for an adapter slot to come free
+        self._closing = False
+        self._on_step = on_step  # told the rows of every decode step
         self._thread = threading.Thread(target=self._work, name="quiver-serve-engine", daemon=True)
         self._thread.start()
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + (self._held is not None)
 
     @property
-    def busy(self) -> bool:
-        return self._running is not None
+    def batch_size(self) -> int:
+        """Sequences in the batch: decoding, and the one being prefilled."""
+        return len(self._batch())
 
     def submit(self, generation: Generation, sink: Callable[[Event], object]) -> Job:
         """Queues a generation; its events go to `sink` (from the engine's thread). Raises `QueueFullError`."""
@@ -114,14 +145,12 @@ class Engine:
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: a waiting job is skipped, a running one stops after its current step."""
+        """The client is gone: a waiting job is skipped, a running one leaves the batch at the next step."""
         job.cancelled.set()
-        with self._lock:
-            if self._running is job:
-                self.dialog.abort()
 
     def close(self) -> None:
-        """Stops the worker after the job it runs (waiting ones are cancelled)."""
+        """Stops the worker at the next step boundary; every request not finished ends cancelled."""
+        self._closing = True
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -129,53 +158,168 @@ class Engine:
                 break
             if job is not None:
                 job.cancelled.set()
-        self._queue.put(None)
+                job.sink(_unrun(job))
+        try:
+            self._queue.put_nowait(None)  # wakes a worker waiting for work
+        except queue.Full:
+            pass
         self._thread.join(30)
 
+    # --- the worker -------------------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                continue
-            with self._lock:
-                self._running = job
+        while not self._closing:
             try:
-                if self._on_start is not None:
-                    self._on_start(job)
-                job.sink(self._run(job))
+                self._admit()
+                if self._prefilling is not None:
+                    self._prefill()
+                    if self._prefill_first():
+                        continue
+                if self._rows:
+                    self._decode()
+            except Exception as exc:  # noqa: BLE001  the worker never dies: the batch fails, typed, and it goes on
+                failure = exc if isinstance(exc, QuiverError) else QuiverError(f"generation failed: {exc!r}")
+                for sequence in self._batch():
+                    self._leave(sequence, Failed(failure))
+        for sequence in self._batch():
+            self._leave(sequence, self._done(sequence, "cancelled"))
+        if self._held is not None:
+            self._held.sink(_unrun(self._held))
+
+    def _batch(self) -> list[_Sequence]:
+        return [*self._rows, *([self._prefilling] if self._prefilling is not None else [])]
+
+    def _admit(self) -> None:
+        """Takes the next request into the batch when a row is free and no prompt is being prefilled
+        (waits for one when nothing runs)."""
+        while self._prefilling is None and len(self._rows) < self.decoder.max_batch and not self._closing:
+            job = self._held
+            self._held = None
+            if job is None:
+                try:
+                    job = self._queue.get(block=not self._rows)
+                except queue.Empty:
+                    return
+                if job is None:
+                    return
+            if job.cancelled.is_set():
+                job.sink(_unrun(job))
+                continue
+            request = job.generation
+            try:
+                slot = self.decoder.acquire_slot(request.adapter, request.strengths)
             except QuiverError as exc:
                 job.sink(Failed(exc))
-            except Exception as exc:  # noqa: BLE001  the worker never dies: the request fails, typed
-                job.sink(Failed(QuiverError(f"generation failed: {type(exc).__name__}: {exc}")))
-            finally:
-                with self._lock:
-                    self._running = None
+                continue
+            if slot is None:  # every slot holds an adapter in use: wait for a sequence to end
+                self._held = job
+                return
+            self._prefilling = _Sequence(job, len(self._rows), slot, self._reply(request))
 
-    def _run(self, job: Job) -> Done:
-        request = job.generation
-        self.dialog.use(request.adapter, request.strengths)
+    def _reply(self, request: Generation) -> Continuation:
+        sampled = request.temperature > 0
+        sampling = Sampling(
+            greedy=not sampled,
+            temperature=request.temperature if sampled else 1.0,
+            top_k=0,  # OpenAI's API has no top-k: all tokens
+            top_p=request.top_p if sampled else 1.0,
+            seed=request.seed,
+        )
+        config = self.decoder.config
+        return Continuation(
+            self.decoder.tokenizer,
+            Sampler(sampling),
+            config.eos_tokens,
+            request.prompt_ids,
+            len(request.prompt_ids),
+            config.context_size,
+            request.max_tokens,
+            request.min_tokens,
+            request.stop,
+        )
 
-        def on_token(piece: str) -> None:
-            if job.cancelled.is_set():
-                raise _Cancelled
-            job.sink(Token(piece, time.perf_counter()))
+    def _prefill_first(self) -> bool:
+        """Whether the next prompt window may run before a decode step: while no sequence decodes yet and
+        the prompt arrived before every running stream began (requests that arrive together are prefilled
+        back to back, their first tokens as early as they can be). Otherwise a decode step comes after
+        each window: a request stalls streams that began before it by one window at most."""
+        if any(len(s.reply.new_ids) > 1 for s in self._rows):
+            return False
+        began = min((s.began for s in self._rows), default=math.inf)
+        if self._prefilling is not None:
+            return self._prefilling.job.submitted < began
+        with self._queue.mutex:  # the next request to join: held for a slot, else the queue's first
+            waiting = self._held or next((j for j in self._queue.queue if j is not None), None)
+        return waiting is not None and waiting.submitted < began
 
-        try:
-            result: QueryResult = self.dialog.query(
-                request.prompt_ids,
-                max_new_tokens=request.max_tokens,
-                min_new_tokens=request.min_tokens,
-                greedy=request.temperature == 0,
-                temperature=request.temperature if request.temperature > 0 else None,
-                top_p=request.top_p if request.temperature > 0 else None,
-                top_k=0 if request.temperature > 0 else None,  # OpenAI's API has no top-k: all tokens
-                seed=request.seed,
-                on_token=on_token,
-                stop=request.stop,
-            )
-        except _Cancelled:
-            return Done(len(request.prompt_ids), [], "", "cancelled")
-        reason = "cancelled" if job.cancelled.is_set() else _FINISH.get(result.stop_reason, "stop")
-        return Done(len(request.prompt_ids), list(result.new_ids), result.text, reason)
+    def _prefill(self) -> None:
+        """One window of the prompt being prefilled; its first token when the prompt is all in."""
+        sequence = self._prefilling
+        assert sequence is not None
+        if sequence.job.cancelled.is_set():
+            self._leave(sequence, self._done(sequence, "cancelled"))
+            return
+        prompt = sequence.job.generation.prompt_ids
+        window = prompt[sequence.cached : sequence.cached + self._window]
+        logits = self.decoder.prefill(sequence.row, window, sequence.cached, sequence.slot)
+        sequence.cached += len(window)
+        if sequence.cached < len(prompt):
+            return
+        self._prefilling = None
+        row = len(self._rows)  # rows may have left while it was prefilled: it joins right after the others
+        if sequence.row != row:
+            self.decoder.move(sequence.row, row, sequence.cached)
+            sequence.row = row
+        self._rows.append(sequence)
+        sequence.began = time.perf_counter()
+        self._advance(sequence, logits)
+
+    def _decode(self) -> None:
+        """One step of every decoding sequence, each on its own adapter slot."""
+        for sequence in [s for s in self._rows if s.job.cancelled.is_set()]:
+            self._leave(sequence, self._done(sequence, "cancelled"))
+        if not self._rows:
+            return
+        rows = list(self._rows)
+        logits = self.decoder.decode(
+            [s.reply.new_ids[-1] for s in rows], [s.cached for s in rows], [s.slot for s in rows]
+        )
+        if self._on_step is not None:
+            self._on_step(len(rows))
+        for sequence in rows:  # all first: a sequence that ends moves the last one, whole, into its row
+            sequence.cached += 1
+        for index, sequence in enumerate(rows):
+            self._advance(sequence, logits[index])
+
+    def _advance(self, sequence: _Sequence, logits: np.ndarray) -> None:
+        """The sequence's next token from its logits: streamed, and the end of its reply when it ends."""
+        piece = sequence.reply.step(logits)
+        if piece:
+            sequence.job.sink(Token(piece, time.perf_counter()))
+        reason = sequence.reply.reason
+        if reason is not None:
+            self._leave(sequence, self._done(sequence, _FINISH.get(reason, "stop")))
+
+    @staticmethod
+    def _done(sequence: _Sequence, reason: FinishReason) -> Done:
+        reply = sequence.reply
+        return Done(len(sequence.job.generation.prompt_ids), list(reply.new_ids), reply.text, reason)
+
+    def _leave(self, sequence: _Sequence, event: Event) -> None:
+        """The sequence gives its row (to the last one, moved into it) and its slot back; its client gets
+        `event`."""
+        if sequence is self._prefilling:
+            self._prefilling = None
+        elif sequence in self._rows:
+            index = self._rows.index(sequence)
+            last = self._rows.pop()
+            if last is not sequence:
+                self.decoder.move(last.row, index, last.cached)
+                last.row = index
+                self._rows[index] = last
+        self.decoder.release_slot(sequence.slot)
+        sequence.job.sink(event)
+
+
+def _unrun(job: Job) -> Done:
+    """The end of a request that never ran (its client went away, or the server is stopping)."""
+    return Done(len(job.generation.prompt_ids), [], "", "cancelled")

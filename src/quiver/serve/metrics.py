@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+_FILL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -19,9 +20,13 @@ class Metrics:
         self.requests = Counter("quiver_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.prompt_tokens = Counter("quiver_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("quiver_generated_tokens", "Tokens generated", registry=r)
-        self.adapter_loads = Counter("quiver_adapter_loads", "Adapter sections applied for a request", registry=r)
+        self.adapter_loads = Counter("quiver_adapter_loads", "Adapter slots filled for a request", registry=r)
         Gauge("quiver_queue_length", "Requests waiting for the engine", registry=r).set_function(waiting)
-        Gauge("quiver_batch_size", "Sequences in the running decode step", registry=r).set_function(running)
+        Gauge("quiver_batch_size", "Sequences in the running batch", registry=r).set_function(running)
+        self.decode_steps = Counter("quiver_decode_steps", "Decode steps by their rows (sequences decoded together)",
+                                    ["rows"], registry=r)  # fmt: skip
+        self.adapter_fill = Histogram("quiver_adapter_slot_fill_seconds", "Filling an adapter slot from its sections",
+                                      buckets=_FILL_BUCKETS, registry=r)  # fmt: skip
         self.first_token = Histogram("quiver_time_to_first_token_seconds", "From arrival to the first token",
                                      buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.between_tokens = Histogram("quiver_inter_token_latency_seconds", "Between two tokens of a stream",

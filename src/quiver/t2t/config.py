@@ -20,6 +20,7 @@ from quiver.errors import DialogConfigError
 from quiver.formats.files import read_text
 
 PREFILL_GRAPH, DECODE_GRAPH = "prefill", "decode"
+BATCH_GRAPH = "batch"  # many sequences per step, each row on its own adapter slot (`quiver serve`)
 DEFAULT_PREFILL_WINDOW = 128
 _QNN_BACKENDS = {"QnnHtp", "QnnGpu", "QnnGenAiTransformer", "QnnCpu", "QnnDsp"}
 

@@ -22,8 +22,9 @@ from quiver import fork
 from quiver.backends.cpu import CpuBackend
 from quiver.errors import GenerationError, QuiverError
 from quiver.runtime.context import Context
-from quiver.runtime.state import LoraStrengths
-from quiver.t2t.config import DialogConfig, LoraAdapterConfig, read_dialog_config
+from quiver.t2t.adapters import AdapterSet
+from quiver.t2t.config import DialogConfig, read_dialog_config
+from quiver.t2t.continuation import Continuation
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.sampling import Sampler, Sampling
 from quiver.t2t.tokenizer import TextTokenizer
@@ -64,7 +65,6 @@ class Dialog:
 
     def __init__(self, config: DialogConfig) -> None:
         self.config = config
-        self._adapters = dict(config.adapters)  # the config's, and those added since (`add_adapter`)
         self.tokenizer = TextTokenizer(config.tokenizer)
         backend = (
             CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False)
@@ -72,6 +72,7 @@ class Dialog:
             else "reference"
         )
         self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
+        self._adapters = AdapterSet(self._context, config.adapters, config.path)  # and those added since
         try:
             self._prefill = self._context.graph(config.prefill_graph)
             self._decode = self._context.graph(config.decode_graph)
@@ -205,43 +206,29 @@ class Dialog:
             self._step(self._prefill, fed[begin : begin + window])
         self._pending = []
         prefilled = time.perf_counter()
-        eos = set(self.config.eos_tokens)
-        eos_ids = np.array(sorted(eos), np.int64)
-        seen = list(self._history)
-        new: list[int] = []
-        stream = self.tokenizer.stream()
-        text, reason = "", "max-new-tokens"
+        reply = Continuation(
+            self.tokenizer,
+            sampler,
+            self.config.eos_tokens,
+            self._history,
+            len(self._history),
+            self.config.context_size,
+            max_new_tokens,
+            min_new_tokens,
+            stop,
+        )
         while True:
-            logits = self._logits.reshape(-1)
-            if len(new) < min_new_tokens and eos:
-                logits[eos_ids] = -np.inf  # in place: the next step overwrites the logits anyway
-            token = sampler.next_token(logits, seen)
-            new.append(token)
-            seen.append(token)
-            if token in eos:
-                reason = "eos"
-                break
-            piece = stream.push(token)
-            if piece:
-                text += piece
-                if on_token is not None:
-                    on_token(piece)
-                hit = min((i for s in stop if s and (i := text.find(s)) >= 0), default=-1)
-                if hit >= 0:
-                    text, reason = text[:hit], "stop-sequence"
-                    self._pending = [token]
-                    break
-            if len(new) >= max_new_tokens:
-                self._pending = [token]
-                break
-            if len(self._history) + 1 >= self.config.context_size:
-                reason = "context-full"
+            piece = reply.step(self._logits)
+            if piece and on_token is not None:
+                on_token(piece)
+            if reply.reason is not None:
                 break
             if self._abort.is_set():
-                reason = "aborted"
-                self._pending = [token]
+                reply.reason, reply.pending = "aborted", reply.new_ids[-1:]
                 break
-            self._step(self._decode, [token])
+            self._step(self._decode, reply.new_ids[-1:])
+        self._pending = reply.pending
+        new, text, reason = reply.new_ids, reply.text, reply.reason
         finished = time.perf_counter()
         decoded = max(len(new) - 1, 0)
         return QueryResult(
@@ -347,27 +334,15 @@ class Dialog:
     # --- adapters -----------------------------------------------------------------------------------
     @property
     def adapters(self) -> list[str]:
-        return list(self._adapters)
+        return self._adapters.names
 
     def add_adapter(self, name: str, sections: Sequence[str | Path]) -> None:
-        """Makes one more adapter usable by name (a server loads them while it runs): its sections are
-        checked against the context now, every check `apply_lora` would make, and applied when a query
-        uses it. Its strengths are those its sections' metadata name."""
-        if not name or name in self._adapters:
-            raise GenerationError(f"an adapter needs a new name; {name!r} is {'taken' if name else 'empty'}")
-        if not sections:
-            raise GenerationError(f"adapter {name!r} needs at least one section (.qsec)")
-        alphas: list[str] = []
-        for section in sections:
-            loaded = self._context.check_binary_section(None, section)
-            strengths = LoraStrengths.from_metadata(loaded.metadata, str(section))
-            alphas += [a for a in (strengths.active if strengths else ()) if a not in alphas]
-        self._adapters[name] = LoraAdapterConfig(name, tuple(alphas), tuple(Path(s) for s in sections))
+        """Makes one more adapter usable by name, its sections checked now (`AdapterSet.add`)."""
+        self._adapters.add(name, sections)
 
     def remove_adapter(self, name: str) -> None:
         """Forgets an adapter added or configured (queries on it are refused from now on)."""
-        if self._adapters.pop(name, None) is None:
-            raise GenerationError(f"no LoRA adapter {name!r}; it has {self.adapters or 'none'}")
+        self._adapters.remove(name)
 
     @property
     def adapter(self) -> str | None:
@@ -399,8 +374,6 @@ class Dialog:
 
     def _apply(self, name: str) -> None:
         adapter = self._adapters.get(name)
-        if adapter is None:
-            raise GenerationError(f"no LoRA adapter {name!r} in {self.config.path}; it has {self.adapters or 'none'}")
         for section in adapter.bin_sections:
             self._context.apply_binary_section(None, section)
         self._adapter = name

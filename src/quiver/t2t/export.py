@@ -1,6 +1,7 @@
 """`quiver t2t export`: a transformers causal-LM folder (and PEFT adapters) -> prefill + decode context.
 
-Writes into OUT: `model.qctx` (graphs "prefill" and "decode", one copy of every weight), one super
+Writes into OUT: `model.qctx` (graphs "prefill" and "decode", and "batch", the batched graph `quiver
+serve` decodes many sequences with, each row on its own adapter slot; one copy of every weight), one super
 section per adapter (`<name>.qsec`, updating both graphs), `tokenizer.json` and `genie_config.json`.
 Reads safetensors directly and builds the graph itself (`quiver.t2t.graph`): no torch needed.
 """
@@ -21,6 +22,7 @@ from quiver.lora.peft import load_peft_adapter
 from quiver.lora.prepare import UseCase, lora_graph, section_metadata
 from quiver.runtime.context import Context
 from quiver.t2t.config import (
+    BATCH_GRAPH,
     DECODE_GRAPH,
     DEFAULT_PREFILL_WINDOW,
     PREFILL_GRAPH,
@@ -112,9 +114,9 @@ def export(
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding) unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
     quantized = options.weight_bits is not None
-    model = build_decoder(
-        config, weights.get, size, fuse_qkv=not adapted & {"q_proj", "k_proj", "v_proj"}, head_as_matmul=quantized
-    )
+    fuse_qkv = not adapted & {"q_proj", "k_proj", "v_proj"}
+    model = build_decoder(config, weights.get, size, fuse_qkv=fuse_qkv, head_as_matmul=quantized)
+    batched = build_decoder(config, weights.get, size, fuse_qkv=fuse_qkv, head_as_matmul=quantized, batched=True)
     cases = (
         [UseCase(n, [n], [1.0], None) for n in loaded] if use_cases is None else [u for u in use_cases if u.adapters]
     )
@@ -122,21 +124,25 @@ def export(
     values: dict[str, dict[str, Any]] = {}
     if cases:
         on_step("attaching the LoRA adapters")
-        graph = lora_graph(model, loaded, cases, PREFILL_GRAPH, remedy=_FOREIGN_ADAPTER)
+        # each attach point its own A, as in the batched graph, whose slots the sections fill by name
+        graph = lora_graph(model, loaded, cases, PREFILL_GRAPH, remedy=_FOREIGN_ADAPTER, share_down_projections=False)
         model, updateable = graph.model, graph.updateable
+        batched = lora_graph(batched, loaded, cases, BATCH_GRAPH, remedy=_FOREIGN_ADAPTER, per_row=True).model
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if options.weight_bits is not None:
         from quiver.t2t.quantize import quantize_weights
 
         on_step(f"quantizing weights to {options.weight_bits} bits")
-        model = quantize_weights(
-            model, options.weight_bits, options.block_size, exclude=set(updateable), head=LM_HEAD_NODE
+        model, batched = (
+            quantize_weights(m, options.weight_bits, options.block_size, exclude=set(updateable), head=LM_HEAD_NODE)
+            for m in (model, batched)
         )
     on_step("writing the context (prefill and decode share every weight)")
     context = Context.create("reference", workdir=out)
     try:
         context.add_graph(PREFILL_GRAPH, model, updateable=updateable)
         context.add_graph(DECODE_GRAPH, model, input_shapes={INPUT_IDS: [1, 1]}, updateable=updateable)
+        context.add_graph(BATCH_GRAPH, batched)
         context.finalize()
         context.save(out / CONTEXT_FILE)
         sections = {}

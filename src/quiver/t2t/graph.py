@@ -28,6 +28,7 @@ INPUT_IDS = "input_ids"
 SEQLENS_K = "seqlens_k"  # [1] int32: tokens in the cache after this step, minus one (GQA's convention)
 TOTAL_LENGTH = "total_sequence_length"  # [] int32: tokens in the cache after this step
 LOGITS = "logits"
+BATCH = "batch"  # the rows (sequences) of a batched graph
 LM_HEAD, LM_HEAD_NODE = "lm_head.weight", "/lm_head/MatMul"
 OPSET = 21
 
@@ -88,6 +89,7 @@ def build_decoder(
     context_size: int,
     fuse_qkv: bool = False,
     head_as_matmul: bool = False,
+    batched: bool = False,
 ) -> onnx.ModelProto:
     """The decoder as one ONNX graph; `weight(name)` returns a transformers tensor as float32.
 
@@ -95,6 +97,8 @@ def build_decoder(
     onnxruntime-genai does); without it each projection keeps a MatMul of its own, where adapters attach.
     `head_as_matmul`: the LM head as a MatMul by its own [hidden, vocab] copy (`LM_HEAD`), which weight
     quantization can turn into MatMulNBits; otherwise a tied head multiplies by the embedding itself.
+    `batched`: a dynamic batch dimension (`BATCH`) instead of 1 on the tokens, the cache and the logits:
+    each row is one sequence with its own length (`seqlens_k` per row), as `quiver serve` decodes them.
     """
     b = _Builder()
     eps = config.rms_eps
@@ -185,13 +189,14 @@ def build_decoder(
             )
         )
 
-    kv_shape = [1, config.kv_heads, context_size, config.head_dim]
+    rows: int | str = BATCH if batched else 1
+    kv_shape = [rows, config.kv_heads, context_size, config.head_dim]
     inputs = [
-        helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [1, "sequence"]),
-        helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [1]),
+        helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [rows, "sequence"]),
+        helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [rows]),
         helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
     ]
-    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [1, 1, config.vocab])]
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [rows, 1, config.vocab])]
     for layer in range(config.layers):
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in past_names(layer)]
         outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in present_names(layer)]

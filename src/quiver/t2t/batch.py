@@ -1,0 +1,307 @@
+"""Many sequences over one context, one decode step for all of them, each on its own adapter (`quiver serve`).
+
+Runs the context's batched graph (`batch`, made by `quiver t2t export`): every row is one sequence with
+its own KV cache row and its own length, and its own adapter slot. Adapters live in slots: the tables
+of A and B the graph reads (`quiver.lora.create`, per-row slots), filled from an adapter's sections in
+well under a millisecond, kept while any sequence uses them and reused least recently used first; slot
+0 is the base model (zeros). Any number of adapters may exist on disk: only those in use need a slot.
+
+Rows in decode are 0..n-1: a step runs on views of the first n rows of every buffer (leading-axis views
+are contiguous, so ORT reads them in place). A sequence is prefilled, a window at a time, in the row
+after them, and a sequence that ends leaves its row to the last one (its cache entries copied over).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from quiver import fork
+from quiver.backends.cpu import CpuBackend
+from quiver.errors import GenerationError
+from quiver.lora.create import SLOT_INPUT, slot_values, table_module
+from quiver.lora.peft import PeftAdapter, load_peft_adapter
+from quiver.runtime.bound_run import BoundRun
+from quiver.runtime.context import Context
+from quiver.t2t.adapters import AdapterSet
+from quiver.t2t.config import BATCH_GRAPH, DialogConfig, read_dialog_config
+from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
+from quiver.t2t.tokenizer import TextTokenizer
+
+_PAST, _PRESENT = "past_key_values.", "present."
+BASE_SLOT = 0
+
+
+@dataclass(frozen=True)
+class _Table:
+    """One per-row adapter table: `rank` rows per slot, `width` columns."""
+
+    rank: int
+    width: int
+    array: np.ndarray  # [slots * rank, width]
+
+
+AdapterKey = tuple[str, tuple[tuple[str, float], ...]]  # an adapter and the strengths it runs with
+_Binding = tuple[BoundRun, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # the run; ids, lengths, total, slots
+
+
+def _row_shape(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
+    """A KV cache input's shape past the batch axis, [heads, positions, head size], when fixed; else ()."""
+    if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]):
+        return ()
+    return tuple(int(d) for d in shape[1:])  # type: ignore[arg-type]
+
+
+class BatchDecoder:
+    """The batched graph of one context, its KV rows and its adapter slots (one engine thread drives it;
+    the adapter set may change from any thread)."""
+
+    def __init__(self, config: DialogConfig, max_batch: int = 8, adapter_slots: int | None = None) -> None:
+        if max_batch < 1:
+            raise GenerationError(f"a batch holds at least one sequence, not {max_batch}")
+        self.config = config
+        self.max_batch = max_batch
+        self.tokenizer = TextTokenizer(config.tokenizer)
+        self._lock = threading.Lock()
+        backend = CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False)
+        self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
+        try:
+            self._setup(adapter_slots if adapter_slots is not None else max_batch)
+        except BaseException:
+            self._context.close()
+            raise
+        self.adapters = AdapterSet(self._context, config.adapters, config.path)
+        self.on_fill: Callable[[float], object] | None = None  # told how long each slot fill took
+        fork.reset_after_fork(self)
+        # prepare (and pack) the graph now: the first request measures generation, not session creation
+        self.prefill(0, [0], 0, BASE_SLOT)
+
+    @classmethod
+    def from_config(cls, path: str | Path, max_batch: int = 8, adapter_slots: int | None = None) -> BatchDecoder:
+        return cls(read_dialog_config(path), max_batch, adapter_slots)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+
+    def _setup(self, adapter_slots: int) -> None:
+        config = self.config
+        if BATCH_GRAPH not in self._context.graph_names:
+            raise GenerationError(
+                f"{config.ctx_bins[0]} has no batched graph {BATCH_GRAPH!r} (serving needs it); export the model "
+                "again with this version's `quiver t2t export`"
+            )
+        self._graph = graph = self._context.graph(BATCH_GRAPH)
+        inputs = {i.name: i for i in graph.inputs}
+        rows = {name: _row_shape(info.shape) for name, info in inputs.items() if name.startswith(_PAST)}
+        if not rows or not all(rows.values()):
+            raise GenerationError(f"{config.ctx_bins[0]}: graph {BATCH_GRAPH!r} has no KV cache inputs of a fixed size")
+        self.capacity = next(iter(rows.values()))[1]
+        if config.context_size > self.capacity:
+            raise GenerationError(
+                f"{config.path}: context.size {config.context_size} exceeds the {self.capacity} positions of the "
+                "context's KV cache; lower it or export with a larger --context-size"
+            )
+        self._cache = {name: np.zeros((self.max_batch, *row), np.float32) for name, row in rows.items()}
+        self._logits = np.zeros((self.max_batch, 1, config.n_vocab), np.float32)
+        # the adapter tables, [slots * rank, width]: each rank is that of the prefill graph's tensor of the
+        # same name, which the adapters' sections hold
+        weights = self._context.file.graphs[config.prefill_graph].weights
+        self._slot_count = adapter_slots + 1 if SLOT_INPUT in inputs else 1
+        self._tables: dict[str, _Table] = {}
+        for name, info in inputs.items():
+            if name in (INPUT_IDS, SEQLENS_K, TOTAL_LENGTH, SLOT_INPUT) or name.startswith(_PAST):
+                continue
+            stored = self._context.file.weights[weights[name]].shape if name in weights else None
+            if stored is None or info.shape is None or len(info.shape) != 2 or not isinstance(info.shape[1], int):
+                raise GenerationError(f"{config.ctx_bins[0]}: graph {BATCH_GRAPH!r} input {name!r} is no adapter table")
+            rank, width = int(stored[0] if name.endswith(".B") else stored[1]), info.shape[1]
+            self._tables[name] = _Table(rank, width, np.zeros((self._slot_count * rank, width), np.float32))
+        self._peft: dict[str, PeftAdapter] = {}  # adapters loaded from PEFT folders (no sections)
+        self._slots: OrderedDict[AdapterKey, int] = OrderedDict()  # filled slots, least recently used first
+        self._users = [0] * self._slot_count  # sequences using each slot (a slot in use is never refilled)
+        self._bound: dict[tuple[int, int], _Binding] = {}
+
+    # --- adapter slots ------------------------------------------------------------------------------
+    def acquire_slot(self, adapter: str | None, strengths: Mapping[str, float] | None = None) -> int | None:
+        """The slot holding `adapter` (None: the base model) at these strengths (those not given: its
+        sections'), filled now if no slot holds it; None while every slot is in use. The slot stays
+        as it is until `release_slot`."""
+        if adapter is None:
+            with self._lock:
+                self._users[BASE_SLOT] += 1
+            return BASE_SLOT
+        if not self._tables:
+            raise GenerationError(f"{self.config.ctx_bins[0]} was exported without adapters: only its base model runs")
+        key: AdapterKey = (adapter, tuple(sorted((strengths or {}).items())))
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None:
+                self._slots.move_to_end(key)
+            else:
+                slot = self._free_slot()
+                if slot is None:
+                    return None
+                start = time.perf_counter()
+                self._fill(slot, adapter, strengths or {})
+                self._slots[key] = slot
+                if self.on_fill is not None:
+                    self.on_fill(time.perf_counter() - start)
+            self._users[slot] += 1
+            return slot
+
+    def add_adapter(self, name: str, source: str | Path | Sequence[str | Path]) -> None:
+        """One more adapter by name: a PEFT folder, or its sections (.qsec made for this context), checked
+        now; it takes a slot when a request uses it."""
+        if isinstance(source, (str, Path)) and Path(source).is_dir():
+            adapter = self._peft_adapter(name, Path(source))
+            self.adapters.add_unsectioned(name)
+            with self._lock:
+                self._peft[name] = adapter
+        else:
+            self.adapters.add(name, [source] if isinstance(source, (str, Path)) else source)
+
+    def _peft_adapter(self, name: str, folder: Path) -> PeftAdapter:
+        """A PEFT adapter, checked against the tables: every module it adapts has one, no rank beyond it."""
+        adapter = load_peft_adapter(folder, name)
+        tables = {found: self._tables[t] for t in self._tables if (found := table_module(t)) is not None}
+        for module, weights in adapter.modules.items():
+            a, b = tables.get((module, "A")), tables.get((module, "B"))
+            if weights.is_conv or a is None or b is None:
+                raise GenerationError(
+                    f"{folder}: module {module!r} has no LoRA branch in this context (it has them on "
+                    f"{len({m for m, _ in tables})} modules); export the model with an adapter on it"
+                )
+            if weights.rank > a.rank or weights.lora_a.shape[1] != a.width or weights.lora_b.shape[0] != b.width:
+                raise GenerationError(
+                    f"{folder}: module {module!r} is rank {weights.rank}, [{weights.lora_b.shape[0]} x "
+                    f"{weights.lora_a.shape[1]}]; this context's branch there is at most rank {a.rank}, "
+                    f"[{b.width} x {a.width}]: export with an adapter of that rank, or use another base model"
+                )
+        return adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """Forgets an adapter: new requests for it are refused; sequences running on it finish."""
+        self.adapters.remove(name)
+        with self._lock:  # its slots are free once no sequence uses them (a new adapter may take the name)
+            self._peft.pop(name, None)
+            for key in [k for k in self._slots if k[0] == name]:
+                del self._slots[key]
+
+    def release_slot(self, slot: int) -> None:
+        with self._lock:
+            self._users[slot] -= 1
+
+    def _free_slot(self) -> int | None:
+        """A slot never filled, else the least recently used one no sequence uses (forgotten now)."""
+        filled = set(self._slots.values())
+        empty = [s for s in range(1, self._slot_count) if s not in filled and not self._users[s]]
+        if empty:
+            return empty[0]
+        key = next((k for k, s in self._slots.items() if self._users[s] == 0), None)
+        return None if key is None else self._slots.pop(key)
+
+    def _fill(self, slot: int, adapter: str, strengths: Mapping[str, float]) -> None:
+        config = self.adapters.get(adapter)
+        peft = self._peft.get(adapter)
+        if peft is not None:
+            self._fill_from_peft(slot, peft, strengths)
+            return
+        sections = [self._context.check_binary_section(None, path) for path in config.bin_sections]
+        state = self._context.state_with_sections(self.config.prefill_graph, sections)
+        if state.lora is None:
+            raise GenerationError(f"adapter {adapter!r}: its sections carry no LoRA strengths; export it again")
+        alphas = np.array(state.lora.alphas, np.float32)
+        for name, value in strengths.items():
+            if name not in state.lora.active:
+                raise GenerationError(f"adapter {adapter!r} has no strength {name!r}; it has {list(state.lora.active)}")
+            alphas[state.lora.adapters.index(name)] = value
+        for name, rows in slot_values(self._tables, state.values, alphas).items():
+            table = self._tables[name]
+            table.array[slot * table.rank : (slot + 1) * table.rank] = rows
+
+    def _fill_from_peft(self, slot: int, adapter: PeftAdapter, strengths: Mapping[str, float]) -> None:
+        """A slot from a PEFT adapter itself: Aᵀ is PEFT's A, B is PEFT's Bᵀ times its scaling and strength."""
+        unknown = sorted(set(strengths) - {adapter.name})
+        if unknown:
+            raise GenerationError(f"adapter {adapter.name!r} has no strength {unknown[0]!r}; it has [{adapter.name!r}]")
+        strength = float(strengths.get(adapter.name, 1.0))
+        for name, table in self._tables.items():
+            rows = table.array[slot * table.rank : (slot + 1) * table.rank]
+            found = table_module(name)
+            weights = adapter.modules.get(found[0]) if found else None
+            rows[:] = 0
+            if weights is not None:
+                if name.endswith(".B"):
+                    rows[: weights.rank] = (weights.scaling * strength) * weights.lora_b.T
+                else:
+                    rows[: weights.rank] = weights.lora_a
+
+    # --- steps --------------------------------------------------------------------------------------
+    def prefill(self, row: int, ids: Sequence[int], cached: int, slot: int) -> np.ndarray:
+        """Feeds `ids` to row `row`, which holds `cached` tokens, on adapter slot `slot`; returns the logits
+        of the last ([vocab], a view the next step overwrites)."""
+        total = cached + len(ids)
+        feeds: dict[str, np.ndarray] = {
+            INPUT_IDS: np.array([ids], np.int64),
+            SEQLENS_K: np.array([total - 1], np.int32),
+            TOTAL_LENGTH: np.array(total, np.int32),
+            **{name: array[row : row + 1] for name, array in self._cache.items()},
+            **{name: t.array[slot * t.rank : (slot + 1) * t.rank] for name, t in self._tables.items()},
+        }
+        if self._tables:
+            feeds[SLOT_INPUT] = np.ones((1, 1), np.float32)
+        with self._lock:
+            self._graph.execute(feeds, out=self._outputs(slice(row, row + 1)))
+        return self._logits[row, 0]
+
+    def decode(self, tokens: Sequence[int], cached: Sequence[int], slots: Sequence[int]) -> np.ndarray:
+        """One step of rows 0..n-1: row i feeds `tokens[i]` after its `cached[i]` tokens, on slot `slots[i]`;
+        returns the logits, [n, vocab] (a view the next step overwrites)."""
+        n = len(tokens)
+        with self._lock:
+            run, ids, lengths, total, onehot = self._binding(n, max(slots) + 1)
+            ids[:, 0] = tokens
+            lengths[:] = cached  # GQA's seqlens_k: the tokens after this step, minus one
+            total[()] = max(cached) + 1
+            if onehot.size:
+                onehot[:] = 0
+                onehot[np.arange(n), slots] = 1
+            run.run()
+        return self._logits[:n, 0]
+
+    def _binding(self, n: int, k: int) -> _Binding:
+        """The run of n rows over the first k slots, bound once (views of the same buffers each time)."""
+        bound = self._bound.get((n, k))
+        if bound is None:
+            ids, lengths, total = np.zeros((n, 1), np.int64), np.zeros(n, np.int32), np.zeros((), np.int32)
+            onehot = np.zeros((n, k) if self._tables else (0, 0), np.float32)
+            feeds: dict[str, np.ndarray] = {
+                INPUT_IDS: ids,
+                SEQLENS_K: lengths,
+                TOTAL_LENGTH: total,
+                **{name: array[:n] for name, array in self._cache.items()},
+                **{name: t.array[: k * t.rank] for name, t in self._tables.items()},
+            }
+            if self._tables:
+                feeds[SLOT_INPUT] = onehot
+            run = self._graph.bind(feeds, self._outputs(slice(0, n)))
+            bound = self._bound[(n, k)] = (run, ids, lengths, total, onehot)
+        return bound
+
+    def _outputs(self, rows: slice) -> dict[str, np.ndarray]:
+        return {LOGITS: self._logits[rows]} | {_PRESENT + n[len(_PAST) :]: a[rows] for n, a in self._cache.items()}
+
+    def move(self, source: int, target: int, cached: int) -> None:
+        """Moves a sequence's cache entries (its first `cached` positions) from one row to another."""
+        with self._lock:
+            for array in self._cache.values():
+                array[target, :, :cached] = array[source, :, :cached]
+
+    def close(self) -> None:
+        self._context.close()

@@ -1,0 +1,86 @@
+"""One reply as it is generated: each next token chosen from the logits, and when and why the reply ends.
+
+A dialog (one sequence) and `quiver serve`'s batch (many, one row each) decide tokens the same way: the
+sampler picks from the logits (end-of-sequence kept out until `min_new_tokens`), the text grows by whole
+characters, and the reply ends at an end-of-sequence token, a stop string, `max_new_tokens` or a full
+context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from quiver.t2t.sampling import Sampler
+from quiver.t2t.tokenizer import TextTokenizer
+
+
+class Continuation:
+    """The tokens and text of one reply; `step(logits)` per position until `reason` is set."""
+
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        sampler: Sampler,
+        eos_tokens: Sequence[int],
+        seen: Sequence[int],
+        cached: int,
+        context_size: int,
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        stop: Sequence[str] = (),
+    ) -> None:
+        self._sampler = sampler
+        self._eos = set(eos_tokens)
+        self._eos_ids = np.array(sorted(self._eos), np.int64)
+        self._seen = list(seen)  # the conversation's tokens so far (the repetition penalty reads them)
+        self._cached = cached  # tokens whose keys and values are in the cache
+        self._context_size = context_size
+        self._max, self._min = max_new_tokens, min_new_tokens
+        self._stop = [s for s in stop if s]
+        self._stream = tokenizer.stream()
+        self.new_ids: list[int] = []
+        self.text = ""
+        self._released = 0  # characters of `text` handed out by `step`
+        self.reason: str | None = None  # "eos", "stop-sequence", "max-new-tokens" or "context-full" when ended
+        self.pending: list[int] = []  # a last token not fed to the cache (a dialog's next query starts with it)
+
+    def step(self, logits: np.ndarray) -> str:
+        """Chooses the next token from `logits` (modified in place: eos masked) and returns the text that
+        is now final (may be empty: a character still incomplete, or text that may begin a stop string,
+        held back until it does not). After it, either `reason` is set, or the caller feeds
+        `new_ids[-1]` to the cache and calls `step` again on the logits that gives."""
+        logits = logits.reshape(-1)
+        if len(self.new_ids) < self._min and self._eos:
+            logits[self._eos_ids] = -np.inf
+        token = self._sampler.next_token(logits, self._seen)
+        self.new_ids.append(token)
+        self._seen.append(token)
+        if token in self._eos:
+            self.reason = "eos"
+            return self._release(len(self.text))
+        self.text += self._stream.push(token)
+        hit = min((i for s in self._stop if (i := self.text.find(s)) >= 0), default=-1)
+        if hit >= 0:
+            self.text, self.reason, self.pending = self.text[:hit], "stop-sequence", [token]
+        elif len(self.new_ids) >= self._max:
+            self.reason, self.pending = "max-new-tokens", [token]
+        elif self._cached + 1 >= self._context_size:
+            self.reason = "context-full"
+        else:
+            self._cached += 1  # the caller feeds it
+            return self._release(len(self.text) - self._stop_prefix())
+        return self._release(len(self.text))
+
+    def _stop_prefix(self) -> int:
+        """The length of the longest end of the text that begins a stop string (it may yet become one)."""
+        return max(
+            (n for s in self._stop for n in range(min(len(s) - 1, len(self.text)), 0, -1) if self.text.endswith(s[:n])),
+            default=0,
+        )
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self._released : end]
+        self._released = max(self._released, end)
+        return piece

@@ -1,0 +1,123 @@
+"""`quiver serve` on real weights (SmolLM2 and its PEFT adapters, tests/real/make_llms.py): many requests on
+many adapters decoded in one batch give exactly what one request alone gives, and what transformers gives."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quiver.t2t.export import ExportOptions, export
+from quiver.tools.adapter_family import reseeded_adapters
+from tests.support.serving import Running, http, start_server, stop_server, t2t_greedy
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "The river"]
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def adapters(real_llms: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Eight adapters: the corpus's two and six more like them (other seeded weights)."""
+    root = tmp_path_factory.mktemp("adapters")
+    found = {name: real_llms / name for name in ("adapter_all", "adapter_qv")}
+    found |= reseeded_adapters(real_llms / "adapter_all", root, 3, "all")
+    found |= reseeded_adapters(real_llms / "adapter_qv", root, 3, "qv")
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(real_llms: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    out = tmp_path_factory.mktemp("served") / "smollm2"
+    config = export(real_llms / "smollm2", out, adapters, options=ExportOptions(context_size=256)).path
+    running = start_server(config, "--max-batch", "8", "--allow-adapter-loading")
+    yield running
+    stop_server(running)
+
+
+def _steps_by_rows(running: Running) -> dict[int, float]:
+    _, _, text = http(f"{running.url}/metrics")
+    return {int(rows): float(n) for rows, n in re.findall(r'quiver_decode_steps_total\{rows="(\d+)"\} (\S+)', text)}
+
+
+def _completion(running: Running, model: str, prompt: str, stream: bool, **extra: Any) -> list[int] | str:
+    client = running.client()
+    if not stream:
+        reply = client.completions.create(
+            model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, extra_body=extra
+        )
+        assert reply.choices[0].model_extra is not None
+        return list(reply.choices[0].model_extra["token_ids"])
+    pieces = client.completions.create(
+        model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True, extra_body=extra
+    )
+    return "".join(p.choices[0].text for p in pieces if p.choices)
+
+
+def test_eight_requests_on_eight_adapters_in_one_batch_are_what_t2t_run_gives(
+    server: Running, adapters: dict[str, Path]
+) -> None:
+    names = list(adapters)
+    assert len(names) == 8
+    jobs = [(name, PROMPTS[i % len(PROMPTS)], i % 2 == 1) for i, name in enumerate(names)]
+    before = _steps_by_rows(server)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: _completion(server, *job), jobs))
+    after = _steps_by_rows(server)
+    assert after.get(8, 0) > before.get(8, 0), after  # all eight were decoded together
+    for (name, prompt, streamed), result in zip(jobs, got):
+        expected = t2t_greedy(server.config, prompt, "-l", name, tokens=TOKENS)
+        if streamed:  # a stream carries text: the text of those tokens
+            assert result == _detokenized(server, expected), name
+        else:
+            assert result == expected, name
+
+
+def _detokenized(running: Running, ids: list[int]) -> str:
+    from quiver.t2t.tokenizer import TextTokenizer
+
+    return TextTokenizer(running.config.parent / "tokenizer.json").decode(ids)
+
+
+def test_a_mixed_batch_equals_transformers_and_peft(server: Running, real_llms: Path) -> None:
+    """Base, two adapters and one at half strength, three prompts each, all at once: transformers' and
+    PEFT's own greedy tokens (tests/real/make_llms.py), 32 each with the end of sequence kept out."""
+    expected = json.loads((real_llms / "expected.json").read_text())
+    base = server.config.parent.name
+    cases = [(base, {}, "base"), ("adapter_all", {}, "adapter_all"), ("adapter_qv", {}, "adapter_qv"),
+             ("adapter_all", {"lora": {"adapter_all": 0.5}}, "adapter_all@0.5")]  # fmt: skip
+    jobs = [(model, extra, key, i) for model, extra, key in cases for i in range(len(expected["prompt_ids"]))]
+    client = server.client()
+
+    def run(job: tuple[str, dict[str, Any], str, int]) -> list[int]:
+        model, extra, _, i = job
+        reply = client.completions.create(model=model, prompt=expected["prompt_ids"][i], max_tokens=32, temperature=0,
+                                          extra_body={**extra, "min_tokens": 32})  # fmt: skip
+        assert reply.choices[0].model_extra is not None
+        return list(reply.choices[0].model_extra["token_ids"])
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(run, jobs))
+    for (_, _, key, i), tokens in zip(jobs, got):
+        assert tokens == expected[key][i], (key, i)
+
+
+def test_a_peft_adapter_loaded_while_streams_run_serves_the_next_request(server: Running, real_llms: Path) -> None:
+    """vLLM's load route with a PEFT folder (the corpus's adapter_qv, under another name): it fills a slot
+    straight from PEFT's tensors, and gives what its exported section gives."""
+    jobs = [(name, PROMPTS[i % len(PROMPTS)], True) for i, name in enumerate(["adapter_all", "all_0", "qv_1"] * 2)]
+    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+        running = [pool.submit(_completion, server, *job) for job in jobs]
+        body = json.dumps({"lora_name": "late", "lora_path": str(real_llms / "adapter_qv")}).encode()
+        status, _, text = http(f"{server.url}/v1/load_lora_adapter", "POST", body)
+        assert status == 200, text
+        late = _completion(server, "late", PROMPTS[0], False)
+        streamed = [f.result(timeout=300) for f in running]
+    assert late == t2t_greedy(server.config, PROMPTS[0], "-l", "adapter_qv", tokens=TOKENS)
+    assert all(isinstance(s, str) and s for s in streamed)
+    status, _, _ = http(f"{server.url}/v1/unload_lora_adapter", "POST", json.dumps({"lora_name": "late"}).encode())
+    assert status == 200
