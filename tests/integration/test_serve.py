@@ -327,6 +327,35 @@ def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Pat
         decoder.close()
 
 
+def test_a_step_that_fails_fails_its_batch_and_the_engine_goes_on(exported: Path) -> None:
+    """A run ORT refuses (a token id beyond the vocabulary, which the HTTP layer would have refused) ends
+    the requests of that batch with a typed failure; the worker lives on and serves the next one."""
+    from quiver.errors import QuiverError
+    from quiver.serve.engine import Done, Engine, Failed, Generation
+
+    decoder = BatchDecoder.from_config(exported, max_batch=2)
+    try:
+        engine = Engine(decoder)
+        events: list[Any] = []
+        ended = threading.Semaphore(0)
+
+        def sink(event: Any) -> None:
+            if isinstance(event, (Done, Failed)):
+                events.append(event)
+                ended.release()
+
+        engine.submit(Generation([10**6], None, {}, 4, 0.0, 1.0, None, ()), sink)
+        assert ended.acquire(timeout=60)
+        good = Generation(decoder.tokenizer.encode(PROMPT), None, {}, 4, 0.0, 1.0, None, ())
+        engine.submit(good, sink)
+        assert ended.acquire(timeout=60)
+        engine.close()
+        assert isinstance(events[0], Failed) and isinstance(events[0].error, QuiverError)
+        assert isinstance(events[1], Done) and len(events[1].token_ids) == 4
+    finally:
+        decoder.close()
+
+
 def test_the_serving_guides_example_runs(server: Running, capsys: pytest.CaptureFixture[str]) -> None:
     from tests.support import ROOT
 

@@ -178,8 +178,10 @@ class Engine:
                     self._decode()
             except Exception as exc:  # noqa: BLE001  the worker never dies: the batch fails, typed, and it goes on
                 failure = exc if isinstance(exc, QuiverError) else QuiverError(f"generation failed: {exc!r}")
-                for sequence in self._batch():
-                    self._leave(sequence, Failed(failure))
+                batch, self._rows, self._prefilling = self._batch(), [], None
+                for sequence in batch:  # every row is free again: nothing to move
+                    self.decoder.release_slot(sequence.slot)
+                    sequence.job.sink(Failed(failure))
         for sequence in self._batch():
             self._leave(sequence, self._done(sequence, "cancelled"))
         if self._held is not None:

@@ -111,7 +111,10 @@ class BatchDecoder:
         self._logits = np.zeros((self.max_batch, 1, config.n_vocab), np.float32)
         # the adapter tables, [slots * rank, width]: each rank is that of the prefill graph's tensor of the
         # same name, which the adapters' sections hold
-        weights = self._context.file.graphs[config.prefill_graph].weights
+        prefill = self._context.file.graphs.get(config.prefill_graph)
+        if prefill is None:
+            raise GenerationError(f"{config.ctx_bins[0]} lacks the config's prefill graph {config.prefill_graph!r}")
+        weights = prefill.weights
         self._slot_count = adapter_slots + 1 if SLOT_INPUT in inputs else 1
         self._tables: dict[str, _Table] = {}
         for name, info in inputs.items():
