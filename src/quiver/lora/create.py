@@ -21,7 +21,7 @@ compute, so three become one (about 1 % of a run of the benchmark transformer).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -306,19 +306,18 @@ def table_module(name: str) -> tuple[str, str] | None:
     return ".".join(parts[2:-1]), parts[-1]
 
 
-def slot_values(tables: Iterable[str], values: Mapping[str, np.ndarray], alphas: np.ndarray) -> dict[str, np.ndarray]:
-    """One per-row slot's rows of each table (`tables`: the per-row graph's A and B inputs) from a use
-    case's updateable tensors (a section's) and its strengths: Aᵀ [R, in], and B [R, out] with each rank
-    row times the strength of the adapter it belongs to (its `adapter_index`)."""
-    entries: dict[str, np.ndarray] = {}
-    for name in tables:
+def fill_slot(rows: Mapping[str, np.ndarray], values: Mapping[str, np.ndarray], alphas: np.ndarray) -> None:
+    """Writes one per-row slot: `rows` maps each table (the per-row graph's A and B inputs) to the slot's
+    rows of it, filled from a use case's updateable tensors (a section's) and its strengths: Aᵀ [R, in],
+    and B [R, out] with each rank row times the strength of the adapter it belongs to (`adapter_index`).
+    In place: one pass over the adapter's bytes."""
+    for name, target in rows.items():
         value = values[name]
         if name.endswith(_B_SUFFIX):
             index = np.asarray(values[name[: -len(_B_SUFFIX)] + _INDEX_SUFFIX], np.int64)
-            entries[name] = value * alphas[index][:, None]
+            np.multiply(value, alphas[index][:, None], out=target)
         else:
-            entries[name] = value.T
-    return entries
+            np.copyto(target, value.T)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 from quiver import fork
 from quiver.backends.cpu import CpuBackend
 from quiver.errors import GenerationError
-from quiver.lora.create import SLOT_INPUT, slot_values, table_module
+from quiver.lora.create import SLOT_INPUT, fill_slot, table_module
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.runtime.bound_run import BoundRun
 from quiver.runtime.context import Context
@@ -224,9 +224,7 @@ class BatchDecoder:
             if name not in state.lora.active:
                 raise GenerationError(f"adapter {adapter!r} has no strength {name!r}; it has {list(state.lora.active)}")
             alphas[state.lora.adapters.index(name)] = value
-        for name, rows in slot_values(self._tables, state.values, alphas).items():
-            table = self._tables[name]
-            table.array[slot * table.rank : (slot + 1) * table.rank] = rows
+        fill_slot(self._slot_rows(slot), state.values, alphas)
 
     def _fill_from_peft(self, slot: int, adapter: PeftAdapter, strengths: Mapping[str, float]) -> None:
         """A slot from a PEFT adapter itself: Aᵀ is PEFT's A, B is PEFT's Bᵀ times its scaling and strength."""
@@ -234,16 +232,21 @@ class BatchDecoder:
         if unknown:
             raise GenerationError(f"adapter {adapter.name!r} has no strength {unknown[0]!r}; it has [{adapter.name!r}]")
         strength = float(strengths.get(adapter.name, 1.0))
-        for name, table in self._tables.items():
-            rows = table.array[slot * table.rank : (slot + 1) * table.rank]
+        for name, rows in self._slot_rows(slot).items():
             found = table_module(name)
             weights = adapter.modules.get(found[0]) if found else None
-            rows[:] = 0
-            if weights is not None:
-                if name.endswith(".B"):
-                    rows[: weights.rank] = (weights.scaling * strength) * weights.lora_b.T
-                else:
-                    rows[: weights.rank] = weights.lora_a
+            if weights is None:
+                rows[:] = 0
+                continue
+            rows[weights.rank :] = 0
+            if name.endswith(".B"):
+                np.multiply(weights.lora_b.T, weights.scaling * strength, out=rows[: weights.rank])
+            else:
+                np.copyto(rows[: weights.rank], weights.lora_a)
+
+    def _slot_rows(self, slot: int) -> dict[str, np.ndarray]:
+        """Each table's rows of one slot (views)."""
+        return {name: t.array[slot * t.rank : (slot + 1) * t.rank] for name, t in self._tables.items()}
 
     # --- steps --------------------------------------------------------------------------------------
     def prefill(self, row: int, ids: Sequence[int], cached: int, slot: int) -> np.ndarray:
@@ -255,7 +258,7 @@ class BatchDecoder:
             SEQLENS_K: np.array([total - 1], np.int32),
             TOTAL_LENGTH: np.array(total, np.int32),
             **{name: array[row : row + 1] for name, array in self._cache.items()},
-            **{name: t.array[slot * t.rank : (slot + 1) * t.rank] for name, t in self._tables.items()},
+            **self._slot_rows(slot),
         }
         if self._tables:
             feeds[SLOT_INPUT] = np.ones((1, 1), np.float32)
