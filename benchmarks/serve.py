@@ -8,9 +8,10 @@ on every side. Every request: its own 128-token prompt (token ids), 128 new toke
 out), greedy, streamed by the `openai` client. Bursts of 1, 4, 8 and 16 concurrent clients, all on the
 base model, then each on a different adapter. Reported per burst: aggregate decode tok/s (all tokens
 over the wall time of the burst), time to first token p50/p99, inter-token latency p50/p99. In process:
-`Dialog.token_query` in a fresh process (what `quiver t2t run` does). During the 8-adapter burst,
-`quiver serve` also loads one more adapter (a PEFT folder) over HTTP: the longest gap between two tokens
-of any stream while it loads, in decode steps. llama-server runs with `-np` = clients, continuous
+`Dialog.token_query` in a fresh process (what `quiver t2t run` does). During a second 8-adapter burst,
+`quiver serve` also loads one more adapter (a PEFT folder) over HTTP at 3 s, and takes one more request
+at 4 s: the longest gap between two tokens of any stream meanwhile (in ms and in decode steps), against
+one prefill window (128 tokens, in process). llama-server runs with `-np` = clients, continuous
 batching; for the adapter bursts every adapter given with `--lora` (scale 0 until a request names it),
 for the base bursts none. Rounds alternate the order of the three.
 """
@@ -42,7 +43,7 @@ NEW_TOKENS = 128
 CONTEXT = 1024
 CLIENTS = (1, 4, 8, 16)
 BURSTS = [(kind, n) for n in CLIENTS for kind in ("base", "adapters")]
-LOADED_DURING = ("adapters", 8)  # the burst during which quiver serve loads one more adapter
+INTRUDED = ("adapters", 8)  # a burst again, during which quiver serve loads one more adapter and takes a late request
 
 _IN_PROCESS = r"""
 import json, sys
@@ -114,11 +115,11 @@ def _burst(
         "itl_p50_ms": float(np.percentile(gaps, 50)) * 1e3,
         "itl_p99_ms": float(np.percentile(gaps, 99)) * 1e3,
     }
-    if "window" in side:  # the longest gap of any stream that overlaps the load, in median gaps (steps)
-        begin, end = side.pop("window")
-        pairs = [(a, b) for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
-        overlapping = [b - a for a, b in pairs if b > begin and a < end]
-        side["load_stall_steps"] = max(overlapping, default=0.0) / float(np.percentile(gaps, 50))
+    pairs = [(a, b) for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    for name, (begin, end) in side.pop("windows", {}).items():  # the longest gap of any stream meanwhile
+        longest = max((b - a for a, b in pairs if b > begin and a < end), default=0.0)
+        side[f"{name}_longest_gap_ms"] = longest * 1e3
+        side[f"{name}_longest_gap_steps"] = longest / float(np.percentile(gaps, 50))
     return measured | side
 
 
@@ -143,24 +144,32 @@ def _wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 300
     raise RuntimeError("the server did not become healthy")
 
 
-def _loader(url: str, folder: Path) -> Callable[[float], dict[str, Any]]:
-    """Loads a PEFT adapter over HTTP three seconds into the burst; returns when it was loading."""
+def _intruders(url: str, folder: Path, late_model: str) -> Callable[[float], dict[str, Any]]:
+    """What comes during a running burst: 3 s in, one more adapter loaded over HTTP (a PEFT folder); 4 s
+    in, one more request (its own 128-token prompt), whose prefill the running streams wait for. Returns
+    when each was under way (seconds after the burst began)."""
 
-    def load(start: float) -> dict[str, Any]:
-        time.sleep(3.0)  # every stream decoding by then (the burst's prompts are all in)
-        body = json.dumps({"lora_name": "loaded", "lora_path": str(folder)}).encode()
-        request = urllib.request.Request(f"{url}/v1/load_lora_adapter", data=body, method="POST")
+    def post(path: str, body: dict[str, Any]) -> None:
+        request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), method="POST")
         request.add_header("Content-Type", "application/json")
-        begin = time.perf_counter() - start
         with urllib.request.urlopen(request, timeout=120) as reply:
             reply.read()
-        end = time.perf_counter() - start
-        unload = urllib.request.Request(f"{url}/v1/unload_lora_adapter", data=b'{"lora_name": "loaded"}', method="POST")
-        unload.add_header("Content-Type", "application/json")
-        urllib.request.urlopen(unload, timeout=60).read()
-        return {"window": (begin, end), "load_s": end - begin}
 
-    return load
+    def intrude(start: float) -> dict[str, Any]:
+        time.sleep(3.0)  # every stream decoding by then (the burst's prompts are all in)
+        begin = time.perf_counter() - start
+        post("/v1/load_lora_adapter", {"lora_name": "loaded", "lora_path": str(folder)})
+        loaded = time.perf_counter() - start
+        post("/v1/unload_lora_adapter", {"lora_name": "loaded"})
+        time.sleep(max(4.0 - (time.perf_counter() - start), 0.0))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=900)
+        sent = time.perf_counter() - start
+        late = client.completions.create(model=late_model, prompt=_prompt(99), max_tokens=1, temperature=0)
+        answered = time.perf_counter() - start
+        assert late.choices
+        return {"windows": {"load": (begin, loaded), "late_join": (sent, answered)}, "load_s": loaded - begin}
+
+    return intrude
 
 
 def _quiver_round(config: Path, adapters: list[str], extra_adapter: Path) -> dict[str, Any]:
@@ -176,8 +185,11 @@ def _quiver_round(config: Path, adapters: list[str], extra_adapter: Path) -> dic
         round_: dict[str, Any] = {}
         for kind, count in BURSTS:
             models = [base] * count if kind == "base" else adapters[:count]
-            during = _loader(url, extra_adapter) if (kind, count) == LOADED_DURING else None
-            round_[f"{kind} x{count}"] = _burst(url, [(m, {"min_tokens": NEW_TOKENS}) for m in models], during)
+            round_[f"{kind} x{count}"] = _burst(url, [(m, {"min_tokens": NEW_TOKENS}) for m in models])
+        kind, count = INTRUDED
+        intruded = _burst(url, [(m, {"min_tokens": NEW_TOKENS}) for m in adapters[:count]],
+                          _intruders(url, extra_adapter, adapters[count]))  # fmt: skip
+        round_["intruded"] = {k: v for k, v in intruded.items() if "longest_gap" in k or k == "load_s"}
         return round_
     finally:
         process.terminate()
@@ -272,7 +284,9 @@ def measure_serve(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]
         / lone["aggregate_decode_tok_s"],
         "eight_adapters_vs_eight_base": quiver["adapters x8"]["aggregate_tok_s"] / quiver["base x8"]["aggregate_tok_s"],
         "itl_p99_eight_adapters_vs_lone_stream": quiver["adapters x8"]["itl_p99_ms"] / lone["itl_p99_ms"],
-        "adapter_load_stall_steps": quiver["adapters x8"].get("load_stall_steps"),
+        "adapter_load_longest_gap_steps": quiver["intruded"]["load_longest_gap_steps"],
+        "late_join_longest_gap_ms": quiver["intruded"]["late_join_longest_gap_ms"],
+        "prefill_window_ms": statistics.median(1e3 * PROMPT_TOKENS / r["prefill_tok_s"] for r in local),
         "rounds": {"in_process": local, "quiver": served, "llama_server": peer},
     }
     if llama_cpp:
