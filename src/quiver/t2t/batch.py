@@ -257,13 +257,13 @@ class BatchDecoder:
             INPUT_IDS: np.array([ids], np.int64),
             SEQLENS_K: np.array([total - 1], np.int32),
             TOTAL_LENGTH: np.array(total, np.int32),
-            **{name: array[row : row + 1] for name, array in self._cache.items()},
             **self._slot_rows(slot),
         }
         if self._tables:
             feeds[SLOT_INPUT] = np.ones((1, 1), np.float32)
+        caches, out = self._rows(slice(row, row + 1))
         with self._lock:
-            self._graph.execute(feeds, out=self._outputs(slice(row, row + 1)))
+            self._graph.execute(feeds | caches, out=out)
         return self._logits[row, 0]
 
     def decode(self, tokens: Sequence[int], cached: Sequence[int], slots: Sequence[int]) -> np.ndarray:
@@ -287,21 +287,26 @@ class BatchDecoder:
         if bound is None:
             ids, lengths, total = np.zeros((n, 1), np.int64), np.zeros(n, np.int32), np.zeros((), np.int32)
             onehot = np.zeros((n, k) if self._tables else (0, 0), np.float32)
+            caches, out = self._rows(slice(0, n))
             feeds: dict[str, np.ndarray] = {
                 INPUT_IDS: ids,
                 SEQLENS_K: lengths,
                 TOTAL_LENGTH: total,
-                **{name: array[:n] for name, array in self._cache.items()},
+                **caches,
                 **{name: t.array[: k * t.rank] for name, t in self._tables.items()},
             }
             if self._tables:
                 feeds[SLOT_INPUT] = onehot
-            run = self._graph.bind(feeds, self._outputs(slice(0, n)))
+            run = self._graph.bind(feeds, out)
             bound = self._bound[(n, k)] = (run, ids, lengths, total, onehot)
         return bound
 
-    def _outputs(self, rows: slice) -> dict[str, np.ndarray]:
-        return {LOGITS: self._logits[rows]} | {_PRESENT + n[len(_PAST) :]: a[rows] for n, a in self._cache.items()}
+    def _rows(self, rows: slice) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The cache views of these rows as past feeds, and the outputs: the logits, and as presents the
+        very same view objects (the backend then hands ORT one buffer for both: appended in place)."""
+        caches = {name: array[rows] for name, array in self._cache.items()}
+        out = {LOGITS: self._logits[rows]} | {_PRESENT + n[len(_PAST) :]: a for n, a in caches.items()}
+        return caches, out
 
     def move(self, source: int, target: int, cached: int) -> None:
         """Moves a sequence's cache entries (its first `cached` positions) from one row to another."""
