@@ -2,9 +2,11 @@
 
 Runs the context's batched graph (`batch`, made by `quiver t2t export`): every row is one sequence with
 its own KV cache row and its own length, and its own adapter slot. Adapters live in slots: the tables
-of A and B the graph reads (`quiver.lora.create`, per-row slots), filled from an adapter's sections in
-well under a millisecond, kept while any sequence uses them and reused least recently used first; slot
-0 is the base model (zeros). Any number of adapters may exist on disk: only those in use need a slot.
+of A and B the graph reads (`quiver.lora.create`, per-row slots), filled from an adapter's sections,
+kept while any sequence uses them and reused least recently used first. Slot 0 is the base model and
+has no rows in the tables (its rows' one-hot is all zeros): a step feeds the tables of slots 1..k only,
+k the highest slot in use, so a step on the base model alone reads no table at all. Any number of
+adapters may exist on disk: only those in use need a slot.
 
 Rows in decode are 0..n-1: a step runs on views of the first n rows of every buffer (leading-axis views
 are contiguous, so ORT reads them in place). A sequence is prefilled, a window at a time, in the row
@@ -115,7 +117,7 @@ class BatchDecoder:
         if prefill is None:
             raise GenerationError(f"{config.ctx_bins[0]} lacks the config's prefill graph {config.prefill_graph!r}")
         weights = prefill.weights
-        self._slot_count = adapter_slots + 1 if SLOT_INPUT in inputs else 1
+        self._slot_count = adapter_slots + 1 if SLOT_INPUT in inputs else 1  # slot 0 (base) has no table rows
         self._tables: dict[str, _Table] = {}
         for name, info in inputs.items():
             if name in (INPUT_IDS, SEQLENS_K, TOTAL_LENGTH, SLOT_INPUT) or name.startswith(_PAST):
@@ -124,7 +126,7 @@ class BatchDecoder:
             if stored is None or info.shape is None or len(info.shape) != 2 or not isinstance(info.shape[1], int):
                 raise GenerationError(f"{config.ctx_bins[0]}: graph {BATCH_GRAPH!r} input {name!r} is no adapter table")
             rank, width = int(stored[0] if name.endswith(".B") else stored[1]), info.shape[1]
-            self._tables[name] = _Table(rank, width, np.zeros((self._slot_count * rank, width), np.float32))
+            self._tables[name] = _Table(rank, width, np.zeros(((self._slot_count - 1) * rank, width), np.float32))
         self._peft: dict[str, PeftAdapter] = {}  # adapters loaded from PEFT folders (no sections)
         self._slots: OrderedDict[AdapterKey, int] = OrderedDict()  # filled slots, least recently used first
         self._users = [0] * self._slot_count  # sequences using each slot (a slot in use is never refilled)
@@ -245,8 +247,9 @@ class BatchDecoder:
                 np.copyto(rows[: weights.rank], weights.lora_a)
 
     def _slot_rows(self, slot: int) -> dict[str, np.ndarray]:
-        """Each table's rows of one slot (views)."""
-        return {name: t.array[slot * t.rank : (slot + 1) * t.rank] for name, t in self._tables.items()}
+        """Each table's rows of one slot (views; none for the base model's)."""
+        first = max(slot - 1, 0)
+        return {name: t.array[first * t.rank : slot * t.rank] for name, t in self._tables.items()}
 
     # --- steps --------------------------------------------------------------------------------------
     def prefill(self, row: int, ids: Sequence[int], cached: int, slot: int) -> np.ndarray:
@@ -259,8 +262,8 @@ class BatchDecoder:
             TOTAL_LENGTH: np.array(total, np.int32),
             **self._slot_rows(slot),
         }
-        if self._tables:
-            feeds[SLOT_INPUT] = np.ones((1, 1), np.float32)
+        if self._tables:  # the slot's own rows alone (none for the base model), selected
+            feeds[SLOT_INPUT] = np.ones((1, 0 if slot == BASE_SLOT else 1), np.float32)
         caches, out = self._rows(slice(row, row + 1))
         with self._lock:
             self._graph.execute(feeds | caches, out=out)
@@ -271,18 +274,20 @@ class BatchDecoder:
         returns the logits, [n, vocab] (a view the next step overwrites)."""
         n = len(tokens)
         with self._lock:
-            run, ids, lengths, total, onehot = self._binding(n, max(slots) + 1)
+            run, ids, lengths, total, onehot = self._binding(n, max(slots))
             ids[:, 0] = tokens
             lengths[:] = cached  # GQA's seqlens_k: the tokens after this step, minus one
             total[()] = max(cached) + 1
-            if onehot.size:
+            if onehot.size:  # column s - 1 is slot s; base rows stay all zeros
                 onehot[:] = 0
-                onehot[np.arange(n), slots] = 1
+                chosen = np.asarray(slots)
+                on = chosen != BASE_SLOT
+                onehot[np.arange(n)[on], chosen[on] - 1] = 1
             run.run()
         return self._logits[:n, 0]
 
     def _binding(self, n: int, k: int) -> _Binding:
-        """The run of n rows over the first k slots, bound once (views of the same buffers each time)."""
+        """The run of n rows over slots 1..k, bound once (views of the same buffers each time)."""
         bound = self._bound.get((n, k))
         if bound is None:
             ids, lengths, total = np.zeros((n, 1), np.int64), np.zeros(n, np.int32), np.zeros((), np.int32)
