@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -40,6 +42,13 @@ class ServeError(QuiverError):
               help="One more adapter to serve: a PEFT folder or a .qsec of this context (repeatable).")  # fmt: skip
 @click.option("--allow-adapter-loading", is_flag=True,
               help="Let clients load and unload adapters (.qsec paths on this machine) while it serves.")  # fmt: skip
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Serve on Ray Serve: replicas of the engine behind Ray's HTTP proxy, adapters routed to the "
+                   "replicas that hold them (the cluster at $RAY_ADDRESS, else a local one).")  # fmt: skip
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(1, 1024),
+              help="With --ray: engine replicas (each maps the same context).")  # fmt: skip
+@click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(0, 1024),
+              help="With --ray: Ray's logical CPUs each replica asks for.")  # fmt: skip
 def serve_command(
     config_path: Path,
     host: str,
@@ -52,11 +61,15 @@ def serve_command(
     prefill_window: int | None,
     loras: tuple[str, ...],
     allow_adapter_loading: bool,
+    on_ray: bool,
+    replicas: int,
+    replica_cpus: float,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
         from quiver.serve.app import Server, base_name, serve
         from quiver.serve.chat import find_chat_template
+        from quiver.serve.service import LocalService
     except ImportError as exc:
         raise ServeError(
             f"serving needs the serve extra ({exc.name} is missing): pip install 'quiver[serve]'"
@@ -70,6 +83,27 @@ def serve_command(
                          f"{API_KEY_ENVIRONMENT}, or listen on 127.0.0.1")  # fmt: skip
     template = find_chat_template(config_path.resolve().parent, chat_template)
     added = [_named_path(entry) for entry in loras]
+
+    def ready(bound_host: str, bound_port: int, models: list[str]) -> None:
+        where = f"on Ray Serve, {replicas} replica(s) " if on_ray else ""
+        console.print(f"quiver serve {where}on http://{bound_host}:{bound_port}/v1 (models: {', '.join(models)}; "
+                      "Ctrl-C stops it)")  # fmt: skip
+
+    if on_ray:
+        args = {
+            "replicas": replicas,
+            "replica_cpus": replica_cpus,
+            "max_batch": max_batch,
+            "max_loras": max_loras,
+            "prefill_window": prefill_window,
+            "max_queue": max_queue,
+            "loras": {name: str(path.resolve()) for name, path in added},
+            "api_key": key,
+            "allow_adapter_loading": allow_adapter_loading,
+            "chat_template": str(chat_template.resolve()) if chat_template is not None else None,
+        }
+        _serve_on_ray(config_path, host, port, args, ready)
+        return
     decoder = BatchDecoder.from_config(config_path, max_batch, max_loras)
     try:
         for name, path in added:
@@ -77,19 +111,8 @@ def serve_command(
     except QuiverError:
         decoder.close()
         raise
-    server = Server(
-        decoder,
-        base_name(config_path),
-        template,
-        key,
-        max_queue,
-        adapter_loading=allow_adapter_loading,
-        prefill_window=prefill_window,
-    )
-
-    def ready(bound_host: str, bound_port: int) -> None:
-        models = ", ".join(server.served.model_ids())
-        console.print(f"quiver serve on http://{bound_host}:{bound_port}/v1 (models: {models}; Ctrl-C stops it)")
+    service = LocalService(decoder, max_queue, prefill_window)
+    server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading)
 
     # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: uvicorn shuts down on either, then
     # raises it again, which ends here as KeyboardInterrupt (a shell starts background jobs with SIGINT
@@ -97,7 +120,7 @@ def serve_command(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        serve(server, host, port, on_ready=ready)
+        serve(server, host, port, on_ready=lambda h, p: ready(h, p, server.served.model_ids()))
     except KeyboardInterrupt:
         pass
     finally:
@@ -109,3 +132,18 @@ def _named_path(entry: str) -> tuple[str, Path]:
     if not sep or not name or not path:
         raise ServeError(f"--lora {entry!r}: give NAME=PATH (a PEFT folder or a .qsec)")
     return name, Path(path)
+
+
+def _serve_on_ray(
+    config_path: Path, host: str, port: int, args: dict[str, Any], ready: Callable[[str, int, list[str]], None]
+) -> None:
+    try:
+        from quiver.serve.ray import RayOptions, run
+    except ImportError as exc:
+        raise ServeError(f"--ray needs the ray extra ({exc.name} is missing): pip install 'quiver[ray]'") from None
+    from quiver.t2t.config import read_dialog_config
+
+    config = read_dialog_config(config_path)  # checked here: a bad config is one line, not a replica's traceback
+    options = RayOptions.from_args({"config": str(config_path.resolve()), **args})
+    models = [config_path.resolve().parent.name, *config.adapters, *options.loras]
+    run(options, host, port, lambda h, p: ready(h, p, models))

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver.errors import QuiverError
 from quiver.serve.chat import ChatTemplate
-from quiver.serve.engine import Done, Engine, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.metrics import Metrics
 from quiver.serve.openai_api import (
     ApiError,
@@ -37,7 +37,7 @@ from quiver.serve.openai_api import (
     generation,
     new_id,
 )
-from quiver.t2t.batch import BatchDecoder
+from quiver.serve.service import Service, ServiceUnavailableError
 
 MAX_BODY_BYTES = 4 << 20
 MAX_MODEL_NAME = 256  # characters of an adapter name a client gives
@@ -45,7 +45,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions (chat runs 
 
 
 def _error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 429 else None
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -67,27 +67,24 @@ class _ApiKey:
 
 
 class Server:
-    """The routes over one engine; `app` is the ASGI application uvicorn runs."""
+    """The routes over one generation service; `app` is the ASGI application uvicorn (or Ray Serve) runs."""
 
     def __init__(
         self,
-        decoder: BatchDecoder,
+        service: Service,
         base: str,
         chat_template: ChatTemplate | None = None,
         api_key: str | None = None,
-        max_queue: int = 64,
         max_body_bytes: int = MAX_BODY_BYTES,
         adapter_loading: bool = False,
-        prefill_window: int | None = None,
     ) -> None:
-        self.decoder = decoder
+        self.service = service
         self.base = base
         self.chat_template = chat_template
         self.adapter_loading = adapter_loading
         self.max_body_bytes = max_body_bytes
-        decoder.on_fill = self._filled
-        self.engine = Engine(decoder, max_queue, on_step=self._stepped, prefill_window=prefill_window)
-        self.metrics = Metrics(lambda: self.engine.waiting, lambda: self.engine.batch_size)
+        self.metrics = Metrics(lambda: service.waiting, lambda: service.batch_size)
+        service.watch(self.metrics)
         routes = [
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
@@ -102,18 +99,11 @@ class Server:
     @property
     def served(self) -> Served:
         """The models as they are now (adapters may be loaded and unloaded while the server runs)."""
-        config = self.decoder.config
-        return Served(self.base, self.decoder.adapters.names, config.context_size, config.n_vocab)
+        service = self.service
+        return Served(self.base, service.adapter_names(), service.context_size, service.vocabulary)
 
     def close(self) -> None:
-        self.engine.close()
-
-    def _filled(self, seconds: float) -> None:
-        self.metrics.adapter_loads.inc()
-        self.metrics.adapter_fill.observe(seconds)
-
-    def _stepped(self, rows: int) -> None:
-        self.metrics.decode_steps.labels(str(rows)).inc()
+        self.service.close()
 
     def _counted(self, route: str, handler: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
         async def counted(request: Request) -> Response:
@@ -144,7 +134,7 @@ class Server:
     async def _completions(self, request: Request) -> Response:
         body = await self._body(request)
         prompt = completion_prompt(body, self.served.vocabulary)
-        ids = self.decoder.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ids = self.service.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         generation_ = generation(body, self.served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await self._generate(request, body, generation_, False)
 
@@ -158,7 +148,7 @@ class Server:
             text = self.chat_template.render(messages)
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages", "invalid_value") from None
-        ids = self.decoder.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+        ids = self.service.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
         return await self._generate(request, body, generation(body, self.served, ids, None), True)
 
     async def _load(self, request: Request) -> Response:
@@ -172,10 +162,10 @@ class Server:
         if len(name) > MAX_MODEL_NAME or not name.isprintable():
             raise ApiError(400, f"'lora_name' must be up to {MAX_MODEL_NAME} printable characters", "lora_name",
                            "invalid_value")  # fmt: skip
-        if name == self.base or name in self.decoder.adapters.names:
+        if name == self.base or name in self.service.adapter_names():
             raise ApiError(400, f"the model '{name[:100]}' exists already; unload it first", "lora_name", "exists")
         try:
-            await asyncio.to_thread(self.decoder.add_adapter, name, path)
+            await asyncio.to_thread(self.service.add_adapter, name, path)
         except QuiverError as exc:
             raise ApiError(400, f"cannot load {path[:200]}: {exc}", "lora_path", "invalid_adapter") from None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
@@ -183,9 +173,9 @@ class Server:
     async def _unload(self, request: Request) -> Response:
         body = await self._adapter_body(request)
         name = body.get("lora_name")
-        if not isinstance(name, str) or name not in self.decoder.adapters.names:
+        if not isinstance(name, str) or name not in self.service.adapter_names():
             raise ApiError(404, f"no adapter '{str(name)[:100]}' to unload", "lora_name", "model_not_found")
-        self.decoder.remove_adapter(name)
+        self.service.remove_adapter(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def _adapter_body(self, request: Request) -> dict[str, Any]:
@@ -218,7 +208,7 @@ class Server:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            job = self.engine.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            job = self.service.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         except QueueFullError as exc:
             raise ApiError(429, str(exc), None, "queue_full") from None
         request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])
@@ -229,14 +219,14 @@ class Server:
             done = await self._collect(job, events)
         finally:
             watcher.cancel()
-            self.engine.cancel(job)  # a no-op once it is done
+            self.service.cancel(job)  # a no-op once it is done
         return JSONResponse(completion(request_id, model, done, chat))
 
     async def _cancel_when_gone(self, http: Request, job: Job) -> None:
         """A client that hangs up before its whole reply frees the engine at the next step."""
         while not await http.is_disconnected():
             await asyncio.sleep(0.25)
-        self.engine.cancel(job)
+        self.service.cancel(job)
 
     async def _collect(self, job: Job, events: asyncio.Queue[Event]) -> Done:
         previous = job.submitted
@@ -271,7 +261,7 @@ class Server:
                 first = False
             yield "data: [DONE]\n\n"
         finally:
-            self.engine.cancel(job)  # a no-op once it is done; a client gone stops it at the next step
+            self.service.cancel(job)  # a no-op once it is done; a client gone stops it at the next step
 
     def _timed(self, job: Job, token: Token, previous: float) -> float:
         (self.metrics.first_token if previous == job.submitted else self.metrics.between_tokens).observe(
@@ -285,7 +275,12 @@ class Server:
 
 
 def _failure(error: QuiverError) -> ApiError:
-    """A generation the engine refused (an adapter's strength it lacks...): the client's request is bad."""
+    """A generation that failed: a full queue, a lost replica (both worth retrying), else the client's
+    request was bad (an adapter's strength it lacks...)."""
+    if isinstance(error, QueueFullError):
+        return ApiError(429, str(error), None, "queue_full")
+    if isinstance(error, ServiceUnavailableError):
+        return ApiError(503, str(error), None, "service_unavailable")
     return ApiError(400, str(error), None, "generation_failed")
 
 

@@ -122,7 +122,7 @@ class Engine:
         self._prefilling: _Sequence | None = None  # in the row after them
         self._held: Job | None = None  # taken from the queue, waiting for an adapter slot to come free
         self._closing = False
-        self._on_step = on_step  # told the rows of every decode step
+        self.on_step = on_step  # told the rows of every decode step
         self._thread = threading.Thread(target=self._work, name="quiver-serve-engine", daemon=True)
         self._thread.start()
 
@@ -285,8 +285,8 @@ class Engine:
         logits = self.decoder.decode(
             [s.reply.new_ids[-1] for s in rows], [s.cached for s in rows], [s.slot for s in rows]
         )
-        if self._on_step is not None:
-            self._on_step(len(rows))
+        if self.on_step is not None:
+            self.on_step(len(rows))
         for sequence in rows:  # all first: a sequence that ends moves the last one, whole, into its row
             sequence.cached += 1
         for index, sequence in enumerate(rows):

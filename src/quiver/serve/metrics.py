@@ -25,6 +25,9 @@ class Metrics:
         Gauge("quiver_batch_size", "Sequences in the running batch", registry=r).set_function(running)
         self.decode_steps = Counter("quiver_decode_steps", "Decode steps by their rows (sequences decoded together)",
                                     ["rows"], registry=r)  # fmt: skip
+        self.adapter_routed = Counter("quiver_adapter_requests", "Requests for an adapter, by whether the replica "
+                                      "that ran them held it already (Ray Serve's multiplexing)", ["held"],
+                                      registry=r)  # fmt: skip
         self.adapter_fill = Histogram("quiver_adapter_slot_fill_seconds", "Filling an adapter slot from its sections",
                                       buckets=_FILL_BUCKETS, registry=r)  # fmt: skip
         self.first_token = Histogram("quiver_time_to_first_token_seconds", "From arrival to the first token",

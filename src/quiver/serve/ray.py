@@ -1,0 +1,330 @@
+"""Quiver on Ray Serve: replicas of `quiver serve`'s engine over one context, adapters multiplexed to them.
+
+Two deployments make the application. `QuiverReplica` runs the continuous-batching engine of `quiver
+serve` over the dialog config's context (each replica maps the same `.qsec`/`.qctx` files, so replicas
+on one node share their pages). `QuiverIngress` serves OpenAI's routes (the very `Server` of `quiver
+serve`, through Ray Serve's HTTP proxy) and sends each generation to a replica with the adapter as Ray's
+multiplexed model id: Ray routes it to a replica that holds that adapter already (`serve.multiplexed`,
+least recently used adapters forgotten past `max_loras`), the base model to any replica. The ingress
+tokenizes and renders chat templates; replicas only decode.
+
+Built by `quiver serve --ray` or by Ray Serve's own config (`serve run config.yaml`, import path
+`quiver.serve.ray:build`, `args` as in `RayOptions`). Adapters loaded over HTTP are checked by one
+replica, then named with their path in every request for them: the path must be readable on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import ray
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.deployment import Deployment
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from quiver.errors import QuiverError
+from quiver.serve.app import Server, base_name
+from quiver.serve.chat import find_chat_template
+from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.metrics import Metrics
+from quiver.serve.service import LocalService, ServiceUnavailableError
+from quiver.t2t.batch import BatchDecoder
+from quiver.t2t.config import read_dialog_config
+from quiver.t2t.tokenizer import TextTokenizer
+
+APP_NAME = "quiver"
+
+
+class ReplicaLostError(ServiceUnavailableError):
+    """The replica running a request stopped (killed, or its node lost): send the request again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RayOptions:
+    """What a Quiver application on Ray Serve is built from (`quiver serve --ray`'s flags, or the `args` of
+    a Ray Serve config)."""
+
+    config: str  # the Genie dialog config, at the same path on every node
+    replicas: int = 1
+    min_replicas: int | None = None  # both set: autoscaling between them instead of `replicas`
+    max_replicas: int | None = None
+    replica_cpus: float = 1.0  # Ray's logical CPUs per replica (its ORT threads come from the config)
+    max_batch: int = 8
+    max_loras: int | None = None
+    prefill_window: int | None = None
+    max_queue: int = 64
+    loras: Mapping[str, str] = dataclasses.field(default_factory=dict)  # NAME -> PEFT folder or .qsec
+    api_key: str | None = None
+    allow_adapter_loading: bool = False
+    chat_template: str | None = None
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> RayOptions:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise QuiverError(f"unknown Quiver option {unknown[0]!r} in the Ray Serve config; known: {sorted(known)}")
+        if "config" not in args:
+            raise QuiverError("the Ray Serve config's args need 'config': the path of a genie_config.json")
+        return cls(**args)
+
+
+# --- replicas -------------------------------------------------------------------------------------------
+def _event(event: Event, held: bool | None = None) -> dict[str, Any]:
+    """An engine event as plain data (Ray sends it to the ingress); the end says whether the replica held
+    the request's adapter already (None: the base model)."""
+    if isinstance(event, Token):
+        return {"text": event.text}
+    if isinstance(event, Done):
+        return {"done": dataclasses.asdict(event), "held": held}
+    return {"error": str(event.error), "queue_full": isinstance(event.error, QueueFullError)}
+
+
+def _from_event(data: Mapping[str, Any]) -> Event:
+    if "text" in data:
+        return Token(str(data["text"]), time.perf_counter())
+    if "done" in data:
+        return Done(**data["done"])
+    error = QueueFullError if data.get("queue_full") else QuiverError
+    return Failed(error(str(data.get("error", "the replica failed"))))
+
+
+class _HeldAdapter:
+    """What Ray's multiplexing holds per adapter on a replica (the slot itself is the decoder's, reused
+    least recently used first; this only tells Ray's router where the adapter is warm)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class QuiverReplica:
+    """One engine over the context: decodes what the ingress sends, adapters registered on first use."""
+
+    def __init__(self, options: RayOptions) -> None:
+        decoder = BatchDecoder.from_config(options.config, options.max_batch, options.max_loras)
+        try:
+            for name, path in options.loras.items():
+                decoder.add_adapter(name, Path(path))
+        except QuiverError:
+            decoder.close()
+            raise
+        self._decoder = decoder
+        self._service = LocalService(decoder, options.max_queue, options.prefill_window)
+        self._sources: dict[str, str] = {}  # adapters registered from a path given by the ingress
+        self._loaded_now = False
+
+        async def hold(model_id: str) -> _HeldAdapter:  # called by Ray only for an adapter not held here
+            self._loaded_now = True
+            return _HeldAdapter(model_id)
+
+        # wired here, not on the class: the number of adapters held is an option (Ray finds it at init)
+        self._hold = serve.multiplexed(max_num_models_per_replica=options.max_loras or options.max_batch)(hold)
+
+    def _register(self, name: str, source: str | None) -> None:
+        """An adapter the config does not name: added from its path (again if the path changed)."""
+        if source is None or self._sources.get(name) == source:
+            return
+        if name in self._sources:
+            self._decoder.remove_adapter(name)
+        self._decoder.add_adapter(name, Path(source))
+        self._sources[name] = source
+
+    def check_adapter(self, name: str, source: str) -> None:
+        """Raises unless `source` is an adapter this context can run (the ingress asks before it offers it)."""
+        probe = f"{name}\x00check"
+        self._decoder.add_adapter(probe, Path(source))
+        self._decoder.remove_adapter(probe)
+
+    async def generate(self, fields: dict[str, Any], source: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """A generation's events, as `_event` writes them, until its end."""
+        generation = Generation(**{**fields, "stop": tuple(fields.get("stop", ()))})
+        if generation.adapter is not None:
+            try:
+                await asyncio.to_thread(self._register, generation.adapter, source)
+            except QuiverError as exc:
+                yield _event(Failed(exc))
+                return
+            self._loaded_now = False
+            await self._hold(serve.get_multiplexed_model_id() or generation.adapter)
+            held = not self._loaded_now
+        else:
+            held = None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        try:
+            job = self._service.submit(generation, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except QueueFullError as exc:
+            yield _event(Failed(exc))
+            return
+        try:
+            while True:
+                event = await events.get()
+                yield _event(event, held)
+                if not isinstance(event, Token):
+                    return
+        finally:
+            self._service.cancel(job)  # the ingress went away: freed at the next step
+
+    def __del__(self) -> None:
+        service = getattr(self, "_service", None)
+        if service is not None:
+            service.close()
+            self._decoder.close()
+
+
+# --- the ingress ----------------------------------------------------------------------------------------
+class RayService:
+    """The generation service of the ingress: every generation runs on a replica, routed by its adapter."""
+
+    def __init__(self, replicas: DeploymentHandle, options: RayOptions) -> None:
+        config = read_dialog_config(options.config)
+        self._replicas = replicas
+        self.tokenizer = TextTokenizer(config.tokenizer)
+        self.context_size = config.context_size
+        self.vocabulary = config.n_vocab
+        self._adapters: dict[str, str | None] = dict.fromkeys(config.adapters)
+        self._adapters |= dict.fromkeys(options.loras)  # the replicas load these at start
+        self._running: dict[int, asyncio.Task[None]] = {}  # by id() of their job
+        self._watch: Metrics | None = None
+
+    def adapter_names(self) -> list[str]:
+        return list(self._adapters)
+
+    def submit(self, generation: Generation, sink: Callable[[Event], object]) -> Job:
+        job = Job(generation, sink)
+        task = asyncio.get_running_loop().create_task(self._run(job))
+        self._running[id(job)] = task
+        task.add_done_callback(lambda _: self._running.pop(id(job), None))
+        return job
+
+    async def _run(self, job: Job) -> None:
+        generation = job.generation
+        handle = self._replicas.options(stream=True, multiplexed_model_id=generation.adapter or "")
+        source = self._adapters.get(generation.adapter) if generation.adapter is not None else None
+        response = cast(DeploymentResponseGenerator, handle.generate.remote(dataclasses.asdict(generation), source))
+        try:
+            async for data in response:
+                if data.get("held") is not None and self._watch is not None:
+                    self._watch.adapter_routed.labels("yes" if data["held"] else "no").inc()
+                job.sink(_from_event(data))
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except BackPressureError as exc:
+            job.sink(Failed(QueueFullError(f"every replica is full; try again shortly ({exc})")))
+        except RayError as exc:
+            job.sink(Failed(ReplicaLostError(f"the replica running this request stopped ({type(exc).__name__}); "
+                                             "send it again")))  # fmt: skip
+
+    def cancel(self, job: Job) -> None:
+        task = self._running.get(id(job))
+        if task is not None:
+            task.cancel()
+
+    @property
+    def waiting(self) -> int:
+        return 0  # requests wait in Ray's queues, reported by Ray's own metrics
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._running)  # in flight from this ingress
+
+    def add_adapter(self, name: str, path: str) -> None:
+        try:
+            self._replicas.check_adapter.remote(name, path).result()
+        except RayError as exc:
+            cause = getattr(exc, "cause", None)
+            raise QuiverError(str(cause) if isinstance(cause, QuiverError) else str(exc).splitlines()[-1]) from None
+        self._adapters[name] = path
+
+    def remove_adapter(self, name: str) -> None:
+        self._adapters.pop(name, None)
+
+    def watch(self, metrics: Metrics) -> None:
+        self._watch = metrics
+
+    def close(self) -> None:
+        for task in list(self._running.values()):
+            task.cancel()
+
+
+class QuiverIngress:
+    """OpenAI's routes (`quiver serve`'s own `Server`) in front of the replicas."""
+
+    def __init__(self, replicas: DeploymentHandle, options: RayOptions) -> None:
+        config = Path(options.config)
+        chosen = Path(options.chat_template) if options.chat_template else None
+        template = find_chat_template(config.resolve().parent, chosen)
+        self.server = Server(RayService(replicas, options), base_name(config), template, options.api_key,
+                             adapter_loading=options.allow_adapter_loading)  # fmt: skip
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """Ray Serve's hook for an ingress whose ASGI app is made per replica, after `__init__`."""
+        return self.server.app
+
+
+def application(options: RayOptions) -> serve.Application:
+    """The two deployments, bound: what `serve.run` deploys."""
+    scaling: dict[str, Any]
+    if options.min_replicas is not None and options.max_replicas is not None:
+        scaling = {"autoscaling_config": {"min_replicas": options.min_replicas, "max_replicas": options.max_replicas}}
+    else:
+        scaling = {"num_replicas": options.replicas}
+    replica = cast(Deployment, serve.deployment(QuiverReplica)).options(
+        name="QuiverReplica",
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        max_ongoing_requests=options.max_batch + options.max_queue,
+        **scaling,
+    )
+    # one ingress (it holds the adapters loaded over HTTP), light enough to need no CPU of its own
+    ingress = cast(Deployment, serve.deployment(cast(Any, serve.ingress())(QuiverIngress)))
+    ingress = ingress.options(name="QuiverIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(options), options)
+
+
+def build(args: dict[str, Any]) -> serve.Application:
+    """Ray Serve's application builder (`import_path: quiver.serve.ray:build` in a Serve config)."""
+    return application(RayOptions.from_args(args))
+
+
+def run(options: RayOptions, host: str, port: int, on_ready: Callable[[str, int], object]) -> None:
+    """Deploys the application on the Ray cluster at `RAY_ADDRESS` (else on a local one started now, with
+    this machine's CPUs), its routes at http://host:port, until SIGINT or SIGTERM; then deletes it, and
+    stops Ray Serve and the cluster when it started them."""
+    import signal
+    import socket
+
+    if port == 0:  # Ray's proxy takes a port number: a free one, now
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+    address = os.environ.get("RAY_ADDRESS") or None
+    # a local cluster gets the logical CPUs the replicas ask for, even beyond this machine's cores
+    cpus = None if address else max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_cpus))
+    ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    signals: list[int] = []  # a flag, not an Event: a handler may run again inside the first one's call
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
+        signal.signal(signum, lambda received, _: signals.append(received))
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application(options), name=APP_NAME, route_prefix="/", blocking=False)
+        on_ready(host, port)
+        while not signals:
+            time.sleep(0.2)
+    finally:
+        try:
+            if address is None:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()

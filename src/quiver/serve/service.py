@@ -1,0 +1,96 @@
+"""What the HTTP routes drive: a generation service, the engine in this process or replicas on Ray Serve."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from quiver.errors import QuiverError
+from quiver.serve.engine import Engine, Event, Generation, Job
+from quiver.serve.metrics import Metrics
+from quiver.t2t.batch import BatchDecoder
+from quiver.t2t.tokenizer import TextTokenizer
+
+
+class ServiceUnavailableError(QuiverError):
+    """The service lost a request it had taken (a replica stopped): sending it again will work (HTTP 503)."""
+
+
+class Service(Protocol):
+    """Runs generations and holds the adapters they name (the routes tokenize; the service decodes)."""
+
+    tokenizer: TextTokenizer
+    context_size: int
+    vocabulary: int
+
+    def adapter_names(self) -> list[str]: ...
+
+    def submit(self, generation: Generation, sink: Callable[[Event], object]) -> Job:
+        """Queues a generation, its events to `sink` (from any thread). Raises `QueueFullError`."""
+        ...
+
+    def cancel(self, job: Job) -> None: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """One more adapter (a PEFT folder or a .qsec), checked now (blocks: call it off the event loop)."""
+        ...
+
+    def remove_adapter(self, name: str) -> None: ...
+
+    def watch(self, metrics: Metrics) -> None:
+        """Reports what only the service sees (decode steps, slot fills) to `metrics`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalService:
+    """The continuous-batching engine over one context, in this process (`quiver serve`)."""
+
+    def __init__(self, decoder: BatchDecoder, max_queue: int = 64, prefill_window: int | None = None) -> None:
+        self.decoder = decoder
+        self.engine = Engine(decoder, max_queue, prefill_window=prefill_window)
+        self.tokenizer = decoder.tokenizer
+        self.context_size = decoder.config.context_size
+        self.vocabulary = decoder.config.n_vocab
+
+    def adapter_names(self) -> list[str]:
+        return self.decoder.adapters.names
+
+    def submit(self, generation: Generation, sink: Callable[[Event], object]) -> Job:
+        return self.engine.submit(generation, sink)
+
+    def cancel(self, job: Job) -> None:
+        self.engine.cancel(job)
+
+    @property
+    def waiting(self) -> int:
+        return self.engine.waiting
+
+    @property
+    def batch_size(self) -> int:
+        return self.engine.batch_size
+
+    def add_adapter(self, name: str, path: str) -> None:
+        self.decoder.add_adapter(name, Path(path))
+
+    def remove_adapter(self, name: str) -> None:
+        self.decoder.remove_adapter(name)
+
+    def watch(self, metrics: Metrics) -> None:
+        def filled(seconds: float) -> None:
+            metrics.adapter_loads.inc()
+            metrics.adapter_fill.observe(seconds)
+
+        self.decoder.on_fill = filled
+        self.engine.on_step = lambda rows: metrics.decode_steps.labels(str(rows)).inc()
+
+    def close(self) -> None:
+        self.engine.close()
