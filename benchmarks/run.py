@@ -33,6 +33,7 @@ from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: E402
 from serve import measure_serve  # noqa: E402
+from serve_ray import measure_serve_ray  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
 from timing import alternating_medians  # noqa: E402
 from tuning import measure_tuning  # noqa: E402
@@ -278,6 +279,7 @@ SECTIONS = (
     "ort_api",
     "t2t",
     "serve",
+    "serve_ray",
     "tuning",
 )
 
@@ -360,6 +362,10 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("serving ...", file=sys.stderr)
             report["serve"] = measure_serve(folder, Path(corpus.stdout.strip()))
+        if "serve_ray" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("serving on Ray ...", file=sys.stderr)
+            report["serve_ray"] = measure_serve_ray(folder, Path(corpus.stdout.strip()))
         if "tuning" in sections:
             models = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
             llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)

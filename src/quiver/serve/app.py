@@ -243,22 +243,29 @@ class Server:
     async def _events(
         self, job: Job, events: asyncio.Queue[Event], request_id: str, model: str, chat: bool
     ) -> AsyncIterator[str]:
-        """The stream's server-sent events; the request is cancelled if the client goes away."""
-        first, previous = True, job.submitted
+        """The stream's server-sent events, those decided while the last were sent in one write (a client
+        or a hop that falls behind gets fewer, larger writes); the request is cancelled if the client goes
+        away."""
+        first, previous, ended = True, job.submitted, False
         try:
-            while True:
-                event = await events.get()
-                if isinstance(event, Token):
-                    previous = self._timed(job, event, previous)
-                    yield _sse(chunk(request_id, model, chat, text=event.text, first=first))
-                elif isinstance(event, Failed):
-                    yield _sse(_failure(event.error).body())
-                    break
-                else:
-                    self._count(event)
-                    yield _sse(chunk(request_id, model, chat, done=event, first=first))
-                    break
-                first = False
+            while not ended:
+                pending = [await events.get()]
+                while not events.empty():
+                    pending.append(events.get_nowait())
+                out = []
+                for event in pending:
+                    if isinstance(event, Token):
+                        previous = self._timed(job, event, previous)
+                        out.append(_sse(chunk(request_id, model, chat, text=event.text, first=first)))
+                    elif isinstance(event, Failed):
+                        out.append(_sse(_failure(event.error).body()))
+                        ended = True
+                    else:
+                        self._count(event)
+                        out.append(_sse(chunk(request_id, model, chat, done=event, first=first)))
+                        ended = True
+                    first = False
+                yield "".join(out)
             yield "data: [DONE]\n\n"
         finally:
             self.service.cancel(job)  # a no-op once it is done; a client gone stops it at the next step

@@ -144,14 +144,15 @@ class QuiverReplica:
         self._decoder.add_adapter(probe, Path(source))
         self._decoder.remove_adapter(probe)
 
-    async def generate(self, fields: dict[str, Any], source: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """A generation's events, as `_event` writes them, until its end."""
+    async def generate(self, fields: dict[str, Any], source: str | None = None) -> AsyncIterator[list[dict[str, Any]]]:
+        """A generation's events, as `_event` writes them, until its end: those decided while the last were
+        sent go in one message (each message is a remote call: an ingress that falls behind gets fewer)."""
         generation = Generation(**{**fields, "stop": tuple(fields.get("stop", ()))})
         if generation.adapter is not None:
             try:
                 await asyncio.to_thread(self._register, generation.adapter, source)
             except QuiverError as exc:
-                yield _event(Failed(exc))
+                yield [_event(Failed(exc))]
                 return
             self._loaded_now = False
             await self._hold(serve.get_multiplexed_model_id() or generation.adapter)
@@ -163,13 +164,15 @@ class QuiverReplica:
         try:
             job = self._service.submit(generation, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         except QueueFullError as exc:
-            yield _event(Failed(exc))
+            yield [_event(Failed(exc))]
             return
         try:
             while True:
-                event = await events.get()
-                yield _event(event, held)
-                if not isinstance(event, Token):
+                pending = [await events.get()]
+                while not events.empty():
+                    pending.append(events.get_nowait())
+                yield [_event(event, held) for event in pending]
+                if not isinstance(pending[-1], Token):
                     return
         finally:
             self._service.cancel(job)  # the ingress went away: freed at the next step
@@ -212,10 +215,11 @@ class RayService:
         source = self._adapters.get(generation.adapter) if generation.adapter is not None else None
         response = cast(DeploymentResponseGenerator, handle.generate.remote(dataclasses.asdict(generation), source))
         try:
-            async for data in response:
-                if data.get("held") is not None and self._watch is not None:
-                    self._watch.adapter_routed.labels("yes" if data["held"] else "no").inc()
-                job.sink(_from_event(data))
+            async for message in response:
+                for data in message:
+                    if data.get("held") is not None and self._watch is not None:
+                        self._watch.adapter_routed.labels("yes" if data["held"] else "no").inc()
+                    job.sink(_from_event(data))
         except asyncio.CancelledError:
             response.cancel()
             raise
