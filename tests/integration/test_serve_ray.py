@@ -4,6 +4,7 @@ adapter go to the replicas that hold it, and a replica killed mid-stream fails o
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -69,7 +70,7 @@ def served(real_llms: Path, cluster: str, tmp_path_factory: pytest.TempPathFacto
     out = tmp_path_factory.mktemp("ray-served") / "smollm2"
     adapters = {name: real_llms / name for name in ("adapter_all", "adapter_qv")}
     config = export(real_llms / "smollm2", out, adapters, options=ExportOptions(context_size=256)).path
-    running = start_server(config, "--ray", "--replicas", "2", "--max-batch", "4")
+    running = start_server(config, "--ray", "--replicas", "2", "--max-batch", "4", "--allow-adapter-loading")
     yield running
     stop_server(running)
 
@@ -96,6 +97,27 @@ def test_greedy_through_ray_serve_is_what_t2t_run_gives(served: Running) -> None
     assert chat.choices[0].message.content and chat.usage is not None and chat.usage.completion_tokens == 4
     assert sorted(m.id for m in client.models.list().data) == ["adapter_all", "adapter_qv", "smollm2"]
     assert http(f"{served.url}/health", key=None)[0] == 200
+
+
+def test_a_peft_adapter_loaded_over_http_runs_on_the_replicas(served: Running, real_llms: Path) -> None:
+    """vLLM's load route on Ray: one replica checks the folder, every replica it lands on registers it."""
+    client = served.client(None)
+    body = json.dumps({"lora_name": "peft_all", "lora_path": str(real_llms / "adapter_all")}).encode()
+    status, _, text = http(f"{served.url}/v1/load_lora_adapter", "POST", body, key=None)
+    assert status == 200, text
+    expected = t2t_greedy(served.config, PROMPT, "-l", "adapter_all", tokens=TOKENS)  # its exported section
+    for _ in range(3):  # whichever replica runs it
+        reply = client.completions.create(model="peft_all", prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+        assert reply.choices[0].model_extra is not None
+        assert list(reply.choices[0].model_extra["token_ids"]) == expected
+    bad = json.dumps({"lora_name": "nothing", "lora_path": str(real_llms / "smollm2")}).encode()
+    status, _, error = http(f"{served.url}/v1/load_lora_adapter", "POST", bad, key=None)
+    assert status == 400 and error["error"]["code"] == "invalid_adapter", error
+    assert "nothing" not in [m.id for m in client.models.list().data]
+    status, _, _ = http(f"{served.url}/v1/unload_lora_adapter", "POST", b'{"lora_name": "peft_all"}', key=None)
+    assert status == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="peft_all", prompt=PROMPT, max_tokens=2)
 
 
 def _held(running: Running) -> dict[str, float]:

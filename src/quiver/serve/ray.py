@@ -120,10 +120,10 @@ class QuiverReplica:
         self._decoder = decoder
         self._service = LocalService(decoder, options.max_queue, options.prefill_window)
         self._sources: dict[str, str] = {}  # adapters registered from a path given by the ingress
-        self._loaded_now = False
+        self._loads: dict[str, int] = {}  # per adapter: how often Ray had to load it here
 
         async def hold(model_id: str) -> _HeldAdapter:  # called by Ray only for an adapter not held here
-            self._loaded_now = True
+            self._loads[model_id] = self._loads.get(model_id, 0) + 1
             return _HeldAdapter(model_id)
 
         # wired here, not on the class: the number of adapters held is an option (Ray finds it at init)
@@ -154,9 +154,10 @@ class QuiverReplica:
             except QuiverError as exc:
                 yield [_event(Failed(exc))]
                 return
-            self._loaded_now = False
-            await self._hold(serve.get_multiplexed_model_id() or generation.adapter)
-            held = not self._loaded_now
+            model_id = serve.get_multiplexed_model_id() or generation.adapter
+            loads = self._loads.get(model_id, 0)
+            await self._hold(model_id)
+            held: bool | None = self._loads.get(model_id, 0) == loads
         else:
             held = None
         loop = asyncio.get_running_loop()
@@ -225,8 +226,9 @@ class RayService:
             raise
         except BackPressureError as exc:
             job.sink(Failed(QueueFullError(f"every replica is full; try again shortly ({exc})")))
-        except RayError as exc:
-            job.sink(Failed(ReplicaLostError(f"the replica running this request stopped ({type(exc).__name__}); "
+        except Exception as exc:  # noqa: BLE001  whatever Ray raises, the client gets an answer, never a hang
+            stopped = "stopped" if isinstance(exc, RayError) else "failed"
+            job.sink(Failed(ReplicaLostError(f"the replica running this request {stopped} ({type(exc).__name__}); "
                                              "send it again")))  # fmt: skip
 
     def cancel(self, job: Job) -> None:
