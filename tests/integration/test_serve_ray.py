@@ -69,8 +69,11 @@ def cluster() -> Iterator[str]:
 def served(real_llms: Path, cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     out = tmp_path_factory.mktemp("ray-served") / "smollm2"
     adapters = {name: real_llms / name for name in ("adapter_all", "adapter_qv")}
-    config = export(real_llms / "smollm2", out, adapters, options=ExportOptions(context_size=256)).path
-    running = start_server(config, "--ray", "--replicas", "2", "--max-batch", "4", "--allow-adapter-loading")
+    export(real_llms / "smollm2", out, adapters, options=ExportOptions(context_size=256))
+    # served from a folder this "node" lacks: copied from the export by --model-source, checked, then served
+    config = out.parent / "node" / "smollm2" / "genie_config.json"
+    running = start_server(config, "--ray", "--replicas", "2", "--max-batch", "4", "--allow-adapter-loading",
+                           "--model-source", str(out))  # fmt: skip
     yield running
     stop_server(running)
 

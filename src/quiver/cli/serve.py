@@ -49,6 +49,9 @@ class ServeError(QuiverError):
               help="With --ray: engine replicas (each maps the same context).")  # fmt: skip
 @click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(0, 1024),
               help="With --ray: Ray's logical CPUs each replica asks for.")  # fmt: skip
+@click.option("--model-source", metavar="FOLDER|URL",
+              help="With --ray: where a node without the config's folder copies it from (a folder or a "
+                   "file/http(s) URL of one); every context and section is checked before use.")  # fmt: skip
 def serve_command(
     config_path: Path,
     host: str,
@@ -64,6 +67,7 @@ def serve_command(
     on_ray: bool,
     replicas: int,
     replica_cpus: float,
+    model_source: str | None,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
@@ -101,6 +105,7 @@ def serve_command(
             "api_key": key,
             "allow_adapter_loading": allow_adapter_loading,
             "chat_template": str(chat_template.resolve()) if chat_template is not None else None,
+            "model_source": model_source,
         }
         _serve_on_ray(config_path, host, port, args, ready)
         return
@@ -142,8 +147,10 @@ def _serve_on_ray(
     except ImportError as exc:
         raise ServeError(f"--ray needs the ray extra ({exc.name} is missing): pip install 'quiver[ray]'") from None
     from quiver.t2t.config import read_dialog_config
+    from quiver.t2t.model_source import ensure_model_folder
 
-    config = read_dialog_config(config_path)  # checked here: a bad config is one line, not a replica's traceback
+    # checked here: a bad config is one line, not a replica's traceback
+    config = read_dialog_config(ensure_model_folder(config_path, args.get("model_source")))
     options = RayOptions.from_args({"config": str(config_path.resolve()), **args})
     models = [config_path.resolve().parent.name, *config.adapters, *options.loras]
     run(options, host, port, lambda h, p: ready(h, p, models))

@@ -39,6 +39,7 @@ from quiver.serve.metrics import Metrics
 from quiver.serve.service import LocalService, ServiceUnavailableError
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.config import read_dialog_config
+from quiver.t2t.model_source import ensure_model_folder
 from quiver.t2t.tokenizer import TextTokenizer
 
 APP_NAME = "quiver"
@@ -66,6 +67,7 @@ class RayOptions:
     api_key: str | None = None
     allow_adapter_loading: bool = False
     chat_template: str | None = None
+    model_source: str | None = None  # where a node without the config's folder copies it from (checked)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> RayOptions:
@@ -110,7 +112,8 @@ class QuiverReplica:
     """One engine over the context: decodes what the ingress sends, adapters registered on first use."""
 
     def __init__(self, options: RayOptions) -> None:
-        decoder = BatchDecoder.from_config(options.config, options.max_batch, options.max_loras)
+        config = ensure_model_folder(options.config, options.model_source)
+        decoder = BatchDecoder.from_config(config, options.max_batch, options.max_loras)
         try:
             for name, path in options.loras.items():
                 decoder.add_adapter(name, Path(path))
@@ -190,7 +193,7 @@ class RayService:
     """The generation service of the ingress: every generation runs on a replica, routed by its adapter."""
 
     def __init__(self, replicas: DeploymentHandle, options: RayOptions) -> None:
-        config = read_dialog_config(options.config)
+        config = read_dialog_config(ensure_model_folder(options.config, options.model_source))
         self._replicas = replicas
         self.tokenizer = TextTokenizer(config.tokenizer)
         self.context_size = config.context_size

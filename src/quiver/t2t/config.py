@@ -84,17 +84,18 @@ def _tokens(value: Any, where: str, source: Path) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _file(base: Path, value: Any, where: str, source: Path) -> Path:
+def _file(base: Path, value: Any, where: str, source: Path, present: bool = True) -> Path:
     if not isinstance(value, str) or not value or "\0" in value:
         raise DialogConfigError(f"{source}: {where} must be a path, not {str(value)[:80]!r}")
     path = (base / value).resolve()
-    if not path.is_file():
+    if present and not path.is_file():
         raise DialogConfigError(f"{source}: {where} names {value!r}, which is not a file ({path}); check the config")
     return path
 
 
-def read_dialog_config(path: str | Path) -> DialogConfig:
-    """A Genie dialog config; paths in it are relative to its folder, as Genie resolves them."""
+def read_dialog_config(path: str | Path, files_present: bool = True) -> DialogConfig:
+    """A Genie dialog config; paths in it are relative to its folder, as Genie resolves them (and must name
+    files, unless `files_present` is False: a config whose files are yet to be copied)."""
     source = Path(path)
     try:
         raw = json.loads(read_text(source, limit=16 << 20, what="dialog config"))
@@ -135,14 +136,14 @@ def read_dialog_config(path: str | Path) -> DialogConfig:
             top_p=_number(sampler, "top-p", "sampler", source, float, 0.95),
             greedy=_flag(sampler, "greedy", "sampler", source),
         ),
-        tokenizer=_file(base, tokenizer.get("path"), "tokenizer.path", source),
+        tokenizer=_file(base, tokenizer.get("path"), "tokenizer.path", source, files_present),
         n_threads=_number(engine, "n-threads", "engine", source, int, 0),
         backend=kind,
-        ctx_bins=tuple(_file(base, p, "engine.model.binary.ctx-bins", source) for p in ctx_bins),
+        ctx_bins=tuple(_file(base, p, "engine.model.binary.ctx-bins", source, files_present) for p in ctx_bins),
         prefill_graph=str(quiver.get("prefill-graph", PREFILL_GRAPH)),
         decode_graph=str(quiver.get("decode-graph", DECODE_GRAPH)),
         prefill_window=_number(quiver, "prefill-window", "quiver", source, int, DEFAULT_PREFILL_WINDOW),
-        **_lora(binary.get("lora"), base, source),
+        **_lora(binary.get("lora"), base, source, files_present),
     )
     _check_ranges(config)
     return config
@@ -179,7 +180,7 @@ def _check_ranges(config: DialogConfig) -> None:
             raise DialogConfigError(f"{config.path}: {name} is {value!r}; it must be {expected}")
 
 
-def _lora(raw: Any, base: Path, source: Path) -> dict[str, Any]:
+def _lora(raw: Any, base: Path, source: Path, files_present: bool) -> dict[str, Any]:
     if raw is None:
         return {}
     lora = _object(raw, "engine.model.binary.lora", source)
@@ -197,7 +198,7 @@ def _lora(raw: Any, base: Path, source: Path) -> dict[str, Any]:
         adapters[name] = LoraAdapterConfig(
             name,
             tuple(str(a) for a in alphas),
-            tuple(_file(base, s, f"lora adapter {name!r} bin-sections", source) for s in sections),
+            tuple(_file(base, s, f"lora adapter {name!r} bin-sections", source, files_present) for s in sections),
         )
     groups = {}
     for group in _list(lora, "groups", source):
