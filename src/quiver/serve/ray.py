@@ -219,11 +219,16 @@ class RayService:
         source = self._adapters.get(generation.adapter) if generation.adapter is not None else None
         response = cast(DeploymentResponseGenerator, handle.generate.remote(dataclasses.asdict(generation), source))
         try:
+            ended = False
             async for message in response:
                 for data in message:
                     if data.get("held") is not None and self._watch is not None:
                         self._watch.adapter_routed.labels("yes" if data["held"] else "no").inc()
-                    job.sink(_from_event(data))
+                    event = _from_event(data)
+                    ended = not isinstance(event, Token)
+                    job.sink(event)
+            if not ended:  # the replica's stream stopped short of an end: the client hears so, never waits on
+                job.sink(Failed(ReplicaLostError("the replica's stream ended before the reply did; send it again")))
         except asyncio.CancelledError:
             response.cancel()
             raise
