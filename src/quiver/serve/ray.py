@@ -299,9 +299,12 @@ def application(options: RayOptions) -> serve.Application:
         max_ongoing_requests=options.max_batch + options.max_queue,
         **scaling,
     )
-    # one ingress (it holds the adapters loaded over HTTP), light enough to need no CPU of its own
+    # one ingress (it holds the adapters loaded over HTTP), light enough to need no CPU of its own, taking
+    # as many requests at once as every replica may hold (Ray's default, 5, would cap each batch at 5 rows)
+    most = options.max_replicas if options.max_replicas is not None else options.replicas
     ingress = cast(Deployment, serve.deployment(cast(Any, serve.ingress())(QuiverIngress)))
-    ingress = ingress.options(name="QuiverIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    ingress = ingress.options(name="QuiverIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                              max_ongoing_requests=most * (options.max_batch + options.max_queue))  # fmt: skip
     return ingress.bind(replica.bind(options), options)
 
 
