@@ -78,7 +78,6 @@ def serve_command(
         raise ServeError(
             f"serving needs the serve extra ({exc.name} is missing): pip install 'quiver[serve]'"
         ) from None
-    from quiver.t2t.batch import BatchDecoder
     from quiver.tuning.server import is_loopback
 
     key = api_key or os.environ.get(API_KEY_ENVIRONMENT) or None
@@ -109,14 +108,7 @@ def serve_command(
         }
         _serve_on_ray(config_path, host, port, args, ready)
         return
-    decoder = BatchDecoder.from_config(config_path, max_batch, max_loras)
-    try:
-        for name, path in added:
-            decoder.add_adapter(name, path)
-    except QuiverError:
-        decoder.close()
-        raise
-    service = LocalService(decoder, max_queue, prefill_window)
+    service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window)
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading)
 
     # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: uvicorn shuts down on either, then
@@ -128,8 +120,6 @@ def serve_command(
         serve(server, host, port, on_ready=lambda h, p: ready(h, p, server.served.model_ids()))
     except KeyboardInterrupt:
         pass
-    finally:
-        decoder.close()
 
 
 def _named_path(entry: str) -> tuple[str, Path]:

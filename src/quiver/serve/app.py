@@ -37,7 +37,7 @@ from quiver.serve.openai_api import (
     generation,
     new_id,
 )
-from quiver.serve.service import Service, ServiceUnavailableError
+from quiver.serve.service import Service, ServiceUnavailableError, drained
 
 MAX_BODY_BYTES = 4 << 20
 MAX_MODEL_NAME = 256  # characters of an adapter name a client gives
@@ -249,10 +249,8 @@ class Server:
         first, previous, ended = True, job.submitted, False
         try:
             while not ended:
-                pending = [await events.get()]
-                while not events.empty():
-                    pending.append(events.get_nowait())
                 out = []
+                pending = await drained(events)
                 for event in pending:
                     if isinstance(event, Token):
                         previous = self._timed(job, event, previous)

@@ -36,8 +36,7 @@ from quiver.serve.app import Server, base_name
 from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.metrics import Metrics
-from quiver.serve.service import LocalService, ServiceUnavailableError
-from quiver.t2t.batch import BatchDecoder
+from quiver.serve.service import LocalService, ServiceUnavailableError, drained
 from quiver.t2t.config import read_dialog_config
 from quiver.t2t.model_source import ensure_model_folder
 from quiver.t2t.tokenizer import TextTokenizer
@@ -113,15 +112,9 @@ class QuiverReplica:
 
     def __init__(self, options: RayOptions) -> None:
         config = ensure_model_folder(options.config, options.model_source)
-        decoder = BatchDecoder.from_config(config, options.max_batch, options.max_loras)
-        try:
-            for name, path in options.loras.items():
-                decoder.add_adapter(name, Path(path))
-        except QuiverError:
-            decoder.close()
-            raise
-        self._decoder = decoder
-        self._service = LocalService(decoder, options.max_queue, options.prefill_window)
+        self._service = LocalService.open(config, options.max_batch, options.max_loras, options.loras,
+                                          options.max_queue, options.prefill_window)  # fmt: skip
+        self._decoder = self._service.decoder
         self._sources: dict[str, str] = {}  # adapters registered from a path given by the ingress
         self._loads: dict[str, int] = {}  # per adapter: how often Ray had to load it here
 
@@ -172,9 +165,7 @@ class QuiverReplica:
             return
         try:
             while True:
-                pending = [await events.get()]
-                while not events.empty():
-                    pending.append(events.get_nowait())
+                pending = await drained(events)
                 yield [_event(event, held) for event in pending]
                 if not isinstance(pending[-1], Token):
                     return
@@ -185,7 +176,6 @@ class QuiverReplica:
         service = getattr(self, "_service", None)
         if service is not None:
             service.close()
-            self._decoder.close()
 
 
 # --- the ingress ----------------------------------------------------------------------------------------

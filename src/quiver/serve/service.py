@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from quiver.errors import QuiverError
 from quiver.serve.engine import Engine, Event, Generation, Job
 from quiver.serve.metrics import Metrics
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.tokenizer import TextTokenizer
+
+_T = TypeVar("_T")
+
+
+async def drained(queue: asyncio.Queue[_T]) -> list[_T]:
+    """The next item, and every one queued behind it: what was decided while the last were sent, sent at
+    once (a client or a hop that falls behind gets fewer, larger writes)."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 class ServiceUnavailableError(QuiverError):
@@ -54,6 +66,26 @@ class Service(Protocol):
 class LocalService:
     """The continuous-batching engine over one context, in this process (`quiver serve`)."""
 
+    @classmethod
+    def open(
+        cls,
+        config: str | Path,
+        max_batch: int,
+        max_loras: int | None,
+        adapters: Mapping[str, str | Path],
+        max_queue: int = 64,
+        prefill_window: int | None = None,
+    ) -> LocalService:
+        """The engine over a dialog config, with more adapters (NAME -> PEFT folder or .qsec) checked now."""
+        decoder = BatchDecoder.from_config(config, max_batch, max_loras)
+        try:
+            for name, path in adapters.items():
+                decoder.add_adapter(name, Path(path))
+        except QuiverError:
+            decoder.close()
+            raise
+        return cls(decoder, max_queue, prefill_window)
+
     def __init__(self, decoder: BatchDecoder, max_queue: int = 64, prefill_window: int | None = None) -> None:
         self.decoder = decoder
         self.engine = Engine(decoder, max_queue, prefill_window=prefill_window)
@@ -93,4 +125,6 @@ class LocalService:
         self.engine.on_step = lambda rows: metrics.decode_steps.labels(str(rows)).inc()
 
     def close(self) -> None:
+        """Stops the engine (requests not finished end cancelled) and unmaps the context."""
         self.engine.close()
+        self.decoder.close()
