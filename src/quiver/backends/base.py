@@ -93,6 +93,7 @@ class MappedFile:
     address: int  # where this process maps it
     size: int
     is_current: Callable[[], bool]  # whether `path` still names the very file mapped (files are replaced)
+    identity: str = ""  # names the file's contents (a context's header digest, which covers every checksum)
 
     def offset_of(self, array: np.ndarray) -> int | None:
         """Where the array's bytes lie in the file, or None when it does not view the mapping."""

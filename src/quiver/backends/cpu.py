@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
 import onnxruntime as ort
 
-from quiver.backends import _ort_capi, cpu_prepared
+from quiver.backends import _ort_capi, cpu_packed_file, cpu_prepared
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, WeightFile
 from quiver.backends.cpu_settings import (
     DEFAULT_ACCURACY_LEVEL,
@@ -221,7 +222,15 @@ class _PythonApiSession:
     `prepack=False`.
     """
 
-    def __init__(self, weights: SessionWeights, backend: CpuBackend, settings: SessionSettings, prepack: bool) -> None:
+    def __init__(
+        self,
+        weights: SessionWeights,
+        backend: CpuBackend,
+        settings: SessionSettings,
+        prepack: bool,
+        save_to: Path | None = None,
+    ) -> None:
+        """`save_to`: a folder where ORT writes the graph's packed form (`cpu_packed_file`) as it makes it."""
         options = ort.SessionOptions()
         options.intra_op_num_threads = settings.intra_op_num_threads
         options.graph_optimization_level = settings.ort_level
@@ -234,7 +243,13 @@ class _PythonApiSession:
             # (where the env's shared arena is used, it takes its memory from there).
             entries["session.intra_op.allow_spinning"] = "0"
             options.enable_cpu_mem_arena = False
-        if _shared_arena():  # ORT's env arena, shared with the other sessions (the stand-in's first chunks too)
+        if save_to is not None:
+            # made only to write the form, then dropped: its packed copy must go back to the system with it,
+            # so no arena (the env's never shrinks) holds it
+            options.optimized_model_filepath = str(save_to / cpu_packed_file.MODEL)
+            options.enable_cpu_mem_arena = False
+            entries |= cpu_packed_file.save_entries()
+        elif _shared_arena():  # ORT's env arena, shared with the other sessions (the stand-in's first chunks too)
             entries["session.use_env_allocators"] = "1"
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
@@ -381,12 +396,17 @@ class CpuExecutable:
         self._shareable = (_SHARED_INTEGER_PACKING or not has_integer_matmuls) and "string" not in io_types
         self.prepared = prepared is not None  # sessions come from the context's prepared form (cpu_prepared)
         self._use(*(prepared or portable))
+        self.packed_file: Path | None = None  # the packed form sessions come from (cpu_packed_file), if any
+        if backend.packed_weights is not None and self._packs_into_file():
+            self._from_packed_file(backend.packed_weights)
         try:
             self._session: _Session | None = self._create_first()
         except BackendError:
-            if prepared is None:
+            if prepared is None and self.packed_file is None:
                 raise
-            self.prepared = False  # a prepared form this ORT refuses after all: the portable skeleton, as before
+            # a form this ORT refuses after all: the portable skeleton, packed by this process, as before
+            self.prepared, self.packed_file = False, None
+            self.is_packed = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
             self._use(*portable)
             self._session = self._create_first()
         self._upgrade_pending = settings.prepack and not self.is_packed
@@ -404,6 +424,50 @@ class CpuExecutable:
         self._droppable = self._packable if graph.file_backed else []
         self._prepacked = sum(a.nbytes for a in self._packable)
         self._weights = SessionWeights.of(graph, graph.model, optimized=settings.graph_optimization_level != "disabled")
+
+    def _packs_into_file(self) -> bool:
+        """Whether this graph's packed weights may come from a file: ORT packs some, its weights are mapped
+        from a context file (whose identity names them), and its sessions need nothing a file-made session
+        lacks (the C API's special tensors, strings, profiling)."""
+        mapping = self._graph.mapping
+        return (
+            bool(self._packable)
+            and self._shareable
+            and not self._c_api_only
+            and self._backend.profile_prefix is None
+            and mapping is not None
+            and bool(mapping.identity)
+        )
+
+    def _from_packed_file(self, folder: Path) -> None:
+        """Sessions come from the graph's packed form under `folder`, made now if there is none: its packed
+        weights are mapped from that file, shared with every other process that opens this graph."""
+        settings, mapping = self._session_settings, self._graph.mapping
+        assert mapping is not None
+        # ORT writes every weight out from where the model says it lies: the context file, even where its
+        # sessions would get them all as shared initializers (a prepared form opened with optimizers off)
+        weights = SessionWeights.of(self._graph, self._graph.model)
+        key = cpu_packed_file.form_key(
+            weights.model, mapping.identity, settings.config(prepack=True), int(settings.ort_level)
+        )
+
+        def make(staging: Path) -> None:
+            try:
+                with _ort_capi.fork_waits():
+                    _PythonApiSession(weights, self._backend, settings, prepack=True, save_to=staging)
+            except Exception as exc:
+                raise cpu_packed_file.FormNotMadeError(f"ORT did not write the packed form: {exc}") from None
+            finally:
+                _return_freed_memory()  # the writing session's packed copy, gone with it
+
+        try:
+            form = cpu_packed_file.open_or_make(folder, key, make)
+        except cpu_packed_file.FormNotMadeError:
+            return  # this graph packs in this process, as without a folder
+        _drop_resident_pages(self._droppable)  # what making the form read: nothing reads it from here on
+        self._weights = SessionWeights(form.model, {}, {}, str(form.folder), None)
+        self._droppable, self._prepacked = [], 0  # nothing packed is private
+        self.is_packed, self.packed_file = True, form.folder
 
     def _forget_sources(self) -> None:
         """Once the packed session runs, no session is made again from this executable (a forked child makes
@@ -526,7 +590,10 @@ class CpuBackend:
     `prepack=True` (default): ORT repacks MatMul/Gemm weights for speed, once per distinct weight per
     context (a shared container). `lazy_prepack=True` (default): the first output comes from an
     unpacked session; the packed one is made in the background after it. `prepack=False`: weights stay
-    only in the mapping (smallest memory), at a latency cost.
+    only in the mapping (smallest memory), at a latency cost. `packed_weights`: a folder where each graph's
+    packed weights are kept in a file (`cpu_packed_file`), made once and mapped by every process that
+    opens the graph on this machine (a server's replicas), instead of packed privately by each; for graphs
+    that share weights within one process (a dialog's prefill and decode), the container is the better way.
     """
 
     name = "cpu"
@@ -541,6 +608,7 @@ class CpuBackend:
         profile_prefix: str | None = None,
         accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
         dynamic_block_base: int = 0,
+        packed_weights: str | Path | None = None,
     ) -> None:
         level = next((n for n in OPTIMIZATION_LEVELS if OPTIMIZATION_LEVELS[n] == graph_optimization_level), "all")
         self.settings = SessionSettings(
@@ -558,6 +626,7 @@ class CpuBackend:
         if profile_prefix is not None:
             lazy_prepack = False
         self.lazy_prepack = lazy_prepack
+        self.packed_weights = Path(packed_weights) if packed_weights is not None else None
         self._container: _ort_capi.PrepackedWeights | None = None
         self._lock = threading.Lock()
 

@@ -187,6 +187,11 @@ def _machine_fields() -> tuple[tuple[str, str], ...]:
     )
 
 
+def machine_fingerprint() -> dict[str, str]:
+    """What a packed weight's layout depends on: the runtime build and the processor (not the cores)."""
+    return dict(_machine_fields())
+
+
 def device_fingerprint() -> dict[str, str]:
     """What the cpu backend's speed depends on, each field kept so a mismatch can say what changed. The
     usable cores are read each time: a process may be pinned to fewer after it started."""

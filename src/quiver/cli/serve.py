@@ -49,6 +49,10 @@ class ServeError(QuiverError):
               help="With --ray: engine replicas (each maps the same context).")  # fmt: skip
 @click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(0, 1024),
               help="With --ray: Ray's logical CPUs each replica asks for.")  # fmt: skip
+@click.option("--packed-weights", metavar="FOLDER|off|default",
+              help="Keep the model's packed weights in a file under FOLDER, made once and mapped by every server "
+                   "process on this machine instead of packed by each ['default' ($QUIVER_PACKED_WEIGHTS, else "
+                   "~/.cache/quiver/packed-weights) with --ray, else off].")  # fmt: skip
 @click.option("--model-source", metavar="FOLDER|URL",
               help="With --ray: where a node without the config's folder copies it from (a folder or a "
                    "file/http(s) URL of one); every context and section is checked before use.")  # fmt: skip
@@ -68,6 +72,7 @@ def serve_command(
     replicas: int,
     replica_cpus: float,
     model_source: str | None,
+    packed_weights: str | None,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
@@ -78,6 +83,7 @@ def serve_command(
         raise ServeError(
             f"serving needs the serve extra ({exc.name} is missing): pip install 'quiver[serve]'"
         ) from None
+    from quiver.backends.cpu_packed_file import folder_from
     from quiver.tuning.server import is_loopback
 
     key = api_key or os.environ.get(API_KEY_ENVIRONMENT) or None
@@ -105,10 +111,12 @@ def serve_command(
             "allow_adapter_loading": allow_adapter_loading,
             "chat_template": str(chat_template.resolve()) if chat_template is not None else None,
             "model_source": model_source,
+            "packed_weights": packed_weights or "default",
         }
         _serve_on_ray(config_path, host, port, args, ready)
         return
-    service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window)
+    service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window,
+                                folder_from(packed_weights))  # fmt: skip
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading)
 
     # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: uvicorn shuts down on either, then

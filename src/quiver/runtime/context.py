@@ -355,7 +355,9 @@ class Context:
             for number, form in enumerate(entry.prepared)
         )
         mapped = store.file.mapped_file()
-        mapping = MappedFile(*mapped, partial(store.file.is_file_at, mapped[0])) if mapped else None
+        mapping = (
+            MappedFile(*mapped, partial(store.file.is_file_at, mapped[0]), store.file.header_sha256) if mapped else None
+        )
         return FinalizedGraph(
             name, model, weights, info.inputs, info.outputs, store.file.file_backed, tuning, prepared, mapping
         )

@@ -31,6 +31,7 @@ from ray.serve.deployment import Deployment
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from quiver.backends.cpu_packed_file import folder_from
 from quiver.errors import QuiverError
 from quiver.serve.app import Server, base_name
 from quiver.serve.chat import find_chat_template
@@ -67,6 +68,9 @@ class RayOptions:
     allow_adapter_loading: bool = False
     chat_template: str | None = None
     model_source: str | None = None  # where a node without the config's folder copies it from (checked)
+    # where each node keeps the packed weights its replicas map ("default": $QUIVER_PACKED_WEIGHTS or the
+    # user's cache; "off": each replica packs its own copy)
+    packed_weights: str | None = "default"
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> RayOptions:
@@ -113,7 +117,8 @@ class QuiverReplica:
     def __init__(self, options: RayOptions) -> None:
         config = ensure_model_folder(options.config, options.model_source)
         self._service = LocalService.open(config, options.max_batch, options.max_loras, options.loras,
-                                          options.max_queue, options.prefill_window)  # fmt: skip
+                                          options.max_queue, options.prefill_window,
+                                          folder_from(options.packed_weights))  # fmt: skip
         self._decoder = self._service.decoder
         self._sources: dict[str, str] = {}  # adapters registered from a path given by the ingress
         self._loads: dict[str, int] = {}  # per adapter: how often Ray had to load it here

@@ -75,9 +75,11 @@ class LocalService:
         adapters: Mapping[str, str | Path],
         max_queue: int = 64,
         prefill_window: int | None = None,
+        packed_weights: str | Path | None = None,
     ) -> LocalService:
-        """The engine over a dialog config, with more adapters (NAME -> PEFT folder or .qsec) checked now."""
-        decoder = BatchDecoder.from_config(config, max_batch, max_loras)
+        """The engine over a dialog config, with more adapters (NAME -> PEFT folder or .qsec) checked now;
+        `packed_weights`: a folder where its packed weights are kept, shared by the processes that serve it."""
+        decoder = BatchDecoder.from_config(config, max_batch, max_loras, packed_weights)
         try:
             for name, path in adapters.items():
                 decoder.add_adapter(name, Path(path))

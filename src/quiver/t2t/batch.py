@@ -64,14 +64,22 @@ class BatchDecoder:
     """The batched graph of one context, its KV rows and its adapter slots (one engine thread drives it;
     the adapter set may change from any thread)."""
 
-    def __init__(self, config: DialogConfig, max_batch: int = 8, adapter_slots: int | None = None) -> None:
+    def __init__(
+        self,
+        config: DialogConfig,
+        max_batch: int = 8,
+        adapter_slots: int | None = None,
+        packed_weights: str | Path | None = None,
+    ) -> None:
+        """`packed_weights`: a folder where the graph's packed weights are kept in a file, made once and
+        mapped by every process that serves this context on the machine (see `CpuBackend`)."""
         if max_batch < 1:
             raise GenerationError(f"a batch holds at least one sequence, not {max_batch}")
         self.config = config
         self.max_batch = max_batch
         self.tokenizer = TextTokenizer(config.tokenizer)
         self._lock = threading.Lock()
-        backend = CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False)
+        backend = CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False, packed_weights=packed_weights)
         self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
         try:
             self._setup(adapter_slots if adapter_slots is not None else max_batch)
@@ -85,8 +93,14 @@ class BatchDecoder:
         self.prefill(0, [0], 0, BASE_SLOT)
 
     @classmethod
-    def from_config(cls, path: str | Path, max_batch: int = 8, adapter_slots: int | None = None) -> BatchDecoder:
-        return cls(read_dialog_config(path), max_batch, adapter_slots)
+    def from_config(
+        cls,
+        path: str | Path,
+        max_batch: int = 8,
+        adapter_slots: int | None = None,
+        packed_weights: str | Path | None = None,
+    ) -> BatchDecoder:
+        return cls(read_dialog_config(path), max_batch, adapter_slots, packed_weights)
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
