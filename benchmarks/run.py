@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
+from quantizers import measure_quantizers  # noqa: E402
 from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: E402
 from serve import measure_serve  # noqa: E402
 from serve_ray import measure_serve_ray  # noqa: E402
@@ -278,6 +279,7 @@ SECTIONS = (
     "quantization",
     "ort_api",
     "t2t",
+    "quantizers",
     "serve",
     "serve_ray",
     "tuning",
@@ -358,6 +360,10 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("text generation ...", file=sys.stderr)
             report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=15)
+        if "quantizers" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("4-bit quantizers ...", file=sys.stderr)
+            report["quantizers"] = measure_quantizers(folder, Path(corpus.stdout.strip()))
         if "serve" in sections:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("serving ...", file=sys.stderr)

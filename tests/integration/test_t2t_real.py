@@ -11,6 +11,7 @@ import pytest
 
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
+from quiver.t2t.quantize import QUANTIZERS
 from tests.support import ROOT
 
 TOKENS = 32  # transformers generated 32 tokens per prompt (eos suppressed, as min_new_tokens does)
@@ -60,6 +61,40 @@ def test_qwen2_architecture_equals_transformers(real_llms: Path, expected: dict[
     config = export(real_llms / "qwen2", tmp_path, options=ExportOptions(context_size=128)).path
     with Dialog.from_config(config) as dialog:
         assert _greedy(dialog, expected["prompt_ids"]) == expected["qwen2"]
+
+
+def _leading_equal(ours: list[int], theirs: list[int]) -> int:
+    """How many tokens of `ours` equal `theirs` before the first that does not."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
+@pytest.fixture(scope="module")
+def agreement_at_4_bits(real_llms: Path, expected: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Per quantizer: the 4-bit model's greedy tokens that equal transformers' fp32 ones (128 per prompt)
+    before the first that differs, per prompt."""
+    found = {}
+    for quantizer in QUANTIZERS:
+        out = tmp_path_factory.mktemp(f"int4-{quantizer}")
+        options = ExportOptions(context_size=256, weight_bits=4, quantizer=quantizer)
+        with Dialog.from_config(export(real_llms / "smollm2", out, options=options).path) as dialog:
+            long = len(expected["base_long"][0])
+            replies = []
+            for ids in expected["prompt_ids"]:
+                dialog.reset()
+                replies.append(dialog.token_query(ids, max_new_tokens=long, min_new_tokens=long, greedy=True).new_ids)
+        found[quantizer] = [_leading_equal(r, t) for r, t in zip(replies, expected["base_long"])]
+    return found
+
+
+def test_int4_with_a_scale_and_minimum_per_block_keeps_the_float_models_text(agreement_at_4_bits: dict) -> None:
+    # SmolLM2's weights are a Q4_1 model dequantized: rtn-min's blocks of 32 are its blocks, exactly
+    assert all(kept >= 100 for kept in agreement_at_4_bits["rtn-min"]), agreement_at_4_bits
+
+
+def test_the_best_quantizer_keeps_more_than_llama_cpps_q4_1(agreement_at_4_bits: dict) -> None:
+    means = {name: sum(kept) / len(kept) for name, kept in agreement_at_4_bits.items()}
+    assert max(means.values()) > 18, means  # llama.cpp's Q4_1 keeps 13-18 of these (its int8 activations)
+    assert means["rtn-min"] >= max(means["rtn"], means["rtn-asym"]), means
 
 
 def test_the_prefill_and_decode_context_is_one_model(smollm2: Path, real_llms: Path) -> None:

@@ -15,7 +15,8 @@ Needs torch, transformers, gguf and peft (see `ci/real-models.txt`) and the weig
 * `genai_fp32/`, `genai_int4/`: onnxruntime-genai's model builder run on `smollm2/` (for the benchmarks:
   the same weights, side by side);
 * `expected.json`: per prompt, the prompt's ids and `generate(do_sample=False)`'s first 32 new tokens for
-  the base, each adapter (PEFT's model), the adapter at half strength, and the Qwen2 model.
+  the base, each adapter (PEFT's model), the adapter at half strength, and the Qwen2 model; and the base's
+  first 128 (`base_long`: what a quantized model's agreement is measured against).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NEW_TOKENS = 32
+LONG_TOKENS = 128
 QWEN_LAYERS = 8
 ADAPTERS = {
     "adapter_all": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 1),
@@ -61,9 +63,9 @@ def _smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _greedy(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, tokens: int = NEW_TOKENS) -> list[int]:
     with torch.no_grad():
-        generated = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+        generated = model.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
     return [int(t) for t in generated[0, ids.shape[1] :]]
 
 
@@ -123,6 +125,7 @@ def main() -> None:
     expected: dict[str, object] = {"prompts": PROMPTS, "prompt_ids": [p[0].tolist() for p in prompts]}
     base = AutoModelForCausalLM.from_pretrained(out / "smollm2", dtype=torch.float32).eval()
     expected["base"] = [_greedy(base, ids) for ids in prompts]
+    expected["base_long"] = [_greedy(base, ids, LONG_TOKENS) for ids in prompts]
     qwen = _qwen2(base, out / "qwen2")
     expected["qwen2"] = [_greedy(qwen, ids) for ids in prompts]
     for name, (rank, targets, seed) in ADAPTERS.items():

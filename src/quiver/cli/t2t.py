@@ -13,6 +13,7 @@ from rich.table import Table
 from quiver.cli.common import as_mb, cli, console, emit_json, status_line
 from quiver.cli.tune import print_tuning, run_tuning, tuning_options
 from quiver.formats.files import read_text
+from quiver.t2t.quantize import DEFAULT_QUANTIZER, QUANTIZERS
 
 
 @cli.group()
@@ -44,6 +45,12 @@ def _named_path(value: str) -> tuple[str, Path]:
 )
 @click.option("--weight-bitwidth", type=click.Choice(["4", "8"]), help="Quantize MatMul weights (MatMulNBits).")
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
+@click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
+              help="rtn: symmetric blocks; rtn-asym: a 4-bit zero point per block; rtn-min: a scale and a float "
+                   "minimum per block (GGUF's Q4_1; exact for weights on such a grid, float activations).")  # fmt: skip
+@click.option("--accuracy-level", type=click.IntRange(0, 4),
+              help="ORT's compute for quantized weights: 0 float activations ... 4 int8 (faster) "
+                   "[default: the quantizer's; rtn-min 0, else the backend's 4].")  # fmt: skip
 @click.option("--context-size", type=int, default=2048, show_default=True, help="KV cache positions.")
 @click.option("--prefill-window", type=int, default=128, show_default=True, help="Prompt tokens per prefill step.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
@@ -54,6 +61,8 @@ def t2t_export(
     lora_config: Path | None,
     weight_bitwidth: str | None,
     block_size: int,
+    quantizer: str,
+    accuracy_level: int | None,
     context_size: int,
     prefill_window: int,
     as_json: bool,
@@ -73,6 +82,8 @@ def t2t_export(
         prefill_window=prefill_window,
         weight_bits=int(weight_bitwidth) if weight_bitwidth else None,
         block_size=block_size,
+        quantizer=quantizer,
+        accuracy_level=accuracy_level,
     )
     with status_line("exporting") as status:
         dialog = export(model_dir, output_dir, adapters, use_cases, options, on_step=lambda s: status.update(s))

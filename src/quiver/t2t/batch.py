@@ -25,14 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from quiver import fork
-from quiver.backends.cpu import CpuBackend
 from quiver.errors import GenerationError
 from quiver.lora.create import SLOT_INPUT, fill_slot, table_module
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.runtime.bound_run import BoundRun
 from quiver.runtime.context import Context
 from quiver.t2t.adapters import AdapterSet
-from quiver.t2t.config import BATCH_GRAPH, DialogConfig, read_dialog_config
+from quiver.t2t.config import BATCH_GRAPH, DialogConfig, cpu_backend_for, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.tokenizer import TextTokenizer
 
@@ -79,7 +78,7 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.tokenizer = TextTokenizer(config.tokenizer)
         self._lock = threading.Lock()
-        backend = CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False, packed_weights=packed_weights)
+        backend = cpu_backend_for(config, packed_weights)
         self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
         try:
             self._setup(adapter_slots if adapter_slots is not None else max_batch)

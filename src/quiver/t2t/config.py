@@ -14,10 +14,13 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quiver.errors import DialogConfigError
 from quiver.formats.files import read_text
+
+if TYPE_CHECKING:
+    from quiver.backends.cpu import CpuBackend
 
 PREFILL_GRAPH, DECODE_GRAPH = "prefill", "decode"
 BATCH_GRAPH = "batch"  # many sequences per step, each row on its own adapter slot (`quiver serve`)
@@ -60,6 +63,19 @@ class DialogConfig:
     prefill_graph: str = PREFILL_GRAPH
     decode_graph: str = DECODE_GRAPH
     prefill_window: int = DEFAULT_PREFILL_WINDOW
+    # ORT's MatMulNBits compute for 4/8-bit weights (0: float activations; 4: int8); None: the backend's
+    accuracy_level: int | None = None
+
+
+def cpu_backend_for(config: DialogConfig, packed_weights: str | Path | None = None) -> CpuBackend:
+    """The cpu backend the config's engine asks for: its threads, its accuracy level, packed eagerly."""
+    from quiver.backends.cpu import CpuBackend  # ONNX Runtime loads with the first model, not with a config
+
+    if config.accuracy_level is None:
+        return CpuBackend(config.n_threads, lazy_prepack=False, packed_weights=packed_weights)
+    return CpuBackend(
+        config.n_threads, lazy_prepack=False, packed_weights=packed_weights, accuracy_level=config.accuracy_level
+    )
 
 
 def _object(raw: Any, where: str, source: Path) -> dict[str, Any]:
@@ -143,6 +159,7 @@ def read_dialog_config(path: str | Path, files_present: bool = True) -> DialogCo
         prefill_graph=str(quiver.get("prefill-graph", PREFILL_GRAPH)),
         decode_graph=str(quiver.get("decode-graph", DECODE_GRAPH)),
         prefill_window=_number(quiver, "prefill-window", "quiver", source, int, DEFAULT_PREFILL_WINDOW),
+        accuracy_level=_number(quiver, "accuracy-level", "quiver", source, int) if "accuracy-level" in quiver else None,
         **_lora(binary.get("lora"), base, source, files_present),
     )
     _check_ranges(config)
@@ -165,6 +182,8 @@ def _check_ranges(config: DialogConfig) -> None:
         (config.n_vocab >= 1, "context.n-vocab", config.n_vocab, "at least 1"),
         (0 <= config.n_threads <= cores, "engine.n-threads", config.n_threads, f"0 (all cores) to {cores}"),
         (config.prefill_window >= 1, "quiver.prefill-window", config.prefill_window, "at least 1"),
+        (config.accuracy_level in (None, 0, 1, 2, 3, 4), "quiver.accuracy-level", config.accuracy_level,
+         "0 (float activations), 1 (fp32), 2 (fp16), 3 (bf16) or 4 (int8)"),
         (0 <= sampler.seed < 2**63, "sampler.seed", sampler.seed, "0 to 2^63 - 1"),
         (0 <= sampler.temperature <= 100 and math.isfinite(sampler.temperature), "sampler.temp",
          sampler.temperature, "0 (greedy) to 100"),
@@ -236,6 +255,8 @@ def dialog_config_document(config: DialogConfig, relative_to: Path) -> dict[str,
             "prefill-window": config.prefill_window,
         },
     }
+    if config.accuracy_level is not None:
+        binary["quiver"]["accuracy-level"] = config.accuracy_level
     if config.alpha_tensor is not None:
         binary["lora"] = {
             "version": 1,

@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 
 from quiver import fork
-from quiver.backends.cpu import CpuBackend
 from quiver.errors import GenerationError, QuiverError
 from quiver.runtime.context import Context
 from quiver.t2t.adapters import AdapterSet
-from quiver.t2t.config import DialogConfig, read_dialog_config
+from quiver.t2t.config import DialogConfig, cpu_backend_for, read_dialog_config
 from quiver.t2t.continuation import Continuation
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.sampling import Sampler, Sampling
@@ -66,11 +65,7 @@ class Dialog:
     def __init__(self, config: DialogConfig) -> None:
         self.config = config
         self.tokenizer = TextTokenizer(config.tokenizer)
-        backend = (
-            CpuBackend(intra_op_num_threads=config.n_threads, lazy_prepack=False)
-            if config.backend == "cpu"
-            else "reference"
-        )
+        backend = cpu_backend_for(config) if config.backend == "cpu" else "reference"
         self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
         self._adapters = AdapterSet(self._context, config.adapters, config.path)  # and those added since
         try:

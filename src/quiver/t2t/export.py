@@ -33,6 +33,7 @@ from quiver.t2t.config import (
 )
 from quiver.t2t.graph import INPUT_IDS, LM_HEAD_NODE, build_decoder
 from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config, token_ids
+from quiver.t2t.quantize import ACCURACY_LEVELS, DEFAULT_QUANTIZER, quantize_weights, quantizes_head
 
 DEFAULT_CONTEXT_SIZE = 2048
 CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
@@ -49,6 +50,16 @@ class ExportOptions:
     weight_bits: int | None = None  # 4 or 8: MatMul weights quantized blockwise (ORT's MatMulNBits)
     block_size: int = 32
     n_threads: int = 0
+    quantizer: str = DEFAULT_QUANTIZER  # how (`quiver.t2t.quantize.QUANTIZERS`)
+    # ORT's compute for quantized weights, written into the config (None: the quantizer's choice)
+    accuracy_level: int | None = None
+
+
+def _accuracy_level(options: ExportOptions) -> int | None:
+    """The accuracy level the config asks for: the user's, else the quantizer's (None for float weights)."""
+    if options.accuracy_level is not None or options.weight_bits is None:
+        return options.accuracy_level
+    return ACCURACY_LEVELS.get(options.quantizer)
 
 
 def _generation_config(folder: Path) -> dict[str, Any]:
@@ -113,7 +124,8 @@ def export(
     weights = SafetensorsWeights(folder)
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding) unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
-    quantized = options.weight_bits is not None
+    # the LM head its own MatMul where it is quantized; a float head multiplies by the tied embedding itself
+    quantized = options.weight_bits is not None and quantizes_head(options.quantizer)
     fuse_qkv = not adapted & {"q_proj", "k_proj", "v_proj"}
     model = build_decoder(config, weights.get, size, fuse_qkv=fuse_qkv, head_as_matmul=quantized)
     batched = build_decoder(config, weights.get, size, fuse_qkv=fuse_qkv, head_as_matmul=quantized, batched=True)
@@ -130,11 +142,11 @@ def export(
         batched = lora_graph(batched, loaded, cases, BATCH_GRAPH, remedy=_FOREIGN_ADAPTER, per_row=True).model
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if options.weight_bits is not None:
-        from quiver.t2t.quantize import quantize_weights
-
-        on_step(f"quantizing weights to {options.weight_bits} bits")
+        on_step(f"quantizing weights to {options.weight_bits} bits ({options.quantizer})")
         model, batched = (
-            quantize_weights(m, options.weight_bits, options.block_size, exclude=set(updateable), head=LM_HEAD_NODE)
+            quantize_weights(
+                m, options.weight_bits, options.block_size, set(updateable), LM_HEAD_NODE, options.quantizer
+            )
             for m in (model, batched)
         )
     on_step("writing the context (prefill and decode share every weight)")
@@ -176,6 +188,7 @@ def export(
         alpha_tensor=ALPHA_INPUT if cases else None,
         adapters={c.name: LoraAdapterConfig(c.name, tuple(c.adapters), (sections[c.name],)) for c in cases},
         prefill_window=options.prefill_window,
+        accuracy_level=_accuracy_level(options),
     )
     write_text_atomically(dialog.path, json.dumps(dialog_config_document(dialog, out), indent=2) + "\n")
     return dialog

@@ -1,30 +1,77 @@
 """Weight-only quantization of an LLM graph: MatMul weights to 4 or 8 bits per block (ORT's MatMulNBits).
 
-ONNX Runtime's own quantizer does the work (`MatMulNBitsQuantizer`, symmetric blocks); the LoRA branches
-(updateable tensors) and the tied LM head stay in float.
+Quantizers, by name:
+
+* `rtn`: round to nearest, symmetric blocks (ONNX Runtime's `MatMulNBitsQuantizer`): w = s (q - 8).
+* `rtn-asym`: round to nearest with a 4-bit integer zero point per block (the same quantizer,
+  asymmetric): w = s (q - z).
+* `rtn-min`: round to nearest with a scale and a float minimum per block, as GGUF's Q4_1 stores them:
+  w = s q + m, s = (max - min) / 15, m = min. Exact for weights already on such a grid (a model
+  dequantized from Q4_1, as SmolLM2's are). MatMulNBits takes integer zero points only (a float one
+  leaves its fast kernels: ~40x slower, measured), so the minimum is added apart: x W = MatMulNBits(x;
+  q, s, zero point 8) + (x's sums per block) C, with C[b, n] = m + 8 s, one small MatMul per projection
+  and one sum per input. Its exactness holds with float activations: configs it writes ask for
+  accuracy level 0 (ORT's int8 activations at level 4 lose what the weights kept).
+
+The LoRA branches (updateable tensors) stay in float, and the tied LM head at 8 bits (at 4 it loses most
+of a small model's greedy agreement, measured; with `rtn-min` it stays in float: its 8-bit kernel needs
+int8 activations to be fast).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
-import onnx
+import numpy as np
 
 from quiver.errors import QuantizationError
+from quiver.ir.nibbles import pack_nibbles
+
+if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that names the quantizers
+    import onnx
+
+QUANTIZERS = ("rtn", "rtn-asym", "rtn-min")
+DEFAULT_QUANTIZER = "rtn"
+# The accuracy level (ORT's MatMulNBits compute type) each quantizer's configs ask for: None leaves the
+# backend's default (int8 activations, fastest); `rtn-min` keeps float activations, which its exactness needs.
+ACCURACY_LEVELS: dict[str, int | None] = {"rtn": None, "rtn-asym": None, "rtn-min": 0}
+
+
+def quantizes_head(quantizer: str) -> bool:
+    """Whether the quantizer puts the LM head at 8 bits (else it stays float: the tied embedding itself)."""
+    return quantizer != "rtn-min"
 
 
 def quantize_weights(
-    model: onnx.ModelProto, bits: int, block_size: int, exclude: Collection[str] = (), head: str | None = None
+    model: onnx.ModelProto,
+    bits: int,
+    block_size: int,
+    exclude: Collection[str] = (),
+    head: str | None = None,
+    quantizer: str = DEFAULT_QUANTIZER,
 ) -> onnx.ModelProto:
-    """Every MatMul by a constant weight at `bits`, except those reading `exclude`; the node named `head`
-    (the LM head) at 8 bits: at 4 it loses most of a small model's greedy agreement (measured)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
+    """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
+    node named `head` (the LM head) at 8 bits (`rtn`, `rtn-asym`) or in float (`rtn-min`)."""
+    if quantizer not in QUANTIZERS:
+        raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
         raise QuantizationError(
             f"weights quantize to 4 or 8 bits in blocks of a power of two >= 16, not {bits} / {block_size}"
         )
+    if quantizer == "rtn-min":
+        if bits != 4:
+            raise QuantizationError("the rtn-min quantizer makes 4-bit weights; use --weight-bitwidth 4")
+        return _with_block_minimums(model, block_size, exclude, head)
+    return _ort_rtn(model, bits, block_size, exclude, head, symmetric=quantizer == "rtn")
+
+
+def _ort_rtn(
+    model: onnx.ModelProto, bits: int, block_size: int, exclude: Collection[str], head: str | None, symmetric: bool
+) -> onnx.ModelProto:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per-node INFO
     skipped = [n.name for n in model.graph.node if n.op_type == "MatMul" and set(n.input) & set(exclude)]
     passes = [(bits, {"nodes_to_exclude": [*skipped, *([head] if head else [])]})]
@@ -32,9 +79,84 @@ def quantize_weights(
         passes.append((8, {"nodes_to_include": [head]}))
     try:
         for width, nodes in passes:
-            quantizer = MatMulNBitsQuantizer(model, bits=width, block_size=block_size, is_symmetric=True, **nodes)
+            quantizer = MatMulNBitsQuantizer(model, bits=width, block_size=block_size, is_symmetric=symmetric, **nodes)
             quantizer.process()
             model = quantizer.model.model
     except Exception as exc:  # ORT's quantizer raises plain exceptions
         raise QuantizationError(f"ONNX Runtime's weight quantizer failed: {exc}") from None
+    return model
+
+
+def block_minimums(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A [K, N] weight as 4-bit blocks along K with a scale and a minimum each: q [N, K / block, block]
+    (0..15), scales and minimums [N, K / block]; w[k, n] = scale q + minimum."""
+    k, n = weight.shape
+    blocks = np.ascontiguousarray(weight.T, dtype=np.float32).reshape(n, k // block_size, block_size)
+    low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+    scales = ((high - low) / 15).astype(np.float32)
+    safe = np.where(scales > 0, scales, 1).astype(np.float32)  # a constant block: q = 0, w = its minimum
+    q = np.clip(np.rint((blocks - low[..., None]) / safe[..., None]), 0, 15).astype(np.uint8)
+    return q, scales, low.astype(np.float32)
+
+
+def _with_block_minimums(
+    model: onnx.ModelProto, block_size: int, exclude: Collection[str], head: str | None
+) -> onnx.ModelProto:
+    """`rtn-min` (see the module): each fitting MatMul (a constant [K, N] weight, K a multiple of the block)
+    becomes MatMulNBits + the minimums' MatMul; the others stay as they are."""
+    from onnx import helper, numpy_helper
+
+    from quiver.ir.ops import MS_DOMAIN
+
+    graph = model.graph
+    constants = {t.name: t for t in graph.initializer}
+    block_sums: dict[str, str] = {}  # input -> its sums per block (one per input, whatever reads it)
+    nodes: list[onnx.NodeProto] = []
+    replaced: set[str] = set()
+    for node in graph.node:
+        weight = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if (
+            weight is None
+            or len(weight.dims) != 2
+            or weight.dims[0] % block_size
+            or node.name == head
+            or set(node.input) & set(exclude)
+        ):
+            nodes.append(node)
+            continue
+        source, name, out = node.input[0], node.input[1], node.output[0]
+        k, n = (int(d) for d in weight.dims)
+        if name not in replaced:  # a weight read by several MatMuls is quantized once
+            q, scales, minimums = block_minimums(numpy_helper.to_array(weight), block_size)
+            offsets = (minimums + 8 * scales).T  # [K / block, N]: what the block's sum of x is multiplied by
+            graph.initializer.extend(
+                [
+                    numpy_helper.from_array(pack_nibbles(q), f"{name}.q4"),
+                    numpy_helper.from_array(scales.reshape(-1), f"{name}.scales"),
+                    numpy_helper.from_array(np.ascontiguousarray(offsets), f"{name}.offsets"),
+                ]
+            )
+            replaced.add(name)
+        if source not in block_sums:  # x E, E [K, K / block] ones on each block: one MatMul, any input rank
+            sums = block_sums[source] = f"{source}.block_sums"
+            ones = np.kron(np.eye(k // block_size, dtype=np.float32), np.ones((block_size, 1), np.float32))
+            graph.initializer.append(numpy_helper.from_array(ones, f"{sums}.blocks"))
+            nodes.append(helper.make_node("MatMul", [source, f"{sums}.blocks"], [sums], name=sums))
+        nodes += [
+            helper.make_node(
+                "MatMulNBits", [source, f"{name}.q4", f"{name}.scales"], [f"{out}.q4"], name=f"{node.name}.q4",
+                domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=block_size, accuracy_level=0,
+            ),
+            helper.make_node("MatMul", [block_sums[source], f"{name}.offsets"], [f"{out}.minimums"],
+                             name=f"{node.name}.minimums"),
+            helper.make_node("Add", [f"{out}.q4", f"{out}.minimums"], [out], name=node.name),
+        ]  # fmt: skip
+    del graph.node[:]
+    graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input}
+    kept = [t for t in graph.initializer if t.name not in replaced or t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return model

@@ -1,0 +1,119 @@
+"""Weight quantizers of `quiver t2t export` (`--quantizer`): rtn, rtn-asym and rtn-min, and the accuracy
+level the config asks for, on the tiny model against the numpy forward pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import quiver
+from quiver.errors import QuantizationError
+from quiver.t2t.config import read_dialog_config
+from quiver.t2t.dialog import Dialog
+from quiver.t2t.export import ExportOptions, export
+from quiver.t2t.quantize import QUANTIZERS, block_minimums, quantize_weights
+from tests.support.tiny_llm import forward, tiny_decoder
+
+IDS = [5, 17, 42, 8, 99]
+BLOCK = 32
+
+
+def _on_a_q4_1_grid(weight: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A Linear weight [out, in] as GGUF's Q4_1 stores one: blocks of 32 along `in`, each s q + m with q
+    spanning 0..15 (its minimum and maximum present)."""
+    out, size = weight.shape
+    q = rng.integers(0, 16, (out, size // BLOCK, BLOCK))
+    q[..., 0], q[..., 1] = 0, 15
+    scales = rng.uniform(0.002, 0.02, (out, size // BLOCK, 1))
+    minimums = rng.uniform(-0.15, 0.0, (out, size // BLOCK, 1))
+    return (scales * q + minimums).astype(np.float32).reshape(out, size)
+
+
+@pytest.fixture(scope="module")
+def gridded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    """The tiny model with every projection on a Q4_1 grid (as SmolLM2's weights are)."""
+    folder = tmp_path_factory.mktemp("gridded") / "model"
+    weights = tiny_decoder(folder)
+    rng = np.random.default_rng(3)
+    for name in [n for n in weights if n.endswith("_proj.weight")]:
+        weights[name] = _on_a_q4_1_grid(weights[name], rng)
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder, weights
+
+
+def _logits(config: Path) -> np.ndarray:
+    with Dialog.from_config(config) as dialog:
+        dialog.token_query(IDS, max_new_tokens=1)
+        return dialog._logits.reshape(-1).astype(np.float64)
+
+
+def test_block_minimums_recover_a_q4_1_grid_and_round_anything_else_to_half_a_step() -> None:
+    rng = np.random.default_rng(0)
+    grid = _on_a_q4_1_grid(rng.standard_normal((48, 64)).astype(np.float32), rng).T  # [K, N]
+    q, scales, minimums = block_minimums(grid, BLOCK)
+    rebuilt = (scales[..., None] * q + minimums[..., None]).reshape(48, 64).T
+    np.testing.assert_allclose(rebuilt, grid, rtol=0, atol=1e-6)
+    noise = rng.standard_normal((64, 48)).astype(np.float32)
+    q, scales, minimums = block_minimums(noise, BLOCK)
+    rebuilt = (scales[..., None] * q + minimums[..., None]).reshape(48, 64).T
+    step = np.repeat(scales, BLOCK, axis=1).T
+    assert np.all(np.abs(rebuilt - noise) <= step / 2 + 1e-6) and q.max() == 15 and q.min() == 0
+
+
+def test_rtn_min_exports_compute_what_the_float_weights_compute(gridded: tuple[Path, dict], tmp_path: Path) -> None:
+    folder, weights = gridded
+    options = ExportOptions(context_size=64, weight_bits=4, quantizer="rtn-min")
+    config = export(folder, tmp_path, options=options).path
+    assert read_dialog_config(config).accuracy_level == 0  # float activations: what keeps it exact
+    np.testing.assert_allclose(_logits(config), forward(weights, IDS), rtol=0, atol=2e-4)
+    rounded = _logits(export(folder, tmp_path / "rtn", options=ExportOptions(context_size=64, weight_bits=4)).path)
+    assert np.abs(rounded - forward(weights, IDS)).max() > 10 * 2e-4  # symmetric blocks lose the grid
+
+
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+def test_every_quantizer_stays_close_to_float_on_other_weights(tmp_path: Path, quantizer: str) -> None:
+    weights = tiny_decoder(tmp_path / "model")
+    options = ExportOptions(context_size=64, weight_bits=4, quantizer=quantizer)
+    logits, want = _logits(export(tmp_path / "model", tmp_path / "out", options=options).path), forward(weights, IDS)
+    assert logits @ want / np.linalg.norm(logits) / np.linalg.norm(want) > 0.9
+
+
+def test_the_accuracy_level_is_the_users_when_given(gridded: tuple[Path, dict], tmp_path: Path) -> None:
+    options = ExportOptions(context_size=64, weight_bits=4, quantizer="rtn-min", accuracy_level=4)
+    config = export(gridded[0], tmp_path, options=options).path
+    assert read_dialog_config(config).accuracy_level == 4
+    document = json.loads(config.read_text())
+    assert document["dialog"]["engine"]["model"]["binary"]["quiver"]["accuracy-level"] == 4
+    assert read_dialog_config(export(gridded[0], tmp_path / "float", options=ExportOptions(context_size=64)).path
+                              ).accuracy_level is None  # fmt: skip
+    document["dialog"]["engine"]["model"]["binary"]["quiver"]["accuracy-level"] = 7
+    (tmp_path / "bad.json").write_text(json.dumps(document))
+    with pytest.raises(quiver.DialogConfigError, match="accuracy-level"):
+        read_dialog_config(tmp_path / "bad.json")
+
+
+def test_quantizers_and_widths_that_do_not_exist_are_refused() -> None:
+    import onnx
+
+    model = onnx.ModelProto()
+    with pytest.raises(QuantizationError, match="unknown quantizer 'gptq'; choose one of rtn, rtn-asym, rtn-min"):
+        quantize_weights(model, 4, 32, quantizer="gptq")
+    with pytest.raises(QuantizationError, match="rtn-min quantizer makes 4-bit weights"):
+        quantize_weights(model, 8, 32, quantizer="rtn-min")
+
+
+def test_the_cli_exports_with_a_named_quantizer(gridded: tuple[Path, dict], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "quiver", "t2t", "export", "--model", str(gridded[0]), "-o", str(tmp_path),
+               "--context-size", "64", "--weight-bitwidth", "4", "--quantizer", "rtn-min"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert read_dialog_config(tmp_path / "genie_config.json").accuracy_level == 0
+    refused = subprocess.run([*command[:-1], "gptq"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "'gptq' is not one of 'rtn', 'rtn-asym', 'rtn-min'" in refused.stderr
