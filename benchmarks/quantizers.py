@@ -15,14 +15,22 @@ as benchmarks/t2t.py runs them. Quiver fp32 and genai int4 (LM head 4-bit) run i
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
-from t2t import CONTEXT, PROMPTS, THREADS, _genai_copy, _medians, _worker  # a sibling script, not a package
+from t2t import (  # a sibling script, not a package
+    CONTEXT,
+    PROMPTS,
+    THREADS,
+    _genai_copy,
+    _medians,
+    _worker,
+    genai_replies,
+    leading_equal,
+    quiver_replies,
+)
 
 SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export
     "quiver fp32": ExportOptions(CONTEXT, n_threads=THREADS),
@@ -35,40 +43,6 @@ SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export
     "genai int4": None,
 }
 
-_GENAI_GREEDY = r"""
-import json, sys, numpy as np, onnxruntime_genai as og
-model = og.Model(sys.argv[1]); expected = json.loads(open(sys.argv[2]).read()); replies = []
-for ids, want in zip(expected["prompt_ids"], expected["base_long"]):
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + len(want), min_length=len(ids) + len(want), do_sample=False)
-    g = og.Generator(model, params); g.append_tokens(np.array(ids, np.int32)); got = []
-    while not g.is_done():
-        g.generate_next_token(); got.append(int(g.get_next_tokens()[0]))
-    replies.append(got)
-print(json.dumps(replies))
-"""
-
-
-def _leading(got: list[int], want: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-
-
-def _replies(config: Path, expected: dict[str, Any]) -> list[list[int]]:
-    replies = []
-    with Dialog.from_config(config) as dialog:
-        for ids, want in zip(expected["prompt_ids"], expected["base_long"]):
-            dialog.reset()
-            replies.append(
-                dialog.token_query(ids, max_new_tokens=len(want), min_new_tokens=len(want), greedy=True).new_ids
-            )
-    return replies
-
-
-def _genai_replies(folder: Path, expected: Path) -> list[list[int]]:
-    out = subprocess.run([sys.executable, "-c", _GENAI_GREEDY, str(folder), str(expected)],
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return list(json.loads(out.stdout.strip().splitlines()[-1]))
-
 
 def measure_quantizers(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
     expected = json.loads((corpus / "expected.json").read_text())
@@ -78,14 +52,14 @@ def measure_quantizers(folder: Path, corpus: Path, rounds: int = 3) -> dict[str,
     for label, options in SETUPS.items():
         if options is None:
             paths[label] = _genai_copy(corpus / "genai_int4", folder / "quantizers" / "genai_int4")
-            replies = _genai_replies(paths[label], corpus / "expected.json")
+            replies = genai_replies(paths[label], corpus / "expected.json", "base_long")
             sizes[label] = sum(p.stat().st_size for p in (corpus / "genai_int4").glob("*.onnx*")) / 2**20
         else:
             out = folder / "quantizers" / label.replace(" ", "_").replace(",", "")
             paths[label] = export(corpus / "smollm2", out, options=options).path
-            replies = _replies(paths[label], expected)
+            replies = quiver_replies(paths[label], expected, "base_long")
             sizes[label] = (out / "model.qctx").stat().st_size / 2**20
-        agreement[label] = [_leading(r, w) for r, w in zip(replies, expected["base_long"])]
+        agreement[label] = [leading_equal(r, w) for r, w in zip(replies, expected["base_long"])]
         print(f"  quantizers: {label} keeps {agreement[label]}", file=sys.stderr)
     runs: dict[str, list[dict[str, Any]]] = {}
     plan = list(SETUPS)

@@ -131,34 +131,52 @@ def _paired(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], prompt: st
     return statistics.median(a[prompt][key] / b[prompt][key] for a, b in zip(ours, theirs))
 
 
+def quiver_replies(config: Path, expected: dict[str, Any], key: str = "base") -> list[list[int]]:
+    """Quiver's greedy tokens for each prompt of the corpus, as many as `expected[key]` has."""
+    replies = []
+    with Dialog.from_config(config) as dialog:
+        for ids, want in zip(expected["prompt_ids"], expected[key]):
+            dialog.reset()
+            replies.append(
+                dialog.token_query(ids, max_new_tokens=len(want), min_new_tokens=len(want), greedy=True).new_ids
+            )
+    return replies
+
+
 def _agreement(config: Path, expected: dict[str, Any]) -> float:
     """Mean count of leading tokens equal to transformers' fp32 greedy continuation (of 32)."""
-    counts = []
-    with Dialog.from_config(config) as dialog:
-        for ids, want in zip(expected["prompt_ids"], expected["base"]):
-            dialog.reset()
-            got = dialog.token_query(ids, max_new_tokens=len(want), min_new_tokens=len(want), greedy=True).new_ids
-            counts.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
-    return statistics.mean(counts)
+    return statistics.mean(leading_equal(r, w) for r, w in zip(quiver_replies(config, expected), expected["base"]))
 
 
-def _genai_agreement(folder: Path, expected: Path) -> float:
-    code = r"""
+_GENAI_GREEDY = r"""
 import json, sys, numpy as np, onnxruntime_genai as og
-model = og.Model(sys.argv[1]); expected = json.loads(open(sys.argv[2]).read()); counts = []
-for ids, want in zip(expected["prompt_ids"], expected["base"]):
+model = og.Model(sys.argv[1]); expected = json.loads(open(sys.argv[2]).read()); replies = []
+for ids, want in zip(expected["prompt_ids"], expected[sys.argv[3]]):
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + len(want), min_length=len(ids) + len(want), do_sample=False)
     g = og.Generator(model, params); g.append_tokens(np.array(ids, np.int32)); got = []
     while not g.is_done():
         g.generate_next_token(); got.append(int(g.get_next_tokens()[0]))
-    counts.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
-print(json.dumps(sum(counts) / len(counts)))
+    replies.append(got)
+print(json.dumps(replies))
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(folder), str(expected)], capture_output=True, text=True, check=True
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+
+
+def leading_equal(got: list[int], want: list[int]) -> int:
+    """How many of `got` equal `want` before the first that does not."""
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+def genai_replies(folder: Path, expected: Path, key: str = "base") -> list[list[int]]:
+    """onnxruntime-genai's greedy tokens for each prompt of the corpus, as many as `expected[key]` has."""
+    command = [sys.executable, "-c", _GENAI_GREEDY, str(folder), str(expected), key]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _genai_agreement(folder: Path, expected: Path) -> float:
+    wanted = json.loads(expected.read_text())["base"]
+    return statistics.mean(leading_equal(r, w) for r, w in zip(genai_replies(folder, expected), wanted))
 
 
 def _switch_ms(config: Path) -> dict[str, float]:

@@ -34,11 +34,11 @@ import onnxruntime as ort
 from quiver.backends.cpu_settings import machine_fingerprint
 from quiver.errors import BackendError
 from quiver.formats.checksums import crc32
+from quiver.formats.files import OFF_VALUES, cache_folder_setting
 
 FOLDER_ENV = "QUIVER_PACKED_WEIGHTS"
 MODEL, WEIGHTS, MANIFEST = "model.onnx", "weights.bin", "manifest.json"
 _FORMAT = 1
-_OFF = {"0", "off", "false", "no"}
 
 
 class FormNotMadeError(BackendError):
@@ -48,12 +48,7 @@ class FormNotMadeError(BackendError):
 def default_folder() -> Path | None:
     """Where packed forms are kept by default: `$QUIVER_PACKED_WEIGHTS`, else `~/.cache/quiver/packed-weights`
     (None when that variable says `off`)."""
-    value = os.environ.get(FOLDER_ENV, "")
-    if value.strip().lower() in _OFF:
-        return None
-    if value:
-        return Path(value)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quiver" / "packed-weights"
+    return cache_folder_setting(FOLDER_ENV, "packed-weights")
 
 
 def save_entries() -> dict[str, str]:
@@ -68,7 +63,7 @@ def save_entries() -> dict[str, str]:
 
 def folder_from(value: str | Path | None) -> Path | None:
     """A folder option's meaning: None, '' or 'off' for none, 'default' for `default_folder()`, else itself."""
-    if value is None or str(value).strip().lower() in _OFF | {""}:
+    if value is None or str(value).strip().lower() in OFF_VALUES | {""}:
         return None
     if str(value) == "default":
         return default_folder()

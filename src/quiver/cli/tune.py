@@ -22,14 +22,14 @@ from quiver.cli.common import (
     tuning_input_lists_option,
 )
 from quiver.errors import TuningError
+from quiver.formats.files import user_cache_folder
 from quiver.runtime.context import Context
 
 TOKEN_ENVIRONMENT = "QUIVER_TARGET_TOKEN"
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "quiver" / "performance-cache"
+    return user_cache_folder("performance-cache")
 
 
 def tuning_options(command: Callable[..., Any]) -> Callable[..., Any]:

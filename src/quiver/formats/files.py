@@ -9,6 +9,21 @@ from typing import BinaryIO
 
 from quiver.errors import FileAccessError
 
+OFF_VALUES = frozenset({"0", "off", "false", "no"})  # what turns a folder setting off
+
+
+def user_cache_folder(name: str) -> Path:
+    """Quiver's folder `name` in the user's cache: $XDG_CACHE_HOME/quiver/NAME, else ~/.cache/quiver/NAME."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quiver" / name
+
+
+def cache_folder_setting(variable: str, name: str) -> Path | None:
+    """The folder an environment variable names (`off`, `0`, `false` or `no`: None), else `user_cache_folder(name)`."""
+    value = os.environ.get(variable, "")
+    if value.strip().lower() in OFF_VALUES:
+        return None
+    return Path(value) if value else user_cache_folder(name)
+
 
 def open_regular(path: str | Path) -> BinaryIO:
     """`path` opened for reading, refused unless it is a regular file.

@@ -19,6 +19,14 @@ def iter_nodes(graph: proto.GraphProto) -> Iterator[proto.NodeProto]:
                     yield from iter_nodes(sub)
 
 
+def drop_unread_initializers(graph: proto.GraphProto, candidates: Collection[str]) -> None:
+    """Removes the initializers named in `candidates` that no node reads any more (a rewrite replaced them)."""
+    read = {name for node in graph.node for name in node.input}
+    kept = [t for t in graph.initializer if t.name not in candidates or t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
 def initializers_as_inputs(
     model: proto.ModelProto, names: Collection[str] | Callable[[proto.TensorProto], bool]
 ) -> proto.ModelProto:

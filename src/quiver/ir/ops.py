@@ -27,6 +27,12 @@ MS_DOMAIN = "com.microsoft"
 _ONNX_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 
+def use_microsoft_domain(model: onnx.ModelProto) -> None:
+    """Declares ONNX Runtime's contrib opset (com.microsoft, version 1) unless the model does already."""
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=MS_DOMAIN, version=1)
+
+
 def op_id(node: onnx.NodeProto) -> str:
     return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
 

@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from quiver.errors import AdapterError
-from quiver.ir.ops import MS_DOMAIN
+from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
 from quiver.ir.tensors import LORA_ALPHA_INPUT
 from quiver.lora.attach import AttachPoint
 from quiver.lora.peft import PeftAdapter
@@ -237,8 +237,7 @@ def create_lora_graph(
         graph.initializer.extend(
             numpy_helper.from_array(np.array([1, 1, 1, rank], np.int64), f"lora.mask{rank}_width") for rank in masks
         )
-        if not any(o.domain == MS_DOMAIN for o in result.opset_import):
-            result.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        use_microsoft_domain(result)
     else:
         graph.input.append(helper.make_tensor_value_info(ALPHA_INPUT, TensorProto.FLOAT, [adapter_count]))
     return result, slots

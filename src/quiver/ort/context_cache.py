@@ -19,22 +19,17 @@ from pathlib import Path
 from quiver._version import __version__
 from quiver.errors import QuiverError
 from quiver.formats.checksums import crc32
+from quiver.formats.files import cache_folder_setting
 from quiver.ir import proto
 
 CACHE_ENV = "QUIVER_ORT_CACHE"
 LIMIT_ENV = "QUIVER_ORT_CACHE_MB"
 _DEFAULT_LIMIT_MB = 4096
-_OFF = {"0", "off", "false", "no"}
 
 
 def cache_folder() -> Path | None:
     """Where built contexts are kept, or None when the cache is off."""
-    value = os.environ.get(CACHE_ENV, "")
-    if value.strip().lower() in _OFF:
-        return None
-    if value:
-        return Path(value)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quiver" / "ort-contexts"
+    return cache_folder_setting(CACHE_ENV, "ort-contexts")
 
 
 def _external_files(model: proto.ModelProto, folder: Path | None) -> list[Path] | None:

@@ -22,8 +22,9 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from quiver.ir import nibbles
+from quiver.ir.edit import drop_unread_initializers
 from quiver.ir.nibbles import pack_nibbles
-from quiver.ir.ops import MS_DOMAIN
+from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
 from quiver.passes.quantized import NBITS_SUFFIX
 
 _FOUR_BIT: dict[int, int] = {onnx.TensorProto.INT4: 8, onnx.TensorProto.UINT4: 0}  # shift that makes q unsigned
@@ -128,12 +129,8 @@ def to_matmul_nbits(model: onnx.ModelProto, base: Path | None = None, keep: Coll
         removed.update(name for name in dq.input if name)
         rewritten += 1
     if rewritten:
-        still_used = {name for node in graph.node for name in node.input}
-        kept = [t for t in graph.initializer if t.name not in removed or t.name in still_used]
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
-        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        drop_unread_initializers(graph, removed)
+        use_microsoft_domain(model)
     return rewritten
 
 

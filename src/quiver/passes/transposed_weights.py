@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from quiver.ir.ops import MS_DOMAIN
+from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
 
 MIN_BYTES = 64 * 1024  # smaller transposes are cheap to fold
 
@@ -55,6 +55,5 @@ def fuse_transposed_weights(model: onnx.ModelProto) -> int:
         ]
         del graph.node[:]
         graph.node.extend(kept)
-        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-            model.opset_import.add(domain=MS_DOMAIN, version=1)
+        use_microsoft_domain(model)
     return rewritten

@@ -106,7 +106,8 @@ def _with_block_minimums(
     becomes MatMulNBits + the minimums' MatMul; the others stay as they are."""
     from onnx import helper, numpy_helper
 
-    from quiver.ir.ops import MS_DOMAIN
+    from quiver.ir.edit import drop_unread_initializers
+    from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
 
     graph = model.graph
     constants = {t.name: t for t in graph.initializer}
@@ -153,10 +154,6 @@ def _with_block_minimums(
         ]  # fmt: skip
     del graph.node[:]
     graph.node.extend(nodes)
-    read = {name for node in nodes for name in node.input}
-    kept = [t for t in graph.initializer if t.name not in replaced or t.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    drop_unread_initializers(graph, replaced)
+    use_microsoft_domain(model)
     return model
