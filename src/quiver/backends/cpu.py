@@ -391,7 +391,8 @@ class CpuExecutable:
         # strings only through the Python API (its sessions)
         self._c_api_only = bool(io_types & _C_API_ONLY_IO) and "string" not in io_types
         stand_in_differs = integer_matmuls or _packing_changes_results(model)
-        self.is_packed = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
+        packed_first = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
+        self.is_packed = packed_first
         # whatever the accuracy level: before 1.32 no MatMulNBits kernel can keep packed weights in a container
         self._shareable = (_SHARED_INTEGER_PACKING or not has_integer_matmuls) and "string" not in io_types
         self.prepared = prepared is not None  # sessions come from the context's prepared form (cpu_prepared)
@@ -405,8 +406,7 @@ class CpuExecutable:
             if prepared is None and self.packed_file is None:
                 raise
             # a form this ORT refuses after all: the portable skeleton, packed by this process, as before
-            self.prepared, self.packed_file = False, None
-            self.is_packed = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
+            self.prepared, self.packed_file, self.is_packed = False, None, packed_first
             self._use(*portable)
             self._session = self._create_first()
         self._upgrade_pending = settings.prepack and not self.is_packed
