@@ -10,8 +10,9 @@ Quantizers, by name:
   dequantized from Q4_1, as SmolLM2's are). MatMulNBits' fast kernels take integer zero points only (a
   float one is 16-45x slower, measured), so the minimum is added apart: x W = MatMulNBits(x; q, s, zero
   point 8) + (x's sums per block) C, with C[b, n] = m + 8 s: one small MatMul and an Add per projection,
-  and the sums once per input (a MatMul by ones on each block). Its exactness holds with float activations: configs it writes ask for
-  accuracy level 0 (ORT's int8 activations at level 4 lose what the weights kept).
+  and the sums once per input (a MatMul by ones on each block). Its exactness holds with float
+  activations: configs it writes ask for accuracy level 0 (ORT's int8 activations at level 4 lose what
+  the weights kept).
 
 The LoRA branches (updateable tensors) stay in float, and the tied LM head at 8 bits (at 4 it loses most
 of a small model's greedy agreement, measured; with `rtn-min` it stays in float: its 8-bit kernel needs
