@@ -149,3 +149,27 @@ def test_a_context_rewritten_in_place_with_its_mtime_restored_is_refused_not_run
         with pytest.raises(quiver.FileChangedError):
             graph.execute(feeds)
     assert all(np.isfinite(v).all() for v in before.values())
+
+
+@pytest.mark.skipif(file_guard._LIBC is None, reason="the guard needs Linux's memfd and mremap")
+def test_a_mapping_that_goes_away_while_it_is_copied_is_skipped_not_a_crash() -> None:
+    import mmap
+
+    # ORT maps a context file while it makes a session and unmaps it after: the watcher may find such a
+    # mapping in /proc/self/maps and see it gone by the time it copies it
+    area = mmap.mmap(-1, mmap.PAGESIZE * 4)
+    area.write(b"x" * len(area))
+    start = ctypes_address(area)
+    area.close()  # unmapped: reading it would fault
+    assert file_guard._replace_with_copy(start, mmap.PAGESIZE * 4) is False
+    kept = mmap.mmap(-1, mmap.PAGESIZE)
+    kept.write(b"y" * len(kept))
+    address = ctypes_address(kept)
+    assert file_guard._replace_with_copy(address, mmap.PAGESIZE, lambda: False) is False  # gone before the swap
+    assert kept[:4] == b"yyyy"  # the swap itself, of a file's mapping: the truncation tests above
+
+
+def ctypes_address(area: object) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(area))  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import signal
@@ -29,6 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from quiver import fork
 
@@ -41,6 +43,10 @@ _PROT_READ, _PROT_WRITE = 1, 2
 _MAP_SHARED = 1
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
 @dataclass
@@ -62,6 +68,9 @@ def _libc() -> ctypes.CDLL | None:
         libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.process_vm_readv.restype = ctypes.c_ssize_t
+        libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                                          ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
     except (OSError, AttributeError):
         return None
     return libc
@@ -132,7 +141,7 @@ class _Watcher:
         """Every mapping of the file becomes a copy in memory, the file is marked changed, the lease goes."""
         try:
             for start, end in _mappings_of(guarded.device, guarded.inode):
-                _replace_with_copy(start, end - start)
+                _replace_with_copy(start, end - start, partial(_still_maps, guarded, start, end))
         except Exception:  # noqa: BLE001  a thread that must not die: the file is still marked changed
             pass
         finally:
@@ -173,6 +182,10 @@ def _leased(fd: int) -> int | None:
     return leased
 
 
+def _still_maps(guarded: _Guarded, start: int, end: int) -> bool:
+    return (start, end) in _mappings_of(guarded.device, guarded.inode)
+
+
 def _mappings_of(device: tuple[int, int], inode: int) -> Iterator[tuple[int, int]]:
     """(start, end) of each of this process's mappings of the file."""
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
@@ -186,8 +199,12 @@ def _mappings_of(device: tuple[int, int], inode: int) -> Iterator[tuple[int, int
                 yield start, end
 
 
-def _replace_with_copy(start: int, length: int) -> None:
-    """Copies [start, start + length) into a memfd mapping and moves that over the range, atomically."""
+def _replace_with_copy(start: int, length: int, still_mapped: Callable[[], bool] = lambda: True) -> bool:
+    """Copies [start, start + length) into a memfd mapping and moves that over the range, atomically; False
+    (nothing changed) where the range went away meanwhile. Another thread may unmap it at any time (ONNX
+    Runtime maps a context file while it makes a session and lets it go after), so it is read with
+    `process_vm_readv`, which fails where memory is gone instead of faulting, and checked (`still_mapped`)
+    just before the copy takes its place."""
     assert _LIBC is not None
     fd = os.memfd_create("quiver-guarded-copy", getattr(os, "MFD_CLOEXEC", 1))
     try:
@@ -197,12 +214,32 @@ def _replace_with_copy(start: int, length: int) -> None:
         os.close(fd)  # the mapping keeps the memfd
     if copy in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), "mmap failed")
-    ctypes.memmove(copy, start, length)  # the file is whole: its truncation waits for the lease
+    # the file is whole: its truncation waits for the lease. A copy placed over the range means the range
+    # was gone (its address free again) before the copy was made.
+    overlaps = copy < start + length and start < copy + length
+    if overlaps or not _copied(copy, start, length) or not still_mapped():
+        _LIBC.munmap(copy, length)
+        return False
     _LIBC.mprotect(copy, length, _PROT_READ)
     moved = _LIBC.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
     if moved != start:
         _LIBC.munmap(copy, length)
         raise OSError(ctypes.get_errno(), "mremap failed")
+    return True
+
+
+def _copied(target: int, source: int, length: int) -> bool:
+    """Copies `length` bytes of this process's memory; False where some of it is not mapped (or the kernel
+    refuses this process reading itself, where a plain copy is the only way left)."""
+    assert _LIBC is not None
+    local, remote = _IoVec(target, length), _IoVec(source, length)
+    read = _LIBC.process_vm_readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if read == length:
+        return True
+    if read < 0 and ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+        ctypes.memmove(target, source, length)
+        return True
+    return False
 
 
 WATCHER = _Watcher()
