@@ -30,7 +30,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 from quiver import fork
 
@@ -141,7 +140,7 @@ class _Watcher:
         """Every mapping of the file becomes a copy in memory, the file is marked changed, the lease goes."""
         try:
             for start, end in _mappings_of(guarded.device, guarded.inode):
-                _replace_with_copy(start, end - start, partial(_still_maps, guarded, start, end))
+                _replace_with_copy(start, end - start)
         except Exception:  # noqa: BLE001  a thread that must not die: the file is still marked changed
             pass
         finally:
@@ -182,10 +181,6 @@ def _leased(fd: int) -> int | None:
     return leased
 
 
-def _still_maps(guarded: _Guarded, start: int, end: int) -> bool:
-    return (start, end) in _mappings_of(guarded.device, guarded.inode)
-
-
 def _mappings_of(device: tuple[int, int], inode: int) -> Iterator[tuple[int, int]]:
     """(start, end) of each of this process's mappings of the file."""
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
@@ -199,12 +194,11 @@ def _mappings_of(device: tuple[int, int], inode: int) -> Iterator[tuple[int, int
                 yield start, end
 
 
-def _replace_with_copy(start: int, length: int, still_mapped: Callable[[], bool] = lambda: True) -> bool:
+def _replace_with_copy(start: int, length: int) -> bool:
     """Copies [start, start + length) into a memfd mapping and moves that over the range, atomically; False
     (nothing changed) where the range went away meanwhile. Another thread may unmap it at any time (ONNX
     Runtime maps a context file while it makes a session and lets it go after), so it is read with
-    `process_vm_readv`, which fails where memory is gone instead of faulting, and checked (`still_mapped`)
-    just before the copy takes its place."""
+    `process_vm_readv`, which fails where memory is gone instead of faulting."""
     assert _LIBC is not None
     fd = os.memfd_create("quiver-guarded-copy", getattr(os, "MFD_CLOEXEC", 1))
     try:
@@ -217,7 +211,7 @@ def _replace_with_copy(start: int, length: int, still_mapped: Callable[[], bool]
     # the file is whole: its truncation waits for the lease. A copy placed over the range means the range
     # was gone (its address free again) before the copy was made.
     overlaps = copy < start + length and start < copy + length
-    if overlaps or not _copied(copy, start, length) or not still_mapped():
+    if overlaps or not _copied(copy, start, length):
         _LIBC.munmap(copy, length)
         return False
     _LIBC.mprotect(copy, length, _PROT_READ)
