@@ -69,13 +69,10 @@ class DialogConfig:
 
 def cpu_backend_for(config: DialogConfig, packed_weights: str | Path | None = None) -> CpuBackend:
     """The cpu backend the config's engine asks for: its threads, its accuracy level, packed eagerly."""
-    from quiver.backends.cpu import CpuBackend  # ONNX Runtime loads with the first model, not with a config
+    from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend  # ORT loads with a model, not a config
 
-    if config.accuracy_level is None:
-        return CpuBackend(config.n_threads, lazy_prepack=False, packed_weights=packed_weights)
-    return CpuBackend(
-        config.n_threads, lazy_prepack=False, packed_weights=packed_weights, accuracy_level=config.accuracy_level
-    )
+    level = DEFAULT_ACCURACY_LEVEL if config.accuracy_level is None else config.accuracy_level
+    return CpuBackend(config.n_threads, lazy_prepack=False, packed_weights=packed_weights, accuracy_level=level)
 
 
 def _object(raw: Any, where: str, source: Path) -> dict[str, Any]:
