@@ -341,6 +341,37 @@ def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Pat
         decoder.close()
 
 
+def test_a_row_of_a_mixed_step_runs_its_slots_current_adapter(exported: Path) -> None:
+    """A step of mixed adapters reads each row's copy of its slot: the row gives the logits it gives when
+    every row runs that slot, and after the slot is refilled with another adapter, the new one's."""
+    from quiver.t2t.batch import BASE_SLOT
+
+    decoder = BatchDecoder.from_config(exported, max_batch=2, adapter_slots=1)
+    try:
+        ids = decoder.tokenizer.encode(PROMPT)
+        cached, token = len(ids), ids[-1]
+
+        def mixed_then_alone(slot: int) -> tuple[np.ndarray, np.ndarray]:
+            decoder.prefill(0, ids, 0, slot)
+            decoder.prefill(1, ids, 0, BASE_SLOT)
+            mixed = decoder.decode([token, token], [cached, cached], [slot, BASE_SLOT]).copy()
+            return mixed, decoder.decode([token], [cached], [slot]).copy()  # the same position written again
+
+        first = decoder.acquire_slot("all")
+        assert first is not None
+        mixed_all, alone_all = mixed_then_alone(first)
+        decoder.release_slot(first)
+        second = decoder.acquire_slot("qv")  # the only slot, refilled
+        assert second == first
+        mixed_qv, alone_qv = mixed_then_alone(second)
+        np.testing.assert_allclose(mixed_all[0], alone_all[0], atol=1e-4)
+        np.testing.assert_allclose(mixed_qv[0], alone_qv[0], atol=1e-4)
+        assert np.abs(mixed_qv[0] - mixed_all[0]).max() > 1e-2  # the row's copy followed the slot
+        assert np.abs(mixed_qv[1] - mixed_all[1]).max() < 1e-4  # the base row: no adapter either time
+    finally:
+        decoder.close()
+
+
 def test_a_step_that_fails_fails_its_batch_and_the_engine_goes_on(exported: Path) -> None:
     """A run ORT refuses (a token id beyond the vocabulary, which the HTTP layer would have refused) ends
     the requests of that batch with a typed failure; the worker lives on and serves the next one."""

@@ -6,13 +6,13 @@ R, the largest total rank any use case needs there; idx [R] says which entry of 
 input scales each rank column. ΔW = Σᵢ αᵢ·sᵢ·Bᵢ·Aᵢ, as PEFT computes with several adapters active.
 A Conv attach point gets Conv(x, A) (the base conv's geometry) -> ⊙ alpha per channel -> 1x1 Conv(·, s·B).
 
-Per-row slots (`per_row=True`: the batched graph `quiver serve` decodes with, every row of a step on its
-own adapter, BGMV's job): A and B are graph inputs holding K adapter slots stacked, Aᵀ as [K·R, in] and
-B as [K·R, out] (slot k in rows kR to kR+R-1; a slot's B carries its strengths already), and the input
-`lora_slots` [batch, K] is each row's slot, one-hot. The branch is x·A_allᵀ (every slot's down-projection
-in one product: the tables are read once per step, whatever the batch), masked to the row's own slot,
-times B_all: Σₖ onehotₖ·(x·Aₖᵀ)·Bₖ. No down-projection is shared in this form (nor in the graph whose
-sections fill the slots: their tensors must match by name).
+Per-row tables (`per_row=True`: the batched graph `quiver serve` decodes with, every row of a step on
+its own adapter, BGMV's job): A and B are graph inputs, Aᵀ [T, R, in] and B [T, R, out] (B carries the
+strengths already): T = 1, one adapter for every row (R = 0: none), or T = the batch, row i's own adapter
+in entry i. The branch is x·Aᵀ·B: one product for all rows, or batched products of one row each, which
+read each row's tables once and compute its own rank alone (no other adapter's columns computed and
+masked away). No down-projection is shared in this form (nor in the graph whose tables the sections
+fill: their tensors must match by name).
 
 Linear attach points that read the same input (q/k/v, gate/up) share one down-projection: one MatMul
 by their A's side by side, then a Split. A small MatMul costs ORT about as much to launch as to
@@ -35,8 +35,7 @@ from quiver.lora.attach import AttachPoint
 from quiver.lora.peft import PeftAdapter
 
 ALPHA_INPUT = LORA_ALPHA_INPUT
-SLOT_INPUT = "lora_slots"  # [batch, slots] float32: each row's adapter slot, one-hot, in a per-row graph
-SLOT_AXIS = "adapter_slots"
+TABLE_ROWS = "lora_rows"  # a per-row graph's tables' leading axis: 1 (one adapter for all rows) or the batch
 _B_SUFFIX, _INDEX_SUFFIX = ".B", ".adapter_index"  # a branch's B and the adapter of each of its ranks
 
 
@@ -121,11 +120,11 @@ def create_lora_graph(
     share_down_projections: bool = True,
 ) -> tuple[onnx.ModelProto, list[LoraSlot]]:
     """The base model with a zero LoRA branch at each attach point and a `lora_alpha` input, or with
-    `per_row`, branches over per-row adapter slots (the module docstring) and a `lora_slots` input.
+    `per_row`, branches over per-row adapter tables (the module docstring).
     `share_down_projections` False gives every attach point its own A (a per-row graph never shares)."""
-    control = SLOT_INPUT if per_row else ALPHA_INPUT
-    if control in {i.name for i in model.graph.input}:
-        raise AdapterError(f"the model already has an input named {control!r}; it already has LoRA branches")
+    inputs = [i.name for i in model.graph.input]
+    if (ALPHA_INPUT in inputs) if not per_row else any(name.startswith("lora.") for name in inputs):
+        raise AdapterError("the model already has LoRA inputs (`lora_alpha` or `lora.*`); it has LoRA branches already")
     if per_row and any(p.op_type == "Conv" for p in attach_points.values()):
         raise AdapterError("per-row adapter slots are made for linear layers (a decoder); this model adapts a Conv")
     result = onnx.ModelProto()
@@ -144,7 +143,6 @@ def create_lora_graph(
     widths = {x: sum(ranks[m] for m in modules) for x, modules in shared.items()}
     offsets: dict[str, int] = {}
     projected: dict[str, str] = {}  # module -> its branch's x·Aᵀ, which a shared down-projection's Split makes
-    masks: dict[int, list[onnx.NodeProto]] = {}  # per-row: rank -> the nodes making `lora.mask{rank}`
     slots = []
     new_nodes: dict[str, list[onnx.NodeProto]] = {}
     before: dict[str, list[onnx.NodeProto]] = {}  # a shared down-projection goes before its first reader
@@ -160,10 +158,9 @@ def create_lora_graph(
             a_name, offset, width = f"{tag}.A", 0, rank
         slot = LoraSlot(point, rank, a_name, tag + _B_SUFFIX, tag + _INDEX_SUFFIX, offset, width)
         a_shape, b_shape = _branch_shapes(slot)
-        if per_row:  # slot tables the caller owns and feeds: Aᵀ [K·R, in], B [K·R, out]
-            rows = f"{SLOT_AXIS}*{rank}"
+        if per_row:  # tables the caller owns and feeds: Aᵀ [T, R, in], B [T, R, out]
             graph.input.extend(
-                helper.make_tensor_value_info(name, TensorProto.FLOAT, [rows, size])
+                helper.make_tensor_value_info(name, TensorProto.FLOAT, [TABLE_ROWS, f"{tag}.rank", size])
                 for name, size in ((slot.a_name, point.in_features), (slot.b_name, point.out_features))
             )
         else:
@@ -179,14 +176,12 @@ def create_lora_graph(
         splice_name, splice = _splice_point(point.node, node, users, constants, outputs)
         base_out, final_out = f"{tag}.base", splice.output[0]
         splice.output[0] = base_out
-        if per_row:  # every slot's x·Aᵀ, the row's own kept, times every slot's B: the row's delta
-            masks.setdefault(rank, _slot_mask(rank))
+        if per_row:  # x·Aᵀ·B: every row by one adapter's tables, or batched, each row by its own
             branch = [
                 helper.make_node(
                     "FusedMatMul", [x, slot.a_name], [f"{tag}.xa"], name=f"{tag}.down", domain=MS_DOMAIN, transB=1
                 ),
-                helper.make_node("Mul", [f"{tag}.xa", f"lora.mask{rank}"], [f"{tag}.scaled"], name=f"{tag}.mask"),
-                helper.make_node("MatMul", [f"{tag}.scaled", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
+                helper.make_node("MatMul", [f"{tag}.xa", slot.b_name], [f"{tag}.delta"], name=f"{tag}.up"),
             ]
         elif point.op_type == "Conv":  # QNN's Conv -> Mul -> Conv: A keeps the base conv's geometry, B is 1x1
             per_channel = f"{tag}.per_channel"
@@ -221,7 +216,7 @@ def create_lora_graph(
             helper.make_node("MatMul", [x, a_name], [f"{down}.xa"], name=f"{down}.down"),
             helper.make_node("Split", [f"{down}.xa", sizes], parts, axis=-1, name=sizes),
         ]
-    ordered = [node for nodes in masks.values() for node in nodes]
+    ordered: list[onnx.NodeProto] = []
     for i, node in enumerate(graph.node):  # each branch right after its attach node: stays topological
         ordered.extend(before.get(node.name or f"node_{i}", []))
         ordered.append(node)
@@ -229,29 +224,10 @@ def create_lora_graph(
     del graph.node[:]
     graph.node.extend(ordered)
     if per_row:
-        graph.input.append(helper.make_tensor_value_info(SLOT_INPUT, TensorProto.FLOAT, ["batch", SLOT_AXIS]))
-        graph.initializer.extend(
-            numpy_helper.from_array(np.array(shape, np.int64), name)
-            for name, shape in (("lora.mask_shape", [0, 1, -1, 1]), ("lora.mask_flat", [0, 1, -1]))
-        )
-        graph.initializer.extend(
-            numpy_helper.from_array(np.array([1, 1, 1, rank], np.int64), f"lora.mask{rank}_width") for rank in masks
-        )
         use_microsoft_domain(result)
     else:
         graph.input.append(helper.make_tensor_value_info(ALPHA_INPUT, TensorProto.FLOAT, [adapter_count]))
     return result, slots
-
-
-def _slot_mask(rank: int) -> list[onnx.NodeProto]:
-    """`lora.mask{rank}` [batch, 1, K·rank]: the one-hot `lora_slots` repeated over each slot's rank
-    columns (made once per rank: every branch of that rank multiplies by it)."""
-    tag = f"lora.mask{rank}"
-    return [
-        helper.make_node("Reshape", [SLOT_INPUT, "lora.mask_shape"], [f"{tag}.4d"], name=f"{tag}.4d"),
-        helper.make_node("Expand", [f"{tag}.4d", f"{tag}_width"], [f"{tag}.wide"], name=f"{tag}.wide"),
-        helper.make_node("Reshape", [f"{tag}.wide", "lora.mask_flat"], [tag], name=tag),
-    ]
 
 
 def use_case_values(

@@ -1,12 +1,15 @@
 """Many sequences over one context, one decode step for all of them, each on its own adapter (`quiver serve`).
 
 Runs the context's batched graph (`batch`, made by `quiver t2t export`): every row is one sequence with
-its own KV cache row and its own length, and its own adapter slot. Adapters live in slots: the tables
-of A and B the graph reads (`quiver.lora.create`, per-row slots), filled from an adapter's sections,
-kept while any sequence uses them and reused least recently used first. Slot 0 is the base model and
-has no rows in the tables (its rows' one-hot is all zeros): a step feeds the tables of slots 1..k only,
-k the highest slot in use, so a step on the base model alone reads no table at all. Any number of
-adapters may exist on disk: only those in use need a slot.
+its own KV cache row and its own length, and its own adapter. Adapters live in slots: each slot holds an
+adapter's Aᵀ and B tables (`quiver.lora.create`'s per-row form), filled from its sections at the
+strengths a request gives, kept while any sequence uses it and reused least recently used first. Any
+number of adapters may exist on disk: only those in use need a slot. Slot 0 is the base model: no tables.
+
+A step whose rows all run one adapter feeds that slot's tables, [1, R, width], one product for every row
+(the base model: tables of rank 0, nothing read). A step of mixed adapters feeds per-row tables, [rows, R, width]:
+row i holds a copy of its slot's, made when the row's adapter changes (a sequence joins or moves there;
+a memory copy, between steps), so each step reads every row's tables once, in place.
 
 Rows in decode are 0..n-1: a step runs on views of the first n rows of every buffer (leading-axis views
 are contiguous, so ORT reads them in place). A sequence is prefilled, a window at a time, in the row
@@ -26,7 +29,7 @@ import numpy as np
 
 from quiver import fork
 from quiver.errors import GenerationError
-from quiver.lora.create import SLOT_INPUT, fill_slot, table_module
+from quiver.lora.create import fill_slot, table_module
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.runtime.bound_run import BoundRun
 from quiver.runtime.context import Context
@@ -41,15 +44,16 @@ BASE_SLOT = 0
 
 @dataclass(frozen=True)
 class _Table:
-    """One per-row adapter table: `rank` rows per slot, `width` columns."""
+    """One adapter table (an attach point's Aᵀ or B): each slot's and each row's [rank, width]."""
 
-    rank: int
-    width: int
-    array: np.ndarray  # [slots * rank, width]
+    slots: np.ndarray  # [slots - 1, rank, width]: slot s in entry s - 1 (the base model has none)
+    rows: np.ndarray  # [max_batch, rank, width]: a copy of each row's slot, for steps of mixed adapters
+    none: np.ndarray  # [1, 0, width]: no adapter
 
 
 AdapterKey = tuple[str, tuple[tuple[str, float], ...]]  # an adapter and the strengths it runs with
-_Binding = tuple[BoundRun, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # the run; ids, lengths, total, slots
+_Binding = tuple[BoundRun, np.ndarray, np.ndarray, np.ndarray]  # the run; its ids, lengths, total
+_PER_ROW = -1  # a binding on each row's own tables (else: on one slot's, for every row)
 
 
 def _row_shape(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
@@ -130,19 +134,30 @@ class BatchDecoder:
         if prefill is None:
             raise GenerationError(f"{config.ctx_bins[0]} lacks the config's prefill graph {config.prefill_graph!r}")
         weights = prefill.weights
-        self._slot_count = adapter_slots + 1 if SLOT_INPUT in inputs else 1  # slot 0 (base) has no table rows
+        self._slot_count = adapter_slots + 1  # slot 0 (the base model) has no tables
         self._tables: dict[str, _Table] = {}
         for name, info in inputs.items():
-            if name in (INPUT_IDS, SEQLENS_K, TOTAL_LENGTH, SLOT_INPUT) or name.startswith(_PAST):
+            if name in (INPUT_IDS, SEQLENS_K, TOTAL_LENGTH) or name.startswith(_PAST):
                 continue
             stored = self._context.file.weights[weights[name]].shape if name in weights else None
-            if stored is None or info.shape is None or len(info.shape) != 2 or not isinstance(info.shape[1], int):
-                raise GenerationError(f"{config.ctx_bins[0]}: graph {BATCH_GRAPH!r} input {name!r} is no adapter table")
-            rank, width = int(stored[0] if name.endswith(".B") else stored[1]), info.shape[1]
-            self._tables[name] = _Table(rank, width, np.zeros(((self._slot_count - 1) * rank, width), np.float32))
+            shape = info.shape
+            if stored is None or len(stored) != 2 or table_module(name) is None or shape is None or len(shape) != 3:
+                raise GenerationError(
+                    f"{config.ctx_bins[0]}: graph {BATCH_GRAPH!r} input {name!r} is no adapter table of this "
+                    "version's; export the model again with this version's `quiver t2t export`"
+                )
+            # the prefill graph's tensor of that name: Aᵀ's stored [in, R], B's [R, out]
+            rank, width = (stored[0], stored[1]) if name.endswith(".B") else (stored[1], stored[0])
+            self._tables[name] = _Table(
+                np.zeros((adapter_slots, rank, width), np.float32),
+                np.zeros((self.max_batch, rank, width), np.float32),
+                np.zeros((1, 0, width), np.float32),
+            )
         self._peft: dict[str, PeftAdapter] = {}  # adapters loaded from PEFT folders (no sections)
         self._slots: OrderedDict[AdapterKey, int] = OrderedDict()  # filled slots, least recently used first
         self._users = [0] * self._slot_count  # sequences using each slot (a slot in use is never refilled)
+        self._fills = [0] * self._slot_count  # how often each slot was filled: a row's copy of it is current
+        self._row_holds: list[tuple[int, int]] = [(BASE_SLOT, 0)] * self.max_batch  # (slot, fill) each row copies
         self._bound: dict[tuple[int, int], _Binding] = {}
 
     # --- adapter slots ------------------------------------------------------------------------------
@@ -195,11 +210,12 @@ class BatchDecoder:
                     f"{folder}: module {module!r} has no LoRA branch in this context (it has them on "
                     f"{len({m for m, _ in tables})} modules); export the model with an adapter on it"
                 )
-            if weights.rank > a.rank or weights.lora_a.shape[1] != a.width or weights.lora_b.shape[0] != b.width:
+            (_, rank, width_in), width_out = a.slots.shape, b.slots.shape[2]
+            if weights.rank > rank or weights.lora_a.shape[1] != width_in or weights.lora_b.shape[0] != width_out:
                 raise GenerationError(
                     f"{folder}: module {module!r} is rank {weights.rank}, [{weights.lora_b.shape[0]} x "
-                    f"{weights.lora_a.shape[1]}]; this context's branch there is at most rank {a.rank}, "
-                    f"[{b.width} x {a.width}]: export with an adapter of that rank, or use another base model"
+                    f"{weights.lora_a.shape[1]}]; this context's branch there is at most rank {rank}, "
+                    f"[{width_out} x {width_in}]: export with an adapter of that rank, or use another base model"
                 )
         return adapter
 
@@ -240,6 +256,7 @@ class BatchDecoder:
                 raise GenerationError(f"adapter {adapter!r} has no strength {name!r}; it has {list(state.lora.active)}")
             alphas[state.lora.adapters.index(name)] = value
         fill_slot(self._slot_rows(slot), state.values, alphas)
+        self._fills[slot] += 1
 
     def _fill_from_peft(self, slot: int, adapter: PeftAdapter, strengths: Mapping[str, float]) -> None:
         """A slot from a PEFT adapter itself: Aᵀ is PEFT's A, B is PEFT's Bᵀ times its scaling and strength."""
@@ -247,6 +264,7 @@ class BatchDecoder:
         if unknown:
             raise GenerationError(f"adapter {adapter.name!r} has no strength {unknown[0]!r}; it has [{adapter.name!r}]")
         strength = float(strengths.get(adapter.name, 1.0))
+        self._fills[slot] += 1
         for name, rows in self._slot_rows(slot).items():
             found = table_module(name)
             weights = adapter.modules.get(found[0]) if found else None
@@ -260,9 +278,28 @@ class BatchDecoder:
                 np.copyto(rows[: weights.rank], weights.lora_a)
 
     def _slot_rows(self, slot: int) -> dict[str, np.ndarray]:
-        """Each table's rows of one slot (views; none for the base model's)."""
-        first = max(slot - 1, 0)
-        return {name: t.array[first * t.rank : slot * t.rank] for name, t in self._tables.items()}
+        """Each table's [rank, width] of one adapter slot (views), to fill."""
+        return {name: t.slots[slot - 1] for name, t in self._tables.items()}
+
+    def _slot_tables(self, slot: int) -> dict[str, np.ndarray]:
+        """Each table of one slot as the graph's input when every row runs it, [1, rank, width] (views; the
+        base model's: rank 0)."""
+        if slot == BASE_SLOT:
+            return {name: t.none for name, t in self._tables.items()}
+        return {name: t.slots[slot - 1 : slot] for name, t in self._tables.items()}
+
+    def _copy_to_rows(self, slots: Sequence[int]) -> None:
+        """Row i's tables made a copy of slot `slots[i]`'s (zeros for the base model), where they are not."""
+        for row, slot in enumerate(slots):
+            holds = (slot, self._fills[slot])
+            if self._row_holds[row] == holds:
+                continue
+            for table in self._tables.values():
+                if slot == BASE_SLOT:
+                    table.rows[row] = 0
+                else:
+                    table.rows[row] = table.slots[slot - 1]
+            self._row_holds[row] = holds
 
     # --- steps --------------------------------------------------------------------------------------
     def prefill(self, row: int, ids: Sequence[int], cached: int, slot: int) -> np.ndarray:
@@ -273,10 +310,8 @@ class BatchDecoder:
             INPUT_IDS: np.array([ids], np.int64),
             SEQLENS_K: np.array([total - 1], np.int32),
             TOTAL_LENGTH: np.array(total, np.int32),
-            **self._slot_rows(slot),
+            **self._slot_tables(slot),
         }
-        if self._tables:  # the slot's own rows alone (none for the base model), selected
-            feeds[SLOT_INPUT] = np.ones((1, 0 if slot == BASE_SLOT else 1), np.float32)
         caches, out = self._rows(slice(row, row + 1))
         with self._lock:
             self._graph.execute(feeds | caches, out=out)
@@ -287,36 +322,30 @@ class BatchDecoder:
         returns the logits, [n, vocab] (a view the next step overwrites)."""
         n = len(tokens)
         with self._lock:
-            run, ids, lengths, total, onehot = self._binding(n, max(slots))
+            shared = slots[0] if all(s == slots[0] for s in slots) else _PER_ROW
+            if shared == _PER_ROW:
+                self._copy_to_rows(slots)
+            run, ids, lengths, total = self._binding(n, shared)
             ids[:, 0] = tokens
             lengths[:] = cached  # GQA's seqlens_k: the tokens after this step, minus one
             total[()] = max(cached) + 1
-            if onehot.size:  # column s - 1 is slot s; base rows stay all zeros
-                onehot[:] = 0
-                chosen = np.asarray(slots)
-                on = chosen != BASE_SLOT
-                onehot[np.arange(n)[on], chosen[on] - 1] = 1
             run.run()
         return self._logits[:n, 0]
 
-    def _binding(self, n: int, k: int) -> _Binding:
-        """The run of n rows over slots 1..k, bound once (views of the same buffers each time)."""
-        bound = self._bound.get((n, k))
+    def _binding(self, n: int, tables: int) -> _Binding:
+        """The run of n rows on one slot's tables (`tables`, a slot) or each row's own (`_PER_ROW`), bound
+        once (views of the same buffers each time)."""
+        bound = self._bound.get((n, tables))
         if bound is None:
             ids, lengths, total = np.zeros((n, 1), np.int64), np.zeros(n, np.int32), np.zeros((), np.int32)
-            onehot = np.zeros((n, k) if self._tables else (0, 0), np.float32)
             caches, out = self._rows(slice(0, n))
-            feeds: dict[str, np.ndarray] = {
-                INPUT_IDS: ids,
-                SEQLENS_K: lengths,
-                TOTAL_LENGTH: total,
-                **caches,
-                **{name: t.array[: k * t.rank] for name, t in self._tables.items()},
-            }
-            if self._tables:
-                feeds[SLOT_INPUT] = onehot
+            if tables == _PER_ROW:
+                feeds = {name: t.rows[:n] for name, t in self._tables.items()}
+            else:
+                feeds = self._slot_tables(tables)
+            feeds |= {INPUT_IDS: ids, SEQLENS_K: lengths, TOTAL_LENGTH: total, **caches}
             run = self._graph.bind(feeds, out)
-            bound = self._bound[(n, k)] = (run, ids, lengths, total, onehot)
+            bound = self._bound[(n, tables)] = (run, ids, lengths, total)
         return bound
 
     def _rows(self, rows: slice) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
