@@ -5,7 +5,8 @@ onnxruntime-genai's int4 export of the same weights.
 
 Per quantizer of `quiver t2t export --weight-bitwidth 4 --quantizer NAME` (blocks of 32; LM head 8-bit for
 rtn and rtn-asym, float for rtn-min), at the accuracy level its config asks for (rtn-min: 0, float
-activations; the others: the backend's 4, int8 activations) and rtn-min also at 4: greedy agreement with
+activations; the others: the backend's 4, int8 activations), rtn-min also at 4, and rtn with its LM head
+at 4 bits too (`--override lm_head.weight=4`: genai's int4 layout): greedy agreement with
 transformers' fp32 continuation (leading identical tokens of 128, per prompt of the corpus, and their
 mean), the context's size, and prefill / decode tok/s for 128- and 512-token prompts (128 new tokens,
 greedy, 2 threads everywhere), every engine in fresh processes with the order turning round by round,
@@ -49,6 +50,9 @@ SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export, or
     "quiver int4 rtn-min": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn-min"),
     "quiver int4 rtn-min, int8 activations": ExportOptions(
         CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn-min", accuracy_level=4
+    ),
+    "quiver int4 rtn, head 4-bit": ExportOptions(  # genai's int4 layout: every MatMul, the head too, at 4 bits
+        CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn", overrides=(("lm_head.weight", 4),)
     ),
     "genai int4": None,
     LLAMA: None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from quiver.errors import QuantizationError
 from quiver.t2t.config import read_dialog_config
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
-from quiver.t2t.quantize import QUANTIZERS, block_minimums, quantize_weights
+from quiver.t2t.graph import LM_HEAD_NODE
+from quiver.t2t.quantize import QUANTIZERS, block_minimums, head_bits, parse_override, quantize_weights
 from tests.support.tiny_llm import forward, tiny_decoder
 
 IDS = [5, 17, 42, 8, 99]
@@ -117,3 +119,77 @@ def test_the_cli_exports_with_a_named_quantizer(gridded: tuple[Path, dict], tmp_
     assert read_dialog_config(tmp_path / "genie_config.json").accuracy_level == 0
     refused = subprocess.run([*command[:-1], "gptq"], capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "'gptq' is not one of 'rtn', 'rtn-asym', 'rtn-min'" in refused.stderr
+    bad = subprocess.run([*command, "--override", "lm_head.weight=2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "write PATTERN=4, PATTERN=8 or PATTERN=float" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def _three_matmuls() -> Any:
+    """Two projections and an LM head (named as `quiver t2t export` names it), each a MatMul by a weight."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+    nodes = [
+        helper.make_node("MatMul", ["x", names[0]], ["h0"], name="/model/layers.0/mlp/down_proj/MatMul"),
+        helper.make_node("MatMul", ["h0", names[1]], ["h1"], name="/model/layers.1/mlp/down_proj/MatMul"),
+        helper.make_node("MatMul", ["h1", names[2]], ["y"], name=LM_HEAD_NODE),
+    ]
+    weights = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), n) for n in names]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], weights,
+    )  # fmt: skip
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _bits(model: Any) -> dict[str, int | None]:
+    """Each original MatMul's bits in the quantized graph (None: still a float MatMul)."""
+    found: dict[str, int | None] = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            found[node.name.removesuffix(".q4").removesuffix("_Q4").removesuffix("_Q8")] = next(
+                a.i for a in node.attribute if a.name == "bits"
+            )
+        elif node.op_type == "MatMul" and not node.name.endswith((".minimums", ".block_sums")):
+            found.setdefault(node.name, None)
+    return found
+
+
+def test_overrides_set_each_weights_bits_and_the_last_match_wins() -> None:
+    layer0, layer1 = "/model/layers.0/mlp/down_proj/MatMul", "/model/layers.1/mlp/down_proj/MatMul"
+    default = _bits(quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE))
+    assert default == {layer0: 4, layer1: 4, LM_HEAD_NODE: 8}
+    rules = [parse_override(r) for r in ("lm_head.weight=4", "model.layers.*=float", "model.layers.0.*=8")]
+    assert _bits(quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE, overrides=rules)) == {
+        layer0: 8, layer1: None, LM_HEAD_NODE: 4,
+    }  # fmt: skip
+    # rtn-min keeps the head float unless told; 8-bit weights under it take symmetric blocks
+    minimums = quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE, quantizer="rtn-min")
+    assert _bits(minimums) == {layer0: 4, layer1: 4, LM_HEAD_NODE: None}
+    assert head_bits("rtn-min") is None and head_bits("rtn-min", [("lm_head.weight", 8)]) == 8
+    eight = [parse_override("lm_head.weight=8")]
+    assert _bits(quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE, quantizer="rtn-min", overrides=eight))[
+        LM_HEAD_NODE] == 8  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ["lm_head.weight", "=4", "layers.*=3", "lm_head.weight=fp16"])
+def test_an_override_that_is_not_pattern_equals_bits_is_refused(rule: str) -> None:
+    with pytest.raises(QuantizationError, match="write PATTERN=4, PATTERN=8 or PATTERN=float"):
+        parse_override(rule)
+
+
+def test_an_override_that_matches_no_weight_is_refused() -> None:
+    with pytest.raises(QuantizationError, match=r"'model\.layer\.0\.\*' matches no MatMul weight; weight names look"):
+        quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE, overrides=[("model.layer.0.*", 8)])
+
+
+def test_an_export_with_a_quantized_head_under_rtn_min_runs_close_to_float(
+    gridded: tuple[Path, dict], tmp_path: Path
+) -> None:
+    folder, weights = gridded
+    options = ExportOptions(context_size=64, weight_bits=4, quantizer="rtn-min", overrides=(("lm_head.weight", 8),))
+    logits, want = _logits(export(folder, tmp_path, options=options).path), forward(weights, IDS)
+    assert logits @ want / np.linalg.norm(logits) / np.linalg.norm(want) > 0.99
+    assert not np.allclose(logits, want, rtol=0, atol=2e-4)  # the head rounded: no longer exact

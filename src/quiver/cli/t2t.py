@@ -13,7 +13,7 @@ from rich.table import Table
 from quiver.cli.common import as_mb, cli, console, emit_json, status_line
 from quiver.cli.tune import print_tuning, run_tuning, tuning_options
 from quiver.formats.files import read_text
-from quiver.t2t.quantize import DEFAULT_QUANTIZER, QUANTIZERS
+from quiver.t2t.quantize import DEFAULT_QUANTIZER, QUANTIZERS, parse_override
 
 
 @cli.group()
@@ -51,6 +51,10 @@ def _named_path(value: str) -> tuple[str, Path]:
 @click.option("--accuracy-level", type=click.IntRange(0, 4),
               help="ORT's compute for quantized weights: 0 float activations ... 4 int8 (faster) "
                    "[default: the quantizer's; rtn-min 0, else the backend's 4].")  # fmt: skip
+@click.option("--override", "overrides", multiple=True, metavar="PATTERN=4|8|float",
+              help="Bits for the weights whose names match (fnmatch; in order, the last match wins), e.g. "
+                   "'lm_head.weight=4' or 'model.layers.0.*=8'. [default: the LM head at 8 bits, float with "
+                   "rtn-min]")  # fmt: skip
 @click.option("--context-size", type=int, default=2048, show_default=True, help="KV cache positions.")
 @click.option("--prefill-window", type=int, default=128, show_default=True, help="Prompt tokens per prefill step.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
@@ -63,6 +67,7 @@ def t2t_export(
     block_size: int,
     quantizer: str,
     accuracy_level: int | None,
+    overrides: tuple[str, ...],
     context_size: int,
     prefill_window: int,
     as_json: bool,
@@ -77,6 +82,8 @@ def t2t_export(
         if adapters:
             raise click.BadParameter("give --lora or --lora-config, not both")
         _, adapters, use_cases = read_adapters_and_use_cases(lora_config)
+    if overrides and not weight_bitwidth:
+        raise click.BadParameter("--override sets bits of quantized weights: give --weight-bitwidth too")
     options = ExportOptions(
         context_size=context_size,
         prefill_window=prefill_window,
@@ -84,6 +91,7 @@ def t2t_export(
         block_size=block_size,
         quantizer=quantizer,
         accuracy_level=accuracy_level,
+        overrides=tuple(parse_override(rule) for rule in overrides),
     )
     with status_line("exporting") as status:
         dialog = export(model_dir, output_dir, adapters, use_cases, options, on_step=lambda s: status.update(s))

@@ -33,7 +33,7 @@ from quiver.t2t.config import (
 )
 from quiver.t2t.graph import INPUT_IDS, LM_HEAD_NODE, build_decoder
 from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config, token_ids
-from quiver.t2t.quantize import ACCURACY_LEVELS, DEFAULT_QUANTIZER, quantize_weights, quantizes_head
+from quiver.t2t.quantize import ACCURACY_LEVELS, DEFAULT_QUANTIZER, Override, head_bits, quantize_weights
 
 DEFAULT_CONTEXT_SIZE = 2048
 CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
@@ -53,6 +53,8 @@ class ExportOptions:
     quantizer: str = DEFAULT_QUANTIZER  # how (`quiver.t2t.quantize.QUANTIZERS`)
     # ORT's compute for quantized weights, written into the config (None: the quantizer's choice)
     accuracy_level: int | None = None
+    # per-weight bits, `quiver.t2t.quantize.parse_override`'s rules in order (the LM head: lm_head.weight)
+    overrides: tuple[Override, ...] = ()
 
 
 def _accuracy_level(options: ExportOptions) -> int | None:
@@ -125,7 +127,7 @@ def export(
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding) unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
     # the LM head its own MatMul where it is quantized; a float head multiplies by the tied embedding itself
-    quantized = options.weight_bits is not None and quantizes_head(options.quantizer)
+    quantized = options.weight_bits is not None and head_bits(options.quantizer, options.overrides) is not None
     fuse_qkv = not adapted & {"q_proj", "k_proj", "v_proj"}
     model = build_decoder(config, weights.get, size, fuse_qkv=fuse_qkv, head_as_matmul=quantized)
     batched = build_decoder(config, weights.get, size, fuse_qkv=fuse_qkv, head_as_matmul=quantized, batched=True)
@@ -145,7 +147,13 @@ def export(
         on_step(f"quantizing weights to {options.weight_bits} bits ({options.quantizer})")
         model, batched = (
             quantize_weights(
-                m, options.weight_bits, options.block_size, set(updateable), LM_HEAD_NODE, options.quantizer
+                m,
+                options.weight_bits,
+                options.block_size,
+                set(updateable),
+                LM_HEAD_NODE,
+                options.quantizer,
+                options.overrides,
             )
             for m in (model, batched)
         )

@@ -16,13 +16,17 @@ Quantizers, by name:
 
 The LoRA branches (updateable tensors) stay in float, and the tied LM head at 8 bits (at 4 it loses most
 of a small model's greedy agreement, measured; with `rtn-min` it stays in float: its 8-bit kernel needs
-int8 activations to be fast).
+int8 activations to be fast). Overrides change that per weight: rules `PATTERN=4|8|float`, matched in
+order against each MatMul's weight name (transformers', `model.layers.0.mlp.down_proj.weight`; the LM
+head is `lm_head.weight`, tied or not), the last match winning. Weights set to 8 bits under `rtn-min`
+take symmetric 8-bit blocks.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,9 +44,33 @@ DEFAULT_QUANTIZER = "rtn"
 ACCURACY_LEVELS: dict[str, int | None] = {"rtn": None, "rtn-asym": None, "rtn-min": 0}
 
 
-def quantizes_head(quantizer: str) -> bool:
-    """Whether the quantizer puts the LM head at 8 bits (else it stays float: the tied embedding itself)."""
-    return quantizer != "rtn-min"
+Override = tuple[str, int | None]  # a weight-name pattern and its bits (None: float)
+HEAD_WEIGHT = "lm_head.weight"  # the name overrides match the LM head by, tied or not
+
+
+def parse_override(rule: str) -> Override:
+    """`PATTERN=4|8|float` (an fnmatch pattern over weight names) as a pattern and bits."""
+    pattern, sep, value = rule.rpartition("=")
+    widths = {"4": 4, "8": 8, "float": None}
+    if not sep or not pattern or value not in widths:
+        raise QuantizationError(
+            f"quantization override {rule!r}: write PATTERN=4, PATTERN=8 or PATTERN=float, the pattern over "
+            "weight names such as model.layers.0.mlp.down_proj.weight or lm_head.weight"
+        )
+    return pattern, widths[value]
+
+
+def _overridden(name: str, default: int | None, overrides: Sequence[Override]) -> int | None:
+    for pattern, width in overrides:
+        if fnmatch.fnmatchcase(name, pattern):
+            default = width
+    return default
+
+
+def head_bits(quantizer: str, overrides: Sequence[Override] = ()) -> int | None:
+    """The LM head's bits (None: float, the tied embedding itself): 8, or float with `rtn-min`, unless
+    an override says otherwise."""
+    return _overridden(HEAD_WEIGHT, 8 if quantizer != "rtn-min" else None, overrides)
 
 
 def quantize_weights(
@@ -52,40 +80,78 @@ def quantize_weights(
     exclude: Collection[str] = (),
     head: str | None = None,
     quantizer: str = DEFAULT_QUANTIZER,
+    overrides: Sequence[Override] = (),
 ) -> onnx.ModelProto:
     """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
-    node named `head` (the LM head) at 8 bits (`rtn`, `rtn-asym`) or in float (`rtn-min`)."""
+    node named `head` (the LM head) at `head_bits`; `overrides` (the module) last."""
     if quantizer not in QUANTIZERS:
         raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
         raise QuantizationError(
             f"weights quantize to 4 or 8 bits in blocks of a power of two >= 16, not {bits} / {block_size}"
         )
+    if quantizer == "rtn-min" and bits != 4:
+        raise QuantizationError("the rtn-min quantizer makes 4-bit weights; use --weight-bitwidth 4")
+    plan = _plan(model, bits, exclude, head, quantizer, overrides)
+    nodes = {width: {n for n, w in plan.items() if w == width} for width in (4, 8)}
     if quantizer == "rtn-min":
-        if bits != 4:
-            raise QuantizationError("the rtn-min quantizer makes 4-bit weights; use --weight-bitwidth 4")
-        return _with_block_minimums(model, block_size, exclude, head)
-    return _ort_rtn(model, bits, block_size, exclude, head, symmetric=quantizer == "rtn")
+        model = _with_block_minimums(model, block_size, nodes[4]) if nodes[4] else model
+        return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
+    for width in (4, 8):
+        if nodes[width]:
+            model = _ort_rtn(model, width, block_size, nodes[width], symmetric=quantizer == "rtn")
+    return model
+
+
+def _plan(
+    model: onnx.ModelProto,
+    bits: int,
+    exclude: Collection[str],
+    head: str | None,
+    quantizer: str,
+    overrides: Sequence[Override],
+) -> dict[str, int | None]:
+    """Each MatMul by a constant 2-d weight (not reading `exclude`): its bits, None for float."""
+    weights = {t.name: t for t in model.graph.initializer if len(t.dims) == 2}
+    plan: dict[str, int | None] = {}
+    matched: set[str] = set()
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in weights:
+            continue
+        if set(node.input) & set(exclude):
+            continue
+        name = HEAD_WEIGHT if node.name == head else node.input[1]
+        matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(name, p)}
+        plan[node.name] = head_bits(quantizer, overrides) if node.name == head else _overridden(name, bits, overrides)
+    if head is None or head not in plan:  # the head as the tied embedding: matched, not quantized here
+        matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(HEAD_WEIGHT, p)}
+    unmatched = [p for p, _ in overrides if p not in matched]
+    if unmatched:
+        names = sorted(weights)[:3]
+        raise QuantizationError(
+            f"quantization override {unmatched[0]!r} matches no MatMul weight; weight names look like "
+            f"{', '.join(names)} (and {HEAD_WEIGHT} for the LM head)"
+        )
+    return plan
 
 
 def _ort_rtn(
-    model: onnx.ModelProto, bits: int, block_size: int, exclude: Collection[str], head: str | None, symmetric: bool
+    model: onnx.ModelProto, bits: int, block_size: int, include: Collection[str], symmetric: bool
 ) -> onnx.ModelProto:
+    """ORT's round-to-nearest on the MatMul nodes named in `include`."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per-node INFO
-    skipped = [n.name for n in model.graph.node if n.op_type == "MatMul" and set(n.input) & set(exclude)]
-    passes = [(bits, {"nodes_to_exclude": [*skipped, *([head] if head else [])]})]
-    if head:
-        passes.append((8, {"nodes_to_include": [head]}))
+    # its nodes_to_include adds to the op types it quantizes anyway: the others are excluded by name
+    others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in include]
     try:
-        for width, nodes in passes:
-            quantizer = MatMulNBitsQuantizer(model, bits=width, block_size=block_size, is_symmetric=symmetric, **nodes)
-            quantizer.process()
-            model = quantizer.model.model
+        quantizer = MatMulNBitsQuantizer(
+            model, bits=bits, block_size=block_size, is_symmetric=symmetric, nodes_to_exclude=others
+        )
+        quantizer.process()
     except Exception as exc:  # ORT's quantizer raises plain exceptions
         raise QuantizationError(f"ONNX Runtime's weight quantizer failed: {exc}") from None
-    return model
+    return quantizer.model.model
 
 
 def block_minimums(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -100,11 +166,9 @@ def block_minimums(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.
     return q, scales, low.astype(np.float32)
 
 
-def _with_block_minimums(
-    model: onnx.ModelProto, block_size: int, exclude: Collection[str], head: str | None
-) -> onnx.ModelProto:
-    """`rtn-min` (see the module): each fitting MatMul (a constant [K, N] weight, K a multiple of the block)
-    becomes MatMulNBits + the minimums' MatMul; the others stay as they are."""
+def _with_block_minimums(model: onnx.ModelProto, block_size: int, include: Collection[str]) -> onnx.ModelProto:
+    """`rtn-min` (see the module): each MatMul named in `include` that fits (a [K, N] weight, K a multiple
+    of the block) becomes MatMulNBits + the minimums' MatMul; the others stay as they are."""
     from onnx import helper, numpy_helper
 
     from quiver.ir.edit import drop_unread_initializers
@@ -117,13 +181,7 @@ def _with_block_minimums(
     replaced: set[str] = set()
     for node in graph.node:
         weight = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if (
-            weight is None
-            or len(weight.dims) != 2
-            or weight.dims[0] % block_size
-            or node.name == head
-            or set(node.input) & set(exclude)
-        ):
+        if weight is None or len(weight.dims) != 2 or weight.dims[0] % block_size or node.name not in include:
             nodes.append(node)
             continue
         source, name, out = node.input[0], node.input[1], node.output[0]
