@@ -1,5 +1,5 @@
-"""Weight quantizers of `quiver t2t export` (`--quantizer`): rtn, rtn-asym and rtn-min, and the accuracy
-level the config asks for, on the tiny model against the numpy forward pass."""
+"""Weight quantizers of `quiver t2t export` (`--quantizer`, `--override`): rtn, rtn-asym and rtn-min, the accuracy
+level the config asks for, and the report of what quantizing cost, on the tiny model against the numpy forward pass."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from quiver.t2t.config import read_dialog_config
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.graph import LM_HEAD_NODE
+from quiver.t2t.quality import DEFAULT_PROMPTS, quality_report
 from quiver.t2t.quantize import QUANTIZERS, block_minimums, head_bits, parse_override, quantize_weights
 from tests.support.tiny_llm import forward, tiny_decoder
 
@@ -193,3 +194,52 @@ def test_an_export_with_a_quantized_head_under_rtn_min_runs_close_to_float(
     logits, want = _logits(export(folder, tmp_path, options=options).path), forward(weights, IDS)
     assert logits @ want / np.linalg.norm(logits) / np.linalg.norm(want) > 0.99
     assert not np.allclose(logits, want, rtol=0, atol=2e-4)  # the head rounded: no longer exact
+
+
+def test_log_likelihoods_are_each_tokens_log_softmax_given_those_before(
+    gridded: tuple[Path, dict], tmp_path: Path
+) -> None:
+    folder, weights = gridded
+    config = export(folder, tmp_path, options=ExportOptions(context_size=64)).path
+    ids = [3, *IDS, 7, 11]
+    want = []
+    for end in range(1, len(ids)):
+        logits = forward(weights, ids[:end])
+        want.append(logits[ids[end]] - logits.max() - np.log(np.exp(logits - logits.max()).sum()))
+    with Dialog.from_config(config) as dialog:
+        np.testing.assert_allclose(dialog.log_likelihoods(ids), want, rtol=0, atol=1e-4)
+        with pytest.raises(quiver.GenerationError, match="scoring takes 2 to 63 tokens"):
+            dialog.log_likelihoods([1])
+
+
+def test_the_quality_report_sees_what_each_quantizer_kept(gridded: tuple[Path, dict], tmp_path: Path) -> None:
+    folder, _ = gridded
+    reference = export(folder, tmp_path / "float", options=ExportOptions(context_size=128)).path
+    exact = export(folder, tmp_path / "min", options=ExportOptions(128, weight_bits=4, quantizer="rtn-min")).path
+    rounded = export(folder, tmp_path / "rtn", options=ExportOptions(128, weight_bits=4)).path
+    kept = quality_report(reference, exact, tokens=8)
+    assert kept.agreement == [8] * len(DEFAULT_PROMPTS) and kept.mean_agreement == 8
+    assert kept.quantized_perplexity == pytest.approx(kept.float_perplexity, rel=1e-4)
+    sizes = [(path.parent / "model.qctx").stat().st_size for path in (reference, exact)]
+    assert [kept.float_bytes, kept.quantized_bytes] == sizes and sizes[1] < sizes[0]
+    lost = quality_report(reference, rounded, tokens=8)
+    assert abs(lost.quantized_perplexity - lost.float_perplexity) > 1e-3 * lost.float_perplexity
+
+
+def test_the_cli_reports_what_quantizing_cost(gridded: tuple[Path, dict], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\n\nover the lazy dog\n")
+    command = [sys.executable, "-m", "quiver", "t2t", "export", "--model", str(gridded[0]), "-o", str(tmp_path / "q"),
+               "--context-size", "64", "--weight-bitwidth", "4", "--quantizer", "rtn-min", "--report",
+               "--report-prompts", str(prompts), "--report-tokens", "4", "--json"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)["report"]
+    assert report["prompts"] == ["the quick brown fox", "over the lazy dog"] and report["agreement"] == [4, 4]
+    assert report["quantized_bytes"] < report["float_bytes"]
+    plain = command[:11] + command[15:]  # without --weight-bitwidth 4 --quantizer rtn-min
+    refused = subprocess.run(plain, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "--report compares quantized weights with float ones" in refused.stderr

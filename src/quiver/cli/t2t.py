@@ -55,6 +55,15 @@ def _named_path(value: str) -> tuple[str, Path]:
               help="Bits for the weights whose names match (fnmatch; in order, the last match wins), e.g. "
                    "'lm_head.weight=4' or 'model.layers.0.*=8'. [default: the LM head at 8 bits, float with "
                    "rtn-min]")  # fmt: skip
+@click.option("--report", is_flag=True,
+              help="With --weight-bitwidth: what quantizing cost, against a float export made aside: greedy "
+                   "agreement per prompt, perplexity on a text, sizes.")  # fmt: skip
+@click.option("--report-prompts", type=click.Path(dir_okay=False, path_type=Path),
+              help="The report's prompts, one per line (\\n for a newline) [default: five built in].")  # fmt: skip
+@click.option("--report-text", type=click.Path(dir_okay=False, path_type=Path),
+              help="The report's perplexity text (UTF-8; its first 512 tokens) [default: built in].")  # fmt: skip
+@click.option("--report-tokens", type=click.IntRange(1, 1024), default=32, show_default=True,
+              help="Greedy tokens per prompt the report compares.")  # fmt: skip
 @click.option("--context-size", type=int, default=2048, show_default=True, help="KV cache positions.")
 @click.option("--prefill-window", type=int, default=128, show_default=True, help="Prompt tokens per prefill step.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
@@ -68,6 +77,10 @@ def t2t_export(
     quantizer: str,
     accuracy_level: int | None,
     overrides: tuple[str, ...],
+    report: bool,
+    report_prompts: Path | None,
+    report_text: Path | None,
+    report_tokens: int,
     context_size: int,
     prefill_window: int,
     as_json: bool,
@@ -84,6 +97,8 @@ def t2t_export(
         _, adapters, use_cases = read_adapters_and_use_cases(lora_config)
     if overrides and not weight_bitwidth:
         raise click.BadParameter("--override sets bits of quantized weights: give --weight-bitwidth too")
+    if (report or report_prompts or report_text) and not weight_bitwidth:
+        raise click.BadParameter("--report compares quantized weights with float ones: give --weight-bitwidth too")
     options = ExportOptions(
         context_size=context_size,
         prefill_window=prefill_window,
@@ -101,8 +116,13 @@ def t2t_export(
         dialog.tokenizer,
         dialog.path,
     ]
+    quality = _quality(model_dir, dialog.path, context_size, report_prompts, report_text, report_tokens) if (
+        report or report_prompts or report_text) else None  # fmt: skip
     if as_json:
-        emit_json({"config": str(dialog.path), "files": {str(p): p.stat().st_size for p in files}})
+        emit_json(
+            {"config": str(dialog.path), "files": {str(p): p.stat().st_size for p in files}}
+            | ({"report": quality.as_json()} if quality else {})
+        )
         return
     table = Table(title=f"{dialog.path}")
     table.add_column("file")
@@ -110,6 +130,49 @@ def t2t_export(
     for path in files:
         table.add_row(path.name, as_mb(path.stat().st_size))
     console.print(table)
+    if quality is not None:
+        _print_quality(quality)
+
+
+def _quality(
+    model_dir: Path, config: Path, context_size: int, prompts: Path | None, text: Path | None, tokens: int
+) -> Any:
+    """The quality report of a quantized export against a float one made in a temporary folder."""
+    import tempfile
+
+    from quiver.t2t.export import ExportOptions, export
+    from quiver.t2t.quality import DEFAULT_PROMPTS, DEFAULT_TEXT, MAX_TEXT_BYTES, quality_report, read_prompts
+
+    chosen_prompts = read_prompts(prompts) if prompts else list(DEFAULT_PROMPTS)
+    chosen_text = read_text(text, limit=MAX_TEXT_BYTES, what="the report text") if text else DEFAULT_TEXT
+    with tempfile.TemporaryDirectory(prefix="quiver-report-") as folder, status_line("reporting") as status:
+        status.update("exporting the float model to compare with")
+        reference = export(model_dir, Path(folder), options=ExportOptions(context_size=context_size)).path
+        return quality_report(reference, config, chosen_prompts, chosen_text, tokens, on_step=status.update)
+
+
+def _print_quality(report: Any) -> None:
+    table = Table(title=f"what quantizing cost (greedy tokens of {report.tokens} equal to the float model's)")
+    table.add_column("prompt")
+    table.add_column("equal tokens", justify="right")
+    for prompt, kept in zip(report.prompts, report.agreement):
+        table.add_row(prompt.replace("\n", " ")[:48], str(kept))
+    table.add_row("mean", f"{report.mean_agreement:.1f}", style="bold")
+    console.print(table)
+    sizes = Table(title=f"perplexity over {report.text_tokens} tokens, and size")
+    for column in ("", "float", "quantized", "ratio"):
+        sizes.add_column(column, justify="right" if column else "left")
+    sizes.add_row(
+        "perplexity",
+        f"{report.float_perplexity:.3f}",
+        f"{report.quantized_perplexity:.3f}",
+        f"{report.quantized_perplexity / report.float_perplexity:.3f}x",
+    )
+    sizes.add_row(
+        "context", as_mb(report.float_bytes), as_mb(report.quantized_bytes),
+        f"{report.quantized_bytes / report.float_bytes:.3f}x",
+    )  # fmt: skip
+    console.print(sizes)
 
 
 def _lora_choice(value: str) -> tuple[str, list[tuple[str, float]]]:

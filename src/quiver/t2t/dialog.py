@@ -286,6 +286,27 @@ class Dialog:
             self._history, self._pending = [], []
         return {self.config.prefill_graph: [prefill], self.config.decode_graph: [decode]}
 
+    def log_likelihoods(self, ids: Sequence[int]) -> np.ndarray:
+        """The natural log-probability of each token after the first, given those before it (one step per
+        token, as teacher forcing; perplexity is exp of minus their mean). Resets the conversation."""
+        tokens = [int(i) for i in ids]
+        if not 2 <= len(tokens) < self.config.context_size:
+            raise GenerationError(f"scoring takes 2 to {self.config.context_size - 1} tokens; got {len(tokens)}")
+        if min(tokens) < 0 or max(tokens) >= self.config.n_vocab:
+            raise GenerationError(f"token ids are 0 to {self.config.n_vocab - 1}")
+        scores = np.empty(len(tokens) - 1, np.float64)
+        with self._lock:
+            self._history, self._pending = [], []
+            self._step(self._prefill, tokens[:1])
+            for position, token in enumerate(tokens[1:]):
+                logits = self._logits.reshape(-1).astype(np.float64)
+                top = logits.max()
+                scores[position] = logits[token] - top - np.log(np.exp(logits - top).sum())
+                if position + 2 < len(tokens):
+                    self._step(self._decode, [token])
+            self._history, self._pending = [], []
+        return scores
+
     def token_query(self, ids: Sequence[int], **options: Any) -> QueryResult:
         """Generates from token ids (Genie's GenieDialog_tokenQuery); the options are `query`'s."""
         return self.query(list(ids), **options)
