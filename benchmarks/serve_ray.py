@@ -138,7 +138,8 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
         "model_files_pss_per_added_replica_mb": added("replica_model_files_pss_total_mb"),
         "unshared_pss_per_added_replica_mb": added("replica_pss_total_mb", " unshared", UNSHARED),
         "kv_cache_per_replica_mb": kv / 2**20,  # allocated: --max-batch rows of the context size
-        # allocated: --max-loras slots as large as the largest adapter (rank 8 on every projection)
-        "adapter_tables_per_replica_mb": MAX_LORAS * max(_bytes(p) for p in adapters.values()) / 2**20,
+        # allocated: --max-loras slots as large as the largest adapter (rank 8 on every projection), and
+        # each of the --max-batch rows' copy of its slot (for steps of mixed adapters)
+        "adapter_tables_per_replica_mb": (MAX_LORAS + MAX_BATCH) * max(_bytes(p) for p in adapters.values()) / 2**20,
         "adapter_held_share_min": min(results[f"ray x{n}"]["adapter_held_share"] for n in REPLICAS),
     }
