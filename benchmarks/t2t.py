@@ -21,6 +21,7 @@ from typing import Any
 
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
+from quiver.t2t.quality import leading_equal
 
 THREADS = 2
 PROMPTS = (128, 512)
@@ -160,11 +161,6 @@ for ids, want in zip(expected["prompt_ids"], expected[sys.argv[3]]):
     replies.append(got)
 print(json.dumps(replies))
 """
-
-
-def leading_equal(got: list[int], want: list[int]) -> int:
-    """How many of `got` equal `want` before the first that does not."""
-    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
 def genai_replies(folder: Path, expected: Path, key: str = "base") -> list[list[int]]:

@@ -128,8 +128,8 @@ class BatchDecoder:
             )
         self._cache = {name: np.zeros((self.max_batch, *row), np.float32) for name, row in rows.items()}
         self._logits = np.zeros((self.max_batch, 1, config.n_vocab), np.float32)
-        # the adapter tables, [slots * rank, width]: each rank is that of the prefill graph's tensor of the
-        # same name, which the adapters' sections hold
+        # the adapter tables, each slot's and each row's [rank, width]: the rank is that of the prefill
+        # graph's tensor of the same name, which the adapters' sections hold
         prefill = self._context.file.graphs.get(config.prefill_graph)
         if prefill is None:
             raise GenerationError(f"{config.ctx_bins[0]} lacks the config's prefill graph {config.prefill_graph!r}")
@@ -140,8 +140,8 @@ class BatchDecoder:
             if name in (INPUT_IDS, SEQLENS_K, TOTAL_LENGTH) or name.startswith(_PAST):
                 continue
             stored = self._context.file.weights[weights[name]].shape if name in weights else None
-            shape = info.shape
-            if stored is None or len(stored) != 2 or table_module(name) is None or shape is None or len(shape) != 3:
+            three_d = info.shape is not None and len(info.shape) == 3  # [1 or rows, rank, width]
+            if stored is None or len(stored) != 2 or table_module(name) is None or not three_d:
                 raise GenerationError(
                     f"{config.ctx_bins[0]}: graph {BATCH_GRAPH!r} input {name!r} is no adapter table of this "
                     "version's; export the model again with this version's `quiver t2t export`"
