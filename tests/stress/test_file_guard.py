@@ -168,3 +168,29 @@ def ctypes_address(area: object) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(area))  # type: ignore[arg-type]
+
+
+def test_a_guard_released_while_the_watcher_holds_its_lock_does_not_deadlock(tmp_path: Path) -> None:
+    """The garbage collector may run a context's finalizer, which releases its guard, in a thread that
+    holds the watcher's lock (the watcher's own, allocating while it lists the files): that release must
+    go through, not wait on itself."""
+    import threading
+
+    path = tmp_path / "guarded.bin"
+    path.write_bytes(b"x" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        handle = file_guard.WATCHER.guard(fd, lambda: None)
+        assert handle is not None
+        released = threading.Event()
+
+        def release_under_the_lock() -> None:
+            with file_guard.WATCHER._lock:  # as a finalizer run inside the watcher's locked section
+                file_guard.WATCHER.release(handle)
+            released.set()
+
+        threading.Thread(target=release_under_the_lock, daemon=True).start()
+        assert released.wait(10)
+        assert handle not in file_guard.WATCHER._files
+    finally:
+        os.close(fd)

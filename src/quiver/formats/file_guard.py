@@ -85,7 +85,10 @@ class _Watcher:
     """The guarded files of this process and the thread that rescues them."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: the garbage collector may run a context's finalizer (which releases its guard) in
+        # whichever thread allocates, this one's included while it holds the lock; a plain lock deadlocked
+        # the watcher there (a CI run hung).
+        self._lock = threading.RLock()
         self._files: dict[int, _Guarded] = {}
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -126,7 +129,7 @@ class _Watcher:
                 if not self._files:
                     self._thread = None
                     return
-                files = list(self._files.values())
+                files = list(self._files.copy().values())  # a release from a finalizer may pop meanwhile
             for guarded in files:
                 try:
                     breaking = fcntl.fcntl(guarded.fd, _F_GETLEASE) != fcntl.F_RDLCK
@@ -152,7 +155,7 @@ class _Watcher:
         """A forked child has no watcher thread, and the leases it inherited are the parent's (a lease
         belongs to an open file, which both share): the parent's watcher rescues the parent only. So the
         child opens each file again, takes a lease of its own, and watches it with a thread of its own."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._thread = None
         inherited, self._files = self._files, {}
         for guarded in inherited.values():
