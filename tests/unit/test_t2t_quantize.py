@@ -243,3 +243,9 @@ def test_the_cli_reports_what_quantizing_cost(gridded: tuple[Path, dict], tmp_pa
     plain = command[:11] + command[15:]  # without --weight-bitwidth 4 --quantizer rtn-min
     refused = subprocess.run(plain, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "--report compares quantized weights with float ones" in refused.stderr
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    empty = [*command[:7], "-o", str(tmp_path / "never"), *command[9:]]
+    empty[empty.index(str(prompts))] = str(tmp_path / "empty.txt")
+    bad = subprocess.run(empty, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "no prompts; write one per line" in bad.stderr
+    assert not (tmp_path / "never").exists()  # refused before anything was exported

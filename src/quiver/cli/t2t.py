@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
@@ -14,6 +14,9 @@ from quiver.cli.common import as_mb, cli, console, emit_json, status_line
 from quiver.cli.tune import print_tuning, run_tuning, tuning_options
 from quiver.formats.files import read_text
 from quiver.t2t.quantize import DEFAULT_QUANTIZER, QUANTIZERS, parse_override
+
+if TYPE_CHECKING:
+    from quiver.t2t.quality import QualityReport
 
 
 @cli.group()
@@ -97,8 +100,14 @@ def t2t_export(
         _, adapters, use_cases = read_adapters_and_use_cases(lora_config)
     if overrides and not weight_bitwidth:
         raise click.BadParameter("--override sets bits of quantized weights: give --weight-bitwidth too")
-    if (report or report_prompts or report_text) and not weight_bitwidth:
+    reporting = bool(report or report_prompts or report_text)
+    if reporting and not weight_bitwidth:
         raise click.BadParameter("--report compares quantized weights with float ones: give --weight-bitwidth too")
+    # the report's inputs read before the export, so a bad one fails first
+    from quiver.t2t.quality import DEFAULT_PROMPTS, DEFAULT_TEXT, MAX_TEXT_BYTES, read_prompts
+
+    chosen_prompts = read_prompts(report_prompts) if report_prompts else list(DEFAULT_PROMPTS)
+    chosen_text = read_text(report_text, limit=MAX_TEXT_BYTES, what="the report text") if report_text else DEFAULT_TEXT
     options = ExportOptions(
         context_size=context_size,
         prefill_window=prefill_window,
@@ -116,8 +125,11 @@ def t2t_export(
         dialog.tokenizer,
         dialog.path,
     ]
-    quality = _quality(model_dir, dialog.path, context_size, report_prompts, report_text, report_tokens) if (
-        report or report_prompts or report_text) else None  # fmt: skip
+    quality = (
+        _quality(model_dir, dialog.path, context_size, chosen_prompts, chosen_text, report_tokens)
+        if reporting
+        else None
+    )
     if as_json:
         emit_json(
             {"config": str(dialog.path), "files": {str(p): p.stat().st_size for p in files}}
@@ -135,23 +147,21 @@ def t2t_export(
 
 
 def _quality(
-    model_dir: Path, config: Path, context_size: int, prompts: Path | None, text: Path | None, tokens: int
-) -> Any:
+    model_dir: Path, config: Path, context_size: int, prompts: list[str], text: str, tokens: int
+) -> QualityReport:
     """The quality report of a quantized export against a float one made in a temporary folder."""
     import tempfile
 
     from quiver.t2t.export import ExportOptions, export
-    from quiver.t2t.quality import DEFAULT_PROMPTS, DEFAULT_TEXT, MAX_TEXT_BYTES, quality_report, read_prompts
+    from quiver.t2t.quality import quality_report
 
-    chosen_prompts = read_prompts(prompts) if prompts else list(DEFAULT_PROMPTS)
-    chosen_text = read_text(text, limit=MAX_TEXT_BYTES, what="the report text") if text else DEFAULT_TEXT
     with tempfile.TemporaryDirectory(prefix="quiver-report-") as folder, status_line("reporting") as status:
         status.update("exporting the float model to compare with")
         reference = export(model_dir, Path(folder), options=ExportOptions(context_size=context_size)).path
-        return quality_report(reference, config, chosen_prompts, chosen_text, tokens, on_step=status.update)
+        return quality_report(reference, config, prompts, text, tokens, on_step=status.update)
 
 
-def _print_quality(report: Any) -> None:
+def _print_quality(report: QualityReport) -> None:
     table = Table(title=f"what quantizing cost (greedy tokens of {report.tokens} equal to the float model's)")
     table.add_column("prompt")
     table.add_column("equal tokens", justify="right")

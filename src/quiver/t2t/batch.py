@@ -181,6 +181,7 @@ class BatchDecoder:
                 if slot is None:
                     return None
                 start = time.perf_counter()
+                self._fills[slot] += 1  # before any write: rows' copies of what it held are stale from here
                 self._fill(slot, adapter, strengths or {})
                 self._slots[key] = slot
                 if self.on_fill is not None:
@@ -256,7 +257,6 @@ class BatchDecoder:
                 raise GenerationError(f"adapter {adapter!r} has no strength {name!r}; it has {list(state.lora.active)}")
             alphas[state.lora.adapters.index(name)] = value
         fill_slot(self._slot_rows(slot), state.values, alphas)
-        self._fills[slot] += 1
 
     def _fill_from_peft(self, slot: int, adapter: PeftAdapter, strengths: Mapping[str, float]) -> None:
         """A slot from a PEFT adapter itself: Aᵀ is PEFT's A, B is PEFT's Bᵀ times its scaling and strength."""
@@ -264,7 +264,6 @@ class BatchDecoder:
         if unknown:
             raise GenerationError(f"adapter {adapter.name!r} has no strength {unknown[0]!r}; it has [{adapter.name!r}]")
         strength = float(strengths.get(adapter.name, 1.0))
-        self._fills[slot] += 1
         for name, rows in self._slot_rows(slot).items():
             found = table_module(name)
             weights = adapter.modules.get(found[0]) if found else None

@@ -113,16 +113,17 @@ def _plan(
 ) -> dict[str, int | None]:
     """Each MatMul by a constant 2-d weight (not reading `exclude`): its bits, None for float."""
     weights = {t.name: t for t in model.graph.initializer if len(t.dims) == 2}
+    excluded = set(exclude)
     plan: dict[str, int | None] = {}
     matched: set[str] = set()
     for node in model.graph.node:
         if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in weights:
             continue
-        if set(node.input) & set(exclude):
+        if excluded.intersection(node.input):
             continue
-        name = HEAD_WEIGHT if node.name == head else node.input[1]
+        name, default = (HEAD_WEIGHT, head_bits(quantizer)) if node.name == head else (node.input[1], bits)
         matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(name, p)}
-        plan[node.name] = head_bits(quantizer, overrides) if node.name == head else _overridden(name, bits, overrides)
+        plan[node.name] = _overridden(name, default, overrides)
     if head is None or head not in plan:  # the head as the tied embedding: matched, not quantized here
         matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(HEAD_WEIGHT, p)}
     unmatched = [p for p, _ in overrides if p not in matched]
