@@ -10,11 +10,13 @@ warm-up (each adapter once), then 16 concurrent streaming `openai` clients, one 
 prompts, 64 new tokens, greedy): aggregate tok/s, time to first token and inter-token latency p50/p99;
 the share of adapter requests that ran on a replica holding the adapter already (`/metrics`, after the
 warm-up); the PSS of each replica process (/proc/PID/smaps) and the part of it in the model's files (the
-context, the packed weights), against the context's bytes. The replicas keep their packed weights in one
-folder of the benchmark's (`--packed-weights`, emptied first: the first replica makes the form), and for
-comparison 1 and 2 replicas run with `--packed-weights off` (each packs its own). The KV cache and adapter
-tables each replica allocates are reported beside (touched as sequences and adapters use them). On a
-2-core machine the replicas share the same two cores: the numbers show routing and memory, not scaling.
+context, the packed weights), against the context's bytes; and, for the floor under that, the PSS of an
+empty Ray Serve replica and of one that only imports what a Quiver replica imports. The replicas keep
+their packed weights in one folder of the benchmark's (`--packed-weights`, emptied first: the first
+replica makes the form), and for comparison 1 and 2 replicas run with `--packed-weights off` (each packs
+its own). The KV cache and adapter tables each replica allocates are reported beside (touched as
+sequences and adapters use them). On a 2-core machine the replicas share the same two cores: the numbers
+show routing and memory, not scaling.
 """
 
 from __future__ import annotations
@@ -44,6 +46,34 @@ UNSHARED = (1, 2)
 CLIENTS = 16
 NEW_TOKENS = 64
 REPLICA_PROCESS = "ServeReplica:quiver:QuiverReplica"
+# An empty Ray Serve replica (no imports, no state) and one that imports what a Quiver replica imports
+# before its model: the floor any replica on Ray costs, measured on the same local cluster setup.
+_FLOOR = """
+import json, sys, time, psutil, ray
+from ray import serve
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Floor:
+    def __init__(self, imports: bool) -> None:
+        if imports:
+            import numpy, onnxruntime, tokenizers, starlette, quiver.serve.engine, quiver.t2t.batch  # noqa
+    def __call__(self, request: object) -> str:
+        return "ok"
+
+ray.init(address="local", include_dashboard=False, num_cpus=2)
+serve.start(http_options={"host": "127.0.0.1", "port": 0})
+found = {}
+for name, imports in (("empty", False), ("imports", True)):
+    serve.run(Floor.bind(imports), name=name, route_prefix=f"/{name}")
+    time.sleep(3)
+    for process in psutil.process_iter(["cmdline"]):
+        if any(f"ServeReplica:{name}:Floor" in part for part in process.info["cmdline"] or ()):
+            found[name] = sum(m.pss for m in process.memory_maps(grouped=True)) / 2**20
+    serve.delete(name)
+serve.shutdown()
+ray.shutdown()
+print(json.dumps(found))
+"""
 
 
 def _held(url: str) -> dict[str, float]:
@@ -94,6 +124,15 @@ def _setup(config: Path, adapters: list[str], replicas: int | None, packed: str 
         process.wait(120)
 
 
+def _replica_floor() -> dict[str, float]:
+    """The PSS (MB) of an empty Ray Serve replica, and of one with a Quiver replica's imports."""
+    out = subprocess.run([sys.executable, "-c", _FLOOR], capture_output=True, text=True, timeout=600)
+    subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def _bytes(adapter: Path) -> int:
     return sum(p.stat().st_size for p in adapter.glob("*.safetensors"))
 
@@ -123,6 +162,7 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
         return statistics.mean(totals[n] - totals[n - 1] for n in counts[1:])
 
     per_replica = added("replica_pss_total_mb")
+    floor = _replica_floor()
     model = json.loads((corpus / "smollm2" / "config.json").read_text())
     head = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
     kv = MAX_BATCH * model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * CONTEXT_SIZE * head * 4
@@ -134,6 +174,11 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
         "setups": results,
         "pss_per_added_replica_mb": per_replica,
         "pss_per_added_replica_vs_context": per_replica / context_mb,
+        # what any replica on Ray costs before Quiver holds anything: the target's floor on this model
+        "empty_ray_replica_pss_mb": floor["empty"],
+        "ray_replica_with_quivers_imports_pss_mb": floor["imports"],
+        "empty_ray_replica_vs_context": floor["empty"] / context_mb,
+        "quiver_state_per_added_replica_mb": per_replica - floor["imports"],
         # of which in the model's files (mapped: shared by the node's replicas, so about nothing)
         "model_files_pss_per_added_replica_mb": added("replica_model_files_pss_total_mb"),
         "unshared_pss_per_added_replica_mb": added("replica_pss_total_mb", " unshared", UNSHARED),

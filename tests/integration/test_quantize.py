@@ -285,6 +285,48 @@ def test_4_bit_weights_are_block_quantized_and_stored_packed(encoder: dict[str, 
         np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0, err_msg=str(backend))
 
 
+def test_gptq_blocks_carry_zero_points_and_run_alike_in_quiver_and_onnx_runtime(
+    encoder: dict[str, Path], tmp_path: Path
+) -> None:
+    outs = {}
+    for quantizer in ("rtn-asym", "gptq-asym"):
+        outs[quantizer] = tmp_path / f"{quantizer}.onnx"
+        result = run_quiver("quantize", encoder["model"], "-o", outs[quantizer], "--act-bitwidth", "16",
+                            "--weight-bitwidth", "4", "--block-size", "32", "--quantizer", quantizer, "--input-list",
+                            encoder["list"], "--input-shape", f"input_ids=1,{SEQ}")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    stored = {t.name: t for t in onnx.load(outs["gptq-asym"]).graph.initializer}
+    int4 = [t for t in stored.values() if t.data_type == onnx.TensorProto.INT4]
+    zero_points = [t for t in int4 if t.name.endswith("_zero_point")]
+    assert zero_points and any(np.frombuffer(t.raw_data, np.uint8).any() for t in zero_points)  # not all 0: asymmetric
+    rounded = {t.name: t.raw_data for t in onnx.load(outs["rtn-asym"]).graph.initializer}
+    assert any(rounded[name] != t.raw_data for name, t in stored.items() if name.endswith("_quantized"))
+    context = quiver.Context.create("cpu", workdir=tmp_path)
+    context.add_graph("gptq", outs["gptq-asym"])
+    context.save(tmp_path / "gptq.qctx")
+    context.close()
+    ids = sample_input_ids(SHAPE, 1, SEQ, seed=5)
+    with quiver.Context.from_binary(tmp_path / "gptq.qctx", backend=CpuBackend(accuracy_level=0)) as runtime:
+        ours = runtime.graph("gptq").execute({"input_ids": ids})["last_hidden_state"]
+    np.testing.assert_allclose(ours, _ort(outs["gptq-asym"], ids, 0), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--weight-bitwidth", "8", "--quantizer", "gptq"], "--quantizer gptq makes 4-bit blocks"),
+     (["--weight-bitwidth", "4", "--quantizer", "awq"], "Invalid value for '--quantizer'")],
+)  # fmt: skip
+def test_a_weight_quantizer_that_cannot_apply_is_refused_in_one_line(
+    encoder: dict[str, Path], tmp_path: Path, flags: list[str], message: str
+) -> None:
+    result = run_quiver("quantize", encoder["model"], "-o", tmp_path / "q.onnx", "--input-list", encoder["list"],
+                        "--input-shape", f"input_ids=1,{SEQ}", *flags)  # fmt: skip
+    if "Invalid value" in message:  # click's own usage error: exit 2, its usage lines
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    else:
+        assert_one_line_error(result, message)
+
+
 def _dq_matmul_model(ints: np.ndarray, scale: np.ndarray, zero: np.ndarray, dtype: int, block: int) -> onnx.ModelProto:
     k, n = ints.shape
     tensors = [

@@ -11,10 +11,12 @@ import pytest
 
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
-from quiver.t2t.quantize import QUANTIZERS
+from quiver.t2t.quality import read_prompts
+from quiver.t2t.quantize import CALIBRATED, QUANTIZERS
 from tests.support import ROOT
 
 TOKENS = 32  # transformers generated 32 tokens per prompt (eos suppressed, as min_new_tokens does)
+CALIBRATION = tuple(read_prompts(ROOT / "tests" / "data" / "calibration_prompts.txt"))  # not the evaluated ones
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,8 @@ def agreement_at_4_bits(real_llms: Path, expected: dict[str, Any], tmp_path_fact
     found = {}
     for quantizer in QUANTIZERS:
         out = tmp_path_factory.mktemp(f"int4-{quantizer}")
-        options = ExportOptions(context_size=256, weight_bits=4, quantizer=quantizer)
+        calibration = CALIBRATION if quantizer in CALIBRATED else ()
+        options = ExportOptions(context_size=256, weight_bits=4, quantizer=quantizer, calibration=calibration)
         with Dialog.from_config(export(real_llms / "smollm2", out, options=options).path) as dialog:
             long = len(expected["base_long"][0])
             replies = []
@@ -95,6 +98,11 @@ def test_the_best_quantizer_keeps_more_than_llama_cpps_q4_1(agreement_at_4_bits:
     means = {name: sum(kept) / len(kept) for name, kept in agreement_at_4_bits.items()}
     assert max(means.values()) > 18, means  # llama.cpp's Q4_1 keeps 13-18 of these (its int8 activations)
     assert means["rtn-min"] >= max(means["rtn"], means["rtn-asym"]), means
+
+
+def test_gptq_keeps_more_than_rounding_to_nearest_on_the_same_grid(agreement_at_4_bits: dict) -> None:
+    means = {name: sum(kept) / len(kept) for name, kept in agreement_at_4_bits.items()}
+    assert means["gptq-asym"] > means["rtn-asym"] and means["gptq"] > means["rtn"], means
 
 
 def test_the_prefill_and_decode_context_is_one_model(smollm2: Path, real_llms: Path) -> None:

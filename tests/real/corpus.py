@@ -54,3 +54,20 @@ def quantize_minilm(corpus: Path, folder: Path) -> dict[str, Path]:
         if result.returncode != 0:
             raise RuntimeError(f"quiver quantize failed for {name}: {result.stderr}")
     return made
+
+
+def sentences(corpus: Path, kind: str) -> list[np.ndarray]:
+    """MiniLM's token ids of the corpus's real sentences, `calibration` or `held_out`, [1, length] each."""
+    arrays = np.load(corpus / "minilm_sentences.npz")
+    return [arrays[f"{kind}_{i}"] for i in range(sum(name.startswith(f"{kind}_") for name in arrays.files))]
+
+
+def write_sentence_list(corpus: Path, folder: Path) -> Path:
+    """A QNN input list of the calibration sentences, one sample each (its attention mask all ones)."""
+    lines = []
+    for i, ids in enumerate(sentences(corpus, "calibration")):
+        np.save(folder / f"sentence_ids_{i}.npy", ids)
+        np.save(folder / f"sentence_mask_{i}.npy", np.ones_like(ids))
+        lines.append(f"input_ids:=sentence_ids_{i}.npy attention_mask:=sentence_mask_{i}.npy")
+    (folder / "sentences.txt").write_text("\n".join(lines) + "\n")
+    return folder / "sentences.txt"

@@ -18,7 +18,7 @@ from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.graph import LM_HEAD_NODE
 from quiver.t2t.quality import DEFAULT_PROMPTS, quality_report
-from quiver.t2t.quantize import QUANTIZERS, block_minimums, head_bits, parse_override, quantize_weights
+from quiver.t2t.quantize import CALIBRATED, QUANTIZERS, block_minimums, head_bits, parse_override, quantize_weights
 from tests.support.tiny_llm import forward, tiny_decoder
 
 IDS = [5, 17, 42, 8, 99]
@@ -80,7 +80,8 @@ def test_rtn_min_exports_compute_what_the_float_weights_compute(gridded: tuple[P
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
 def test_every_quantizer_stays_close_to_float_on_other_weights(tmp_path: Path, quantizer: str) -> None:
     weights = tiny_decoder(tmp_path / "model")
-    options = ExportOptions(context_size=64, weight_bits=4, quantizer=quantizer)
+    calibration = DEFAULT_PROMPTS if quantizer in CALIBRATED else ()
+    options = ExportOptions(context_size=64, weight_bits=4, quantizer=quantizer, calibration=calibration)
     logits, want = _logits(export(tmp_path / "model", tmp_path / "out", options=options).path), forward(weights, IDS)
     assert logits @ want / np.linalg.norm(logits) / np.linalg.norm(want) > 0.9
 
@@ -103,10 +104,19 @@ def test_quantizers_and_widths_that_do_not_exist_are_refused() -> None:
     import onnx
 
     model = onnx.ModelProto()
-    with pytest.raises(QuantizationError, match="unknown quantizer 'gptq'; choose one of rtn, rtn-asym, rtn-min"):
-        quantize_weights(model, 4, 32, quantizer="gptq")
+    with pytest.raises(QuantizationError, match="unknown quantizer 'awq'; choose one of rtn, rtn-asym, rtn-min, gptq"):
+        quantize_weights(model, 4, 32, quantizer="awq")
     with pytest.raises(QuantizationError, match="rtn-min quantizer makes 4-bit weights"):
         quantize_weights(model, 8, 32, quantizer="rtn-min")
+    with pytest.raises(QuantizationError, match="gptq quantizer needs calibration prompts"):
+        quantize_weights(model, 4, 32, quantizer="gptq")
+
+
+def test_gptq_without_calibration_prompts_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    tiny_decoder(tmp_path / "model")
+    with pytest.raises(QuantizationError, match="give --calibration FILE"):
+        export(tmp_path / "model", tmp_path / "out", options=ExportOptions(weight_bits=4, quantizer="gptq-asym"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_cli_exports_with_a_named_quantizer(gridded: tuple[Path, dict], tmp_path: Path) -> None:
@@ -118,8 +128,14 @@ def test_the_cli_exports_with_a_named_quantizer(gridded: tuple[Path, dict], tmp_
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert read_dialog_config(tmp_path / "genie_config.json").accuracy_level == 0
-    refused = subprocess.run([*command[:-1], "gptq"], capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "'gptq' is not one of 'rtn', 'rtn-asym', 'rtn-min'" in refused.stderr
+    refused = subprocess.run([*command[:-1], "awq"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "'awq' is not one of 'rtn', 'rtn-asym', 'rtn-min', 'gptq'" in refused.stderr
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\nOnce upon a time\n")
+    calibrated = [*command[:-1], "gptq-asym", "--calibration", str(prompts), "-o", str(tmp_path / "gptq")]
+    result = subprocess.run(calibrated, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert read_dialog_config(tmp_path / "gptq" / "genie_config.json").accuracy_level is None
     bad = subprocess.run([*command, "--override", "lm_head.weight=2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "write PATTERN=4, PATTERN=8 or PATTERN=float" in bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -17,6 +17,7 @@ from quiver.cli.common import (
     parse_file_shapes,
     progress_bar,
 )
+from quiver.passes.gptq import WEIGHT_QUANTIZERS
 
 
 def _print_accuracy(report: Any) -> None:
@@ -43,6 +44,9 @@ def _print_accuracy(report: Any) -> None:
 @click.option("--bias-bitwidth", type=click.Choice(["32"]), default="32", show_default=True)
 @click.option("--per-channel", is_flag=True, help="One weight scale per output channel.")
 @click.option("--block-size", type=int, default=0, help="4-bit weights in blocks of N along the reduction axis.")
+@click.option("--quantizer", type=click.Choice(WEIGHT_QUANTIZERS), default="rtn", show_default=True,
+              help="How 4-bit blocks are made: round to nearest or GPTQ (from the calibration inputs), "
+                   "symmetric or with a zero point per block (-asym).")  # fmt: skip
 @click.option(
     "--input-list",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -71,6 +75,7 @@ def quantize(
     bias_bitwidth: str,
     per_channel: bool,
     block_size: int,
+    quantizer: str,
     input_list: Path | None,
     float_fallback: bool,
     quantization_overrides: Path | None,
@@ -92,7 +97,7 @@ def quantize(
     encodings, ort_overrides = read_overrides(quantization_overrides) if quantization_overrides else (None, {})
     options = QuantizeOptions(
         int(act_bitwidth), int(weight_bitwidth), int(bias_bitwidth), per_channel, block_size, calibration,
-        float_fallback, encodings, ort_overrides,
+        float_fallback, encodings, ort_overrides, quantizer,
     )  # fmt: skip
     with progress_bar(quiet) as progress:
         progress.add_task("calibrating and quantizing" + (", then measuring accuracy" if report else ""), total=None)

@@ -50,7 +50,13 @@ def _named_path(value: str) -> tuple[str, Path]:
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
 @click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
               help="rtn: symmetric blocks; rtn-asym: a 4-bit zero point per block; rtn-min: a scale and a float "
-                   "minimum per block (GGUF's Q4_1; exact for weights on such a grid, float activations).")  # fmt: skip
+                   "minimum per block (GGUF's Q4_1; exact for weights on such a grid, float activations); gptq, "
+                   "gptq-asym: GPTQ from --calibration prompts, symmetric or with zero points.")  # fmt: skip
+@click.option(
+    "--calibration",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Prompts the gptq quantizers run the float model on, one per line (\\n for a newline).",
+)
 @click.option("--accuracy-level", type=click.IntRange(0, 4),
               help="ORT's compute for quantized weights: 0 float activations ... 4 int8 (faster) "
                    "[default: the quantizer's; rtn-min 0, else the backend's 4].")  # fmt: skip
@@ -78,6 +84,7 @@ def t2t_export(
     weight_bitwidth: str | None,
     block_size: int,
     quantizer: str,
+    calibration: Path | None,
     accuracy_level: int | None,
     overrides: tuple[str, ...],
     report: bool,
@@ -114,6 +121,7 @@ def t2t_export(
         weight_bits=int(weight_bitwidth) if weight_bitwidth else None,
         block_size=block_size,
         quantizer=quantizer,
+        calibration=tuple(read_prompts(calibration)) if calibration else (),
         accuracy_level=accuracy_level,
         overrides=tuple(parse_override(rule) for rule in overrides),
     )

@@ -24,7 +24,7 @@ from onnx import numpy_helper
 
 from quiver.errors import QuantizationError
 from quiver.formats.encodings import Encoding, EncodingSet
-from quiver.ir.nibbles import pack_nibbles
+from quiver.passes.gptq import WEIGHT_QUANTIZERS, input_moments, quantize_blocks
 from quiver.passes.mask_fills import clamp_mask_fills, record_mask_fills
 from quiver.passes.quantized import QUANTIZED_SUFFIX, graph_encodings
 
@@ -48,6 +48,7 @@ class QuantizeOptions:
     float_fallback: bool = False
     encodings: EncodingSet | None = None  # AIMET overrides
     ort_overrides: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # ORT TensorQuantOverrides
+    weight_quantizer: str = "rtn"  # how 4-bit blocks are made: `quiver.passes.gptq.WEIGHT_QUANTIZERS`
 
     def check(self) -> None:
         if self.activation_bits not in (8, 16):
@@ -62,6 +63,12 @@ class QuantizeOptions:
             raise QuantizationError(f"block size {self.block_size} must be a power of two ≥ 16")
         if self.block_size and self.weight_bits != 4:
             raise QuantizationError("--block-size is for 4-bit weights; add --weight-bitwidth 4")
+        if self.weight_quantizer not in WEIGHT_QUANTIZERS:
+            raise QuantizationError(
+                f"weight quantizer {self.weight_quantizer!r} is unknown; use one of {', '.join(WEIGHT_QUANTIZERS)}"
+            )
+        if self.weight_quantizer != "rtn" and self.weight_bits != 4:
+            raise QuantizationError(f"--quantizer {self.weight_quantizer} makes 4-bit blocks; add --weight-bitwidth 4")
         if self.float_fallback and self.encodings is None and not self.ort_overrides:
             raise QuantizationError(
                 "--float-fallback keeps tensors without an encoding in float: give the encodings "
@@ -332,7 +339,9 @@ def _quantize(
         _requantize_weights(result, model_copy, options.encodings)
     if options.weight_bits == 4:
         result = _with_opset(result, BLOCK_QUANTIZATION_OPSET)
-        _matmul_weights_to_int4_blocks(result, model_copy, options.block_size or DEFAULT_BLOCK_SIZE)
+        _matmul_weights_to_int4_blocks(
+            result, model_copy, options.block_size or DEFAULT_BLOCK_SIZE, options.weight_quantizer, samples
+        )
     record_mask_fills(result, mask_fills)  # the model says what was changed in it; reports read it there
     return result, encodings_of(result)
 
@@ -354,31 +363,48 @@ def _with_opset(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
         ) from None
 
 
-def _matmul_weights_to_int4_blocks(qdq: onnx.ModelProto, float_model: onnx.ModelProto, block_size: int) -> None:
-    """MatMul weights [K, N] become symmetric int4 in blocks of `block_size` along K (DequantizeLinear-21).
+def _matmul_weights_to_int4_blocks(
+    qdq: onnx.ModelProto,
+    float_model: onnx.ModelProto,
+    block_size: int,
+    quantizer: str = "rtn",
+    samples: Sequence[Mapping[str, np.ndarray]] = (),
+) -> None:
+    """MatMul weights [K, N] become int4 in blocks of `block_size` along K (DequantizeLinear-21), made by
+    `quantizer` (`quiver.passes.gptq`): symmetric (scale = max|w| / 7 per block and column) or with a zero
+    point per block, rounded to nearest or by GPTQ from the float model's inputs on `samples`.
 
     ORT's quantizer blocks every weight or none (rank-1 ones fail), so it quantizes to 8 bits and the
-    MatMul weights, the bulk of a transformer, are redone here: scale = max|w| / 7 per block and column.
-    ORT runs this pattern as MatMulNBits.
+    MatMul weights, the bulk of a transformer, are redone here. ORT runs this pattern as MatMulNBits.
     """
     floats = {t.name: t for t in float_model.graph.initializer}
     stored = {t.name: t for t in qdq.graph.initializer}
     matmul_weights = {n.input[1] for n in qdq.graph.node if n.op_type == "MatMul"}
+    targets: dict[str, onnx.NodeProto] = {}
     for node in qdq.graph.node:
         if node.op_type != "DequantizeLinear" or node.output[0] not in matmul_weights:
             continue
         name = node.input[0].removesuffix(QUANTIZED_SUFFIX)
         names = [f"{name}{QUANTIZED_SUFFIX}", f"{name}_scale", f"{name}_zero_point"]
-        if name not in floats or len(floats[name].dims) != 2 or not all(n in stored for n in names):
-            continue
+        if name in floats and len(floats[name].dims) == 2 and all(n in stored for n in names):
+            targets[name] = node
+    readers: dict[str, list[str]] = {}  # weight -> the float model's MatMul inputs that multiply it
+    for node in float_model.graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in targets:
+            readers.setdefault(node.input[1], []).append(node.input[0])
+    gptq = quantizer.startswith("gptq")
+    moments = input_moments(float_model, samples, [x for xs in readers.values() for x in xs]) if gptq else {}
+    for name, node in targets.items():
         weight = numpy_helper.to_array(floats[name]).astype(np.float32)
-        k, n = weight.shape
-        blocks = -(-k // block_size)
-        padded = np.zeros((blocks * block_size, n), np.float32)
-        padded[:k] = weight
-        peak = np.abs(padded.reshape(blocks, block_size, n)).max(axis=1)
-        scale = np.where(peak > 0, peak / 7.0, 1.0).astype(np.float32)
-        ints = np.clip(np.rint(weight / np.repeat(scale, block_size, axis=0)[:k]), -8, 7).astype(np.int8)
+        seen = [moments[x] for x in readers.get(name, ()) if x in moments]
+        blocks = quantize_blocks(
+            weight,
+            4,
+            block_size,
+            symmetric=not quantizer.endswith("-asym"),
+            moments=np.sum(seen, axis=0) if seen else None,
+        )
+        names = [f"{name}{QUANTIZED_SUFFIX}", f"{name}_scale", f"{name}_zero_point"]
         del node.input[:]
         node.input.extend(names)
         del node.attribute[:]
@@ -386,17 +412,8 @@ def _matmul_weights_to_int4_blocks(qdq: onnx.ModelProto, float_model: onnx.Model
             [onnx.helper.make_attribute("axis", 0), onnx.helper.make_attribute("block_size", block_size)]
         )
         node.domain = ""  # ONNX's DequantizeLinear-21 has blocks; the com.microsoft one does not
-        stored[names[0]].CopyFrom(_int4_tensor(names[0], ints))
-        stored[names[1]].CopyFrom(numpy_helper.from_array(scale, names[1]))
-        stored[names[2]].CopyFrom(_int4_tensor(names[2], np.zeros((blocks, n), np.int8)))
-
-
-def _int4_tensor(name: str, values: np.ndarray) -> onnx.TensorProto:
-    """An INT4 initializer, packed as ONNX stores it: two per byte, the first in the low nibble."""
-    flat = values.ravel()
-    if flat.size % 2:
-        flat = np.append(flat, np.int8(0))
-    return onnx.helper.make_tensor(name, onnx.TensorProto.INT4, values.shape, pack_nibbles(flat).tobytes(), raw=True)
+        for name, tensor in zip(names, blocks.int4_initializers(*names)):
+            stored[name].CopyFrom(tensor)
 
 
 def _requantize_weights(qdq: onnx.ModelProto, float_model: onnx.ModelProto, encodings: EncodingSet) -> None:

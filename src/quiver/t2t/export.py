@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quiver.errors import FileAccessError, ModelFolderError
+from quiver.errors import FileAccessError, ModelFolderError, QuantizationError
 from quiver.formats.files import read_regular, read_text
 from quiver.formats.writer import write_atomically, write_text_atomically
 from quiver.lora.create import ALPHA_INPUT, use_case_values
@@ -33,7 +33,16 @@ from quiver.t2t.config import (
 )
 from quiver.t2t.graph import INPUT_IDS, LM_HEAD_NODE, build_decoder
 from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config, token_ids
-from quiver.t2t.quantize import ACCURACY_LEVELS, DEFAULT_QUANTIZER, Override, head_bits, quantize_weights
+from quiver.t2t.quantize import (
+    ACCURACY_LEVELS,
+    CALIBRATED,
+    DEFAULT_QUANTIZER,
+    Override,
+    calibration_moments,
+    head_bits,
+    quantize_weights,
+)
+from quiver.t2t.tokenizer import TextTokenizer
 
 DEFAULT_CONTEXT_SIZE = 2048
 CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
@@ -51,6 +60,7 @@ class ExportOptions:
     block_size: int = 32
     n_threads: int = 0
     quantizer: str = DEFAULT_QUANTIZER  # how (`quiver.t2t.quantize.QUANTIZERS`)
+    calibration: tuple[str, ...] = ()  # prompts the calibrated quantizers (GPTQ) run the float model on
     # ORT's compute for quantized weights, written into the config (None: the quantizer's choice)
     accuracy_level: int | None = None
     # per-weight bits, `quiver.t2t.quantize.parse_override`'s rules in order (the LM head: lm_head.weight)
@@ -120,6 +130,8 @@ def export(
         raise ModelFolderError(
             f"context size {options.context_size} and prefill window {options.prefill_window} must be >= 2 and >= 1"
         )
+    if options.weight_bits is not None and options.quantizer in CALIBRATED and not options.calibration:
+        raise QuantizationError(f"the {options.quantizer} quantizer needs calibration prompts: give --calibration FILE")
     out.mkdir(parents=True, exist_ok=True)
     loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
     on_step("reading weights and building the graph")
@@ -144,6 +156,11 @@ def export(
         batched = lora_graph(batched, loaded, cases, BATCH_GRAPH, remedy=_FOREIGN_ADAPTER, per_row=True).model
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if options.weight_bits is not None:
+        moments = None
+        if options.quantizer in CALIBRATED:
+            on_step(f"measuring the float model's inputs on {len(options.calibration)} calibration prompts")
+            text = TextTokenizer(tokenizer)
+            moments = calibration_moments(model, [text.encode(p) for p in options.calibration], updateable)
         on_step(f"quantizing weights to {options.weight_bits} bits ({options.quantizer})")
         model, batched = (
             quantize_weights(
@@ -154,6 +171,7 @@ def export(
                 LM_HEAD_NODE,
                 options.quantizer,
                 options.overrides,
+                moments,
             )
             for m in (model, batched)
         )

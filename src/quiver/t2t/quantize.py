@@ -13,6 +13,9 @@ Quantizers, by name:
   and the sums once per input (a MatMul by ones on each block). Its exactness holds with float
   activations: configs it writes ask for accuracy level 0 (ORT's int8 activations at level 4 lose what
   the weights kept).
+* `gptq`, `gptq-asym`: 4-bit blocks by GPTQ (`quiver.passes.gptq`), symmetric or with a 4-bit zero point
+  per block, from the float model's inputs to each MatMul on calibration prompts; weights set to 8 bits
+  (the LM head by default) round to nearest.
 
 The LoRA branches (updateable tensors) stay in float, and the tied LM head at 8 bits (at 4 it loses most
 of a small model's greedy agreement, measured; with `rtn-min` it stays in float: its 8-bit kernel needs
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,11 +40,12 @@ from quiver.ir.nibbles import pack_nibbles
 if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that names the quantizers
     import onnx
 
-QUANTIZERS = ("rtn", "rtn-asym", "rtn-min")
+QUANTIZERS = ("rtn", "rtn-asym", "rtn-min", "gptq", "gptq-asym")
+CALIBRATED = ("gptq", "gptq-asym")  # quantizers that read the float model's inputs on calibration prompts
 DEFAULT_QUANTIZER = "rtn"
 # The accuracy level (ORT's MatMulNBits compute type) each quantizer's configs ask for: None leaves the
 # backend's default (int8 activations, fastest); `rtn-min` keeps float activations, which its exactness needs.
-ACCURACY_LEVELS: dict[str, int | None] = {"rtn": None, "rtn-asym": None, "rtn-min": 0}
+ACCURACY_LEVELS: dict[str, int | None] = {"rtn": None, "rtn-asym": None, "rtn-min": 0, "gptq": None, "gptq-asym": None}
 
 
 Override = tuple[str, int | None]  # a weight-name pattern and its bits (None: float)
@@ -81,21 +85,29 @@ def quantize_weights(
     head: str | None = None,
     quantizer: str = DEFAULT_QUANTIZER,
     overrides: Sequence[Override] = (),
+    moments: Mapping[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
-    node named `head` (the LM head) at `head_bits`; `overrides` (the module) last."""
+    node named `head` (the LM head) at `head_bits`; `overrides` (the module) last. `moments`: what the
+    calibrated quantizers read, `calibration_moments` of the float model."""
     if quantizer not in QUANTIZERS:
         raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
         raise QuantizationError(
             f"weights quantize to 4 or 8 bits in blocks of a power of two >= 16, not {bits} / {block_size}"
         )
-    if quantizer == "rtn-min" and bits != 4:
-        raise QuantizationError("the rtn-min quantizer makes 4-bit weights; use --weight-bitwidth 4")
+    if quantizer in ("rtn-min", *CALIBRATED) and bits != 4:
+        raise QuantizationError(f"the {quantizer} quantizer makes 4-bit weights; use --weight-bitwidth 4")
+    if quantizer in CALIBRATED and moments is None:
+        raise QuantizationError(f"the {quantizer} quantizer needs calibration prompts (--calibration FILE)")
     plan = _plan(model, bits, exclude, head, quantizer, overrides)
     nodes = {width: {n for n, w in plan.items() if w == width} for width in (4, 8)}
     if quantizer == "rtn-min":
         model = _with_block_minimums(model, block_size, nodes[4]) if nodes[4] else model
+        return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
+    if quantizer in CALIBRATED:
+        assert moments is not None
+        model = _by_gptq(model, block_size, nodes[4], quantizer == "gptq", moments) if nodes[4] else model
         return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
     for width in (4, 8):
         if nodes[width]:
@@ -153,6 +165,100 @@ def _ort_rtn(
     except Exception as exc:  # ORT's quantizer raises plain exceptions
         raise QuantizationError(f"ONNX Runtime's weight quantizer failed: {exc}") from None
     return quantizer.model.model
+
+
+def calibration_tensors(model: onnx.ModelProto, exclude: Collection[str] = ()) -> list[str]:
+    """The inputs of the MatMuls by constant 2-d weights (those not reading `exclude`): what GPTQ measures."""
+    weights = {t.name for t in model.graph.initializer if len(t.dims) == 2}
+    return sorted(
+        {
+            n.input[0]
+            for n in model.graph.node
+            if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in weights and not set(n.input) & set(exclude)
+        }
+    )
+
+
+def calibration_moments(
+    model: onnx.ModelProto, prompts: Sequence[Sequence[int]], exclude: Collection[str] = ()
+) -> dict[str, np.ndarray]:
+    """Σ xᵀx of each MatMul's input as the float prefill graph computes it on each prompt (token ids) from
+    an empty cache: other inputs zero (no adapter, no cached tokens)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    from quiver.passes.gptq import input_moments
+    from quiver.t2t.graph import INPUT_IDS, SEQLENS_K, TOTAL_LENGTH
+
+    initializers = {t.name for t in model.graph.initializer}
+    graph_inputs = [i for i in model.graph.input if i.name not in initializers]
+
+    def feeds(ids: Sequence[int]) -> dict[str, np.ndarray]:
+        fed: dict[str, np.ndarray] = {
+            INPUT_IDS: np.array([ids], np.int64),
+            SEQLENS_K: np.array([len(ids) - 1], np.int32),
+            TOTAL_LENGTH: np.array(len(ids), np.int32),
+        }
+        for value in graph_inputs:
+            if value.name not in fed:
+                tensor = value.type.tensor_type
+                shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor.shape.dim]
+                fed[value.name] = np.zeros(shape, tensor_dtype_to_np_dtype(tensor.elem_type))
+        return fed
+
+    if not prompts or not all(prompts):
+        raise QuantizationError("calibration needs at least one prompt, none of them empty")
+    return input_moments(model, (feeds(ids) for ids in prompts), calibration_tensors(model, exclude))
+
+
+def _by_gptq(
+    model: onnx.ModelProto,
+    block_size: int,
+    include: Collection[str],
+    symmetric: bool,
+    moments: Mapping[str, np.ndarray],
+) -> onnx.ModelProto:
+    """The MatMuls named in `include` by GPTQ's 4-bit blocks, as ONNX's blocked DequantizeLinear of int4
+    weights, which `to_matmul_nbits` turns into MatMulNBits (with zero points where a block has one)."""
+    from onnx import helper, numpy_helper
+
+    from quiver.ir.edit import drop_unread_initializers
+    from quiver.passes.gptq import quantize_blocks
+    from quiver.passes.nbits import to_matmul_nbits
+
+    graph = model.graph
+    constants = {t.name: t for t in graph.initializer}
+    readers: dict[str, list[str]] = {}  # weight -> the inputs it multiplies
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.name in include and node.input[1] in constants:
+            readers.setdefault(node.input[1], []).append(node.input[0])
+    dequantizers = []
+    for name, inputs in readers.items():
+        if len(constants[name].dims) != 2:
+            continue
+        seen = [moments[x] for x in inputs if x in moments]  # none: an input calibration never reached, rounded
+        total = np.sum(seen, axis=0) if seen else None
+        blocks = quantize_blocks(numpy_helper.to_array(constants[name]), 4, block_size, symmetric, total)
+        stem = f"{name}.gptq"
+        graph.initializer.extend(blocks.int4_initializers(f"{stem}.q", f"{stem}.scales", f"{stem}.zero_points"))
+        dequantizers.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [f"{stem}.q", f"{stem}.scales", f"{stem}.zero_points"],
+                [stem],
+                name=f"{stem}.dequantize",
+                axis=0,
+                block_size=block_size,
+            )
+        )
+        for node in graph.node:
+            if node.op_type == "MatMul" and node.name in include and node.input[1] == name:
+                node.input[1] = stem
+    nodes = [*dequantizers, *graph.node]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    to_matmul_nbits(model)
+    drop_unread_initializers(graph, set(readers))
+    return model
 
 
 def block_minimums(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
