@@ -3,17 +3,18 @@ onnxruntime-genai's int4 export of the same weights.
 
     python benchmarks/run.py --only quantizers
 
-Per quantizer of `quiver t2t export --weight-bitwidth 4 --quantizer NAME` (blocks of 32; LM head 8-bit for
-rtn and rtn-asym, float for rtn-min), at the accuracy level its config asks for (rtn-min: 0, float
-activations; the others: the backend's 4, int8 activations), rtn-min also at 4, and rtn with its LM head
-at 4 bits too (`--override lm_head.weight=4`: genai's int4 layout): greedy agreement with
-transformers' fp32 continuation (leading identical tokens of 128, per prompt of the corpus, and their
-mean), the context's size, and prefill / decode tok/s for 128- and 512-token prompts (128 new tokens,
-greedy, 2 threads everywhere), every engine in fresh processes with the order turning round by round,
-as benchmarks/t2t.py runs them. Quiver fp32, genai int4 (LM head 4-bit) and llama.cpp's `llama-server` on
-the wheel's own Q4_1 GGUF (built from the llama-cpp-python sdist, benchmarks/llama_server.py; a fresh
-server per round, its own timings; `--no-repack`, since its repacked Q4_1 path, AMX on this machine's
-CPU, crashes here) run in the same rounds.
+Per quantizer of `quiver t2t export --weight-bitwidth 4 --quantizer NAME` (blocks of 32; LM head 8-bit
+for rtn and rtn-asym, float for rtn-min), at the accuracy level its config asks for (rtn-min: 0, float
+activations; the others: the backend's 4, int8 activations), rtn-min also at 4, hqq, gptq and gptq-asym
+calibrated on tests/data/calibration_prompts.txt, and rtn with its LM head at 4 bits too (`--override
+lm_head.weight=4`: genai's int4 layout): greedy agreement with transformers' fp32 continuation (leading
+identical tokens of 128, per prompt of the corpus, and their mean), the context's size, and prefill /
+decode tok/s for 128- and 512-token prompts (128 new tokens, greedy, 2 threads everywhere), every engine
+in fresh processes with the order turning round by round, as benchmarks/t2t.py runs them. Quiver fp32,
+genai int4 (LM head 4-bit) and llama.cpp's `llama-server` on the wheel's own Q4_1 GGUF (built from the
+llama-cpp-python sdist, benchmarks/llama_server.py; a fresh server per round, its own timings;
+`--no-repack`, since its repacked Q4_1 path, AMX on this machine's CPU, crashes here) run in the same
+rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import psutil
 
 from quiver.t2t.export import ExportOptions, export
+from quiver.t2t.quality import read_prompts
 from serve import _free_port, _wait_healthy
 from t2t import (  # a sibling script, not a package
     CONTEXT,
@@ -43,6 +45,8 @@ from t2t import (  # a sibling script, not a package
 )
 
 LLAMA = "llama.cpp Q4_1"
+# GPTQ's prompts: the tests' calibration set, none of them the prompts the agreement is measured on
+CALIBRATION = tuple(read_prompts(Path(__file__).resolve().parents[1] / "tests" / "data" / "calibration_prompts.txt"))
 SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export, or llama.cpp's Q4_1 GGUF
     "quiver fp32": ExportOptions(CONTEXT, n_threads=THREADS),
     "quiver int4 rtn": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn"),
@@ -50,6 +54,13 @@ SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export, or
     "quiver int4 rtn-min": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn-min"),
     "quiver int4 rtn-min, int8 activations": ExportOptions(
         CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn-min", accuracy_level=4
+    ),
+    "quiver int4 hqq": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="hqq"),
+    "quiver int4 gptq": ExportOptions(
+        CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="gptq", calibration=CALIBRATION
+    ),
+    "quiver int4 gptq-asym": ExportOptions(
+        CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="gptq-asym", calibration=CALIBRATION
     ),
     "quiver int4 rtn, head 4-bit": ExportOptions(  # genai's int4 layout: every MatMul, the head too, at 4 bits
         CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn", overrides=(("lm_head.weight", 4),)

@@ -18,7 +18,15 @@ from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.graph import LM_HEAD_NODE
 from quiver.t2t.quality import DEFAULT_PROMPTS, quality_report
-from quiver.t2t.quantize import CALIBRATED, QUANTIZERS, block_minimums, head_bits, parse_override, quantize_weights
+from quiver.t2t.quantize import (
+    CALIBRATED,
+    QUANTIZERS,
+    block_minimums,
+    head_bits,
+    hqq_minimums,
+    parse_override,
+    quantize_weights,
+)
 from tests.support.tiny_llm import forward, tiny_decoder
 
 IDS = [5, 17, 42, 8, 99]
@@ -67,6 +75,19 @@ def test_block_minimums_recover_a_q4_1_grid_and_round_anything_else_to_half_a_st
     assert np.all(np.abs(rebuilt - noise) <= step / 2 + 1e-6) and q.max() == 15 and q.min() == 0
 
 
+def test_hqq_keeps_a_q4_1_grid_and_rounds_other_weights_closer_than_their_range_does() -> None:
+    rng = np.random.default_rng(4)
+    grid = _on_a_q4_1_grid(rng.standard_normal((48, 64)).astype(np.float32), rng).T  # [K, N]
+    q, scales, minimums = hqq_minimums(grid, BLOCK)
+    np.testing.assert_allclose((scales[..., None] * q + minimums[..., None]).reshape(48, 64).T, grid, atol=1e-6)
+    weights = rng.standard_normal((256, 96)).astype(np.float32)
+    errors = {}
+    for fit in (block_minimums, hqq_minimums):
+        q, scales, minimums = fit(weights, BLOCK)
+        errors[fit.__name__] = np.abs((scales[..., None] * q + minimums[..., None]).reshape(96, 256).T - weights).mean()
+    assert errors["hqq_minimums"] < 0.98 * errors["block_minimums"], errors
+
+
 def test_rtn_min_exports_compute_what_the_float_weights_compute(gridded: tuple[Path, dict], tmp_path: Path) -> None:
     folder, weights = gridded
     options = ExportOptions(context_size=64, weight_bits=4, quantizer="rtn-min")
@@ -104,7 +125,7 @@ def test_quantizers_and_widths_that_do_not_exist_are_refused() -> None:
     import onnx
 
     model = onnx.ModelProto()
-    with pytest.raises(QuantizationError, match="unknown quantizer 'awq'; choose one of rtn, rtn-asym, rtn-min, gptq"):
+    with pytest.raises(QuantizationError, match="unknown quantizer 'awq'; choose one of rtn, rtn-asym, rtn-min, hqq"):
         quantize_weights(model, 4, 32, quantizer="awq")
     with pytest.raises(QuantizationError, match="rtn-min quantizer makes 4-bit weights"):
         quantize_weights(model, 8, 32, quantizer="rtn-min")
@@ -129,7 +150,7 @@ def test_the_cli_exports_with_a_named_quantizer(gridded: tuple[Path, dict], tmp_
     assert result.returncode == 0, result.stderr
     assert read_dialog_config(tmp_path / "genie_config.json").accuracy_level == 0
     refused = subprocess.run([*command[:-1], "awq"], capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "'awq' is not one of 'rtn', 'rtn-asym', 'rtn-min', 'gptq'" in refused.stderr
+    assert refused.returncode != 0 and "'awq' is not one of 'rtn', 'rtn-asym', 'rtn-min', 'hqq'" in refused.stderr
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\nOnce upon a time\n")
     calibrated = [*command[:-1], "gptq-asym", "--calibration", str(prompts), "-o", str(tmp_path / "gptq")]

@@ -50,8 +50,9 @@ def _named_path(value: str) -> tuple[str, Path]:
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
 @click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
               help="rtn: symmetric blocks; rtn-asym: a 4-bit zero point per block; rtn-min: a scale and a float "
-                   "minimum per block (GGUF's Q4_1; exact for weights on such a grid, float activations); gptq, "
-                   "gptq-asym: GPTQ from --calibration prompts, symmetric or with zero points.")  # fmt: skip
+                   "minimum per block (GGUF's Q4_1; exact for weights on such a grid, float activations); hqq: "
+                   "the same with HQQ's fitted minimum; gptq, gptq-asym: GPTQ from --calibration prompts, "
+                   "symmetric or with zero points.")  # fmt: skip
 @click.option(
     "--calibration",
     type=click.Path(dir_okay=False, path_type=Path),

@@ -13,6 +13,9 @@ Quantizers, by name:
   and the sums once per input (a MatMul by ones on each block). Its exactness holds with float
   activations: configs it writes ask for accuracy level 0 (ORT's int8 activations at level 4 lose what
   the weights kept).
+* `hqq`: the same form as `rtn-min` (a scale and a float minimum per block, float activations), the
+  minimum fitted by HQQ (Badri & Shaji, 2023: a few half-quadratic steps that make the rounding error
+  sparse, an l0.7 penalty) instead of taken from the block's smallest weight; no calibration.
 * `gptq`, `gptq-asym`: 4-bit blocks by GPTQ (`quiver.passes.gptq`), symmetric or with a 4-bit zero point
   per block, from the float model's inputs to each MatMul on calibration prompts; weights set to 8 bits
   (the LM head by default) round to nearest.
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,12 +43,20 @@ from quiver.ir.nibbles import pack_nibbles
 if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that names the quantizers
     import onnx
 
-QUANTIZERS = ("rtn", "rtn-asym", "rtn-min", "gptq", "gptq-asym")
+QUANTIZERS = ("rtn", "rtn-asym", "rtn-min", "hqq", "gptq", "gptq-asym")
+MINIMUM_FORM = ("rtn-min", "hqq")  # quantizers whose blocks carry a float minimum (added apart, float activations)
 CALIBRATED = ("gptq", "gptq-asym")  # quantizers that read the float model's inputs on calibration prompts
 DEFAULT_QUANTIZER = "rtn"
 # The accuracy level (ORT's MatMulNBits compute type) each quantizer's configs ask for: None leaves the
 # backend's default (int8 activations, fastest); `rtn-min` keeps float activations, which its exactness needs.
-ACCURACY_LEVELS: dict[str, int | None] = {"rtn": None, "rtn-asym": None, "rtn-min": 0, "gptq": None, "gptq-asym": None}
+ACCURACY_LEVELS: dict[str, int | None] = {
+    "rtn": None,
+    "rtn-asym": None,
+    "rtn-min": 0,
+    "hqq": 0,
+    "gptq": None,
+    "gptq-asym": None,
+}
 
 
 Override = tuple[str, int | None]  # a weight-name pattern and its bits (None: float)
@@ -72,9 +83,9 @@ def _overridden(name: str, default: int | None, overrides: Sequence[Override]) -
 
 
 def head_bits(quantizer: str, overrides: Sequence[Override] = ()) -> int | None:
-    """The LM head's bits (None: float, the tied embedding itself): 8, or float with `rtn-min`, unless
-    an override says otherwise."""
-    return _overridden(HEAD_WEIGHT, 8 if quantizer != "rtn-min" else None, overrides)
+    """The LM head's bits (None: float, the tied embedding itself): 8, or float with `rtn-min` and `hqq`,
+    unless an override says otherwise."""
+    return _overridden(HEAD_WEIGHT, None if quantizer in MINIMUM_FORM else 8, overrides)
 
 
 def quantize_weights(
@@ -96,14 +107,15 @@ def quantize_weights(
         raise QuantizationError(
             f"weights quantize to 4 or 8 bits in blocks of a power of two >= 16, not {bits} / {block_size}"
         )
-    if quantizer in ("rtn-min", *CALIBRATED) and bits != 4:
+    if quantizer in (*MINIMUM_FORM, *CALIBRATED) and bits != 4:
         raise QuantizationError(f"the {quantizer} quantizer makes 4-bit weights; use --weight-bitwidth 4")
     if quantizer in CALIBRATED and moments is None:
         raise QuantizationError(f"the {quantizer} quantizer needs calibration prompts (--calibration FILE)")
     plan = _plan(model, bits, exclude, head, quantizer, overrides)
     nodes = {width: {n for n, w in plan.items() if w == width} for width in (4, 8)}
-    if quantizer == "rtn-min":
-        model = _with_block_minimums(model, block_size, nodes[4]) if nodes[4] else model
+    if quantizer in MINIMUM_FORM:
+        fit = hqq_minimums if quantizer == "hqq" else block_minimums
+        model = _with_block_minimums(model, block_size, nodes[4], fit) if nodes[4] else model
         return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
     if quantizer in CALIBRATED:
         assert moments is not None
@@ -273,9 +285,42 @@ def block_minimums(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.
     return q, scales, low.astype(np.float32)
 
 
-def _with_block_minimums(model: onnx.ModelProto, block_size: int, include: Collection[str]) -> onnx.ModelProto:
-    """`rtn-min` (see the module): each MatMul named in `include` that fits (a [K, N] weight, K a multiple
-    of the block) becomes MatMulNBits + the minimums' MatMul; the others stay as they are."""
+def hqq_minimums(
+    weight: np.ndarray, block_size: int, iterations: int = 20, norm: float = 0.7
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`block_minimums`' form with HQQ's minimum: the scale from the block's range, then the zero point
+    z (w = s (q - z), m = -s z) refined by half-quadratic steps — W_e = shrink_lp(W - Ŵ), z = mean(q -
+    (W - W_e) / s) — while the mean |W - Ŵ| falls (HQQ's reference `optimize_weights_proximal`)."""
+    k, n = weight.shape
+    w = np.ascontiguousarray(weight.T, dtype=np.float32).reshape(n, k // block_size, block_size)
+    low, high = w.min(axis=-1, keepdims=True), w.max(axis=-1, keepdims=True)
+    scale = np.where(high > low, (high - low) / 15, 1).astype(np.float32)
+    zero = -low / scale
+    beta, best, kept = 10.0, np.inf, zero
+    for _ in range(iterations):
+        q = np.clip(np.rint(w / scale + zero), 0, 15)
+        error = w - scale * (q - zero)
+        mean = float(np.abs(error).mean())
+        if mean >= best:
+            break
+        best, kept = mean, zero
+        with np.errstate(divide="ignore"):  # |e|^(p-1) is infinite at 0: shrinks that entry to 0
+            sparse = np.sign(error) * np.maximum(np.abs(error) - np.abs(error) ** (norm - 1) / beta, 0)
+        zero = (q - (w - sparse) / scale).mean(axis=-1, keepdims=True)
+        beta *= 1.01
+    q = np.clip(np.rint(w / scale + kept), 0, 15).astype(np.uint8)
+    return q, scale[..., 0], (-kept * scale)[..., 0].astype(np.float32)
+
+
+def _with_block_minimums(
+    model: onnx.ModelProto,
+    block_size: int,
+    include: Collection[str],
+    fit: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = block_minimums,
+) -> onnx.ModelProto:
+    """`rtn-min` and `hqq` (see the module): each MatMul named in `include` that fits (a [K, N] weight, K a
+    multiple of the block) becomes MatMulNBits + the minimums' MatMul, its blocks by `fit`; the others stay
+    as they are."""
     from onnx import helper, numpy_helper
 
     from quiver.ir.edit import drop_unread_initializers
@@ -294,7 +339,7 @@ def _with_block_minimums(model: onnx.ModelProto, block_size: int, include: Colle
         source, name, out = node.input[0], node.input[1], node.output[0]
         k, n = (int(d) for d in weight.dims)
         if name not in replaced:  # a weight read by several MatMuls is quantized once
-            q, scales, minimums = block_minimums(numpy_helper.to_array(weight), block_size)
+            q, scales, minimums = fit(numpy_helper.to_array(weight), block_size)
             offsets = (minimums + 8 * scales).T  # [K / block, N]: what the block's sum of x is multiplied by
             graph.initializer.extend(
                 [
