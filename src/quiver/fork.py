@@ -20,6 +20,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from quiver import portable
+
 _IMPORTED_IN = os.getpid()
 _exit_status: list[object] = [0]
 _handlers: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with an _after_fork_in_child() method
@@ -84,4 +86,4 @@ def _end_forked_child() -> None:
 # Registered when Quiver's runtime is first imported: in a forked child, atexit callbacks registered
 # after that run first (LIFO), those registered before it are skipped with the C++ destructors.
 atexit.register(_end_forked_child)
-os.register_at_fork(after_in_child=_in_child)
+portable.at_fork(after_in_child=_in_child)

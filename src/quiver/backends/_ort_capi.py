@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
+from quiver import portable
 from quiver.backends.fork_gate import ForkGate
 from quiver.errors import BackendError, ConversionError
 from quiver.ir import dtypes
@@ -260,7 +261,7 @@ def _after_fork_in_child() -> None:
     _SESSION_WORK.reopen_in_child()
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+portable.at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def api() -> _Api:

@@ -17,7 +17,6 @@ their pages, later ones make it again.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import mmap
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from quiver import portable
 from quiver.backends.cpu_settings import machine_fingerprint
 from quiver.errors import BackendError
 from quiver.formats.checksums import crc32
@@ -134,11 +134,11 @@ def open_or_make(root: Path, key: str, make: Callable[[Path], None]) -> PackedFo
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on `path` (released by the kernel if the process dies)."""
     with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        portable.lock_file(handle.fileno())
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            portable.unlock_file(handle.fileno())
 
 
 def _file_crc(path: Path) -> int:

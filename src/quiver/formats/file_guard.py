@@ -13,9 +13,9 @@ lease go. Runs in flight finish on the copy.
 The copy is a shared memfd mapping, not anonymous memory: the cpu backend lets go of mapped pages it
 has packed (MADV_DONTNEED), which would zero anonymous pages but only drops the copy's, as the file's.
 
-Linux only, for files this user owns on file systems with leases (not NFS); elsewhere, and where the
-lease is refused, files are only checked before each run (`TensorFile.check_unchanged`) and a
-truncation during a run can still end the process.
+Linux only (elsewhere nothing is leased and `guard` returns None), for files this user owns on file
+systems with leases (not NFS); elsewhere, and where the lease is refused, files are only checked before
+each run (`TensorFile.check_unchanged`) and a truncation during a run can still end the process.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import signal
 import sys
@@ -32,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from quiver import fork
+from quiver.portable import fcntl
 
 POLL_S = 0.02  # how often the watcher looks at the leases: the delay another process's truncate waits
 
@@ -57,7 +57,7 @@ class _Guarded:
 
 
 def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create") or fcntl is None:
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import enum
-import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
+from quiver import portable
 from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError
 from quiver.formats import compression
@@ -422,7 +422,7 @@ def temporary_file(label: str, directory: str | Path | None) -> tuple[int, str]:
     remove_stale_temporaries(folder)
     fd, tmp = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{label}-", suffix=TEMPORARY_SUFFIX, dir=folder)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS however the process ends
+        portable.lock_file(fd, blocking=False)  # released by the OS however the process ends
     except OSError:
         pass  # a file system without locks: the file is still removed on every exit Python sees
     try:
@@ -433,8 +433,11 @@ def temporary_file(label: str, directory: str | Path | None) -> tuple[int, str]:
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Removes temporary files whose writer is gone (killed: nothing else could clean them up)."""
+    """Removes temporary files whose writer is gone (killed: nothing else could clean them up). Where the
+    OS has no file locks, no writer can be told gone from living: nothing is removed."""
     removed: list[Path] = []
+    if not portable.CAN_LOCK:
+        return removed
     try:
         candidates = list(folder.glob(f"{TEMPORARY_PREFIX}*{TEMPORARY_SUFFIX}"))
     except OSError:
@@ -447,7 +450,7 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
         try:
             if time.time() - os.fstat(fd).st_mtime < _STALE_AFTER_S:
                 continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a living writer holds it
+            portable.lock_file(fd, blocking=False)  # fails while a living writer holds it
             path.unlink(missing_ok=True)
             removed.append(path)
         except OSError:

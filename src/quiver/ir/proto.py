@@ -10,12 +10,13 @@ ModelProto` once onnx is imported too).
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import threading
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from quiver import portable
 
 
 def _generated() -> ModuleType:
@@ -55,13 +56,12 @@ else:
         return getattr(generated, name)
 
     _loading = threading.Lock()
-    if hasattr(os, "register_at_fork"):  # a child forked mid-load must not inherit the lock held
 
-        def _new_lock_in_child() -> None:
-            global _loading
-            _loading = threading.Lock()
+    def _new_lock_in_child() -> None:  # a child forked mid-load must not inherit the lock held
+        global _loading
+        _loading = threading.Lock()
 
-        os.register_at_fork(after_in_child=_new_lock_in_child)
+    portable.at_fork(after_in_child=_new_lock_in_child)
 
 
 __all__ = ["AttributeProto", "GraphProto", "ModelProto", "NodeProto", "TensorProto", "ValueInfoProto"]

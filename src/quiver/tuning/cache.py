@@ -9,7 +9,6 @@ nothing and a reader never sees half a file.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -18,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from quiver import portable
 from quiver.backends.cpu_settings import tuned_value_problem
 from quiver.errors import QuiverError, TuningError
 from quiver.formats.files import read_text
@@ -93,7 +93,7 @@ class PerformanceCache:
         except OSError as exc:
             raise TuningError(f"cannot lock the performance cache {lock}: {exc.strerror}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            portable.lock_file(fd)
             yield
         finally:
             os.close(fd)  # releases the lock

@@ -1,0 +1,79 @@
+"""The core runs where the OS has neither `fcntl` nor `fork` (Windows): file locks and fork hooks go through
+`quiver.portable`, which does without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quiver import portable
+from tests.support import ROOT
+
+_CORE_WITHOUT_POSIX = r"""
+import sys
+import tests.support.without_fork_and_fcntl  # before Quiver: no fcntl, no os.register_at_fork
+import numpy as np, onnx
+from onnx import helper, numpy_helper, TensorProto
+import quiver, quiver.ort
+from quiver import portable
+from quiver.formats import file_guard
+assert portable.fcntl is None and file_guard._LIBC is None
+folder = sys.argv[1]
+weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                          [numpy_helper.from_array(weight, "w")])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+onnx.save(model, f"{folder}/m.onnx")
+x = np.ones((2, 3), np.float32)
+with quiver.Context.create("cpu", workdir=folder) as context:
+    context.add_graph("m", f"{folder}/m.onnx")
+    path = context.save(f"{folder}/m.qctx")
+with quiver.Context.from_binary(path) as context:
+    assert np.array_equal(context.graph("m").execute({"x": x})["y"], x @ weight)
+session = quiver.ort.InferenceSession(f"{folder}/m.onnx")
+assert np.array_equal(session.run(None, {"x": x})[0], x @ weight)
+print("ran")
+"""
+
+
+def test_the_core_builds_saves_loads_and_runs_without_fcntl_and_fork_hooks(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _CORE_WITHOUT_POSIX, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ran"
+
+
+@pytest.mark.skipif(portable.fcntl is None, reason="flock is POSIX's")
+def test_a_held_lock_refuses_another_process_until_it_is_let_go(tmp_path: Path) -> None:
+    path = tmp_path / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        portable.lock_file(fd)
+        probe = (
+            "import os, sys; from quiver import portable; portable.lock_file(os.open(sys.argv[1], os.O_RDWR), False)"
+        )
+        held = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=60)
+        assert held.returncode != 0 and "BlockingIOError" in held.stderr
+        portable.unlock_file(fd)
+        free = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=60)
+        assert free.returncode == 0, free.stderr
+    finally:
+        os.close(fd)
+
+
+def test_fork_hooks_are_registered_only_where_the_os_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(os, "register_at_fork", lambda **hooks: calls.append(hooks), raising=False)
+    portable.at_fork(after_in_child=print)
+    assert calls == [{"after_in_child": print}]
+    monkeypatch.delattr(os, "register_at_fork")
+    portable.at_fork(after_in_child=print)  # nothing to register, nothing raised
+    assert len(calls) == 1
