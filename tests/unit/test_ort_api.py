@@ -152,9 +152,8 @@ def test_an_ep_context_path_may_not_leave_the_models_folder(small_model: Path, t
 def test_unknown_options_htp_and_snapdragon_only_options(small_model: Path) -> None:
     with pytest.raises(quiver.ort.InvalidArgument, match="valid options are .*backend_type"):
         quiver.ort.InferenceSession(str(small_model), providers=[("QuiverExecutionProvider", {"bogus": "1"})])
-    with pytest.raises(quiver.ort.InvalidArgument, match="Snapdragon.*available backends: .*cpu"):
-        quiver.ort.InferenceSession(str(small_model), providers=["QNNExecutionProvider"],
-                                    provider_options=[{"backend_path": "QnnHtp.dll"}])  # fmt: skip
+    with pytest.raises(quiver.ort.InvalidArgument, match="QNN's backend types are .*htp.*Quiver's backends"):
+        quiver.ort.InferenceSession(str(small_model), providers=[("QNNExecutionProvider", {"backend_type": "npu"})])
     with pytest.warns(UserWarning, match="vtcm_mb tunes Snapdragon hardware"):
         session = quiver.ort.InferenceSession(
             str(small_model), providers=[("QNNExecutionProvider", {"backend_type": "cpu", "vtcm_mb": "8"})]
@@ -163,6 +162,74 @@ def test_unknown_options_htp_and_snapdragon_only_options(small_model: Path) -> N
     with pytest.raises(quiver.ort.InvalidArgument, match="htp_performance_mode='turbo'"):
         quiver.ort.InferenceSession(str(small_model), providers=[("QuiverExecutionProvider",
                                                                   {"htp_performance_mode": "turbo"})])  # fmt: skip
+
+
+QNN_EP_BACKENDS = [  # as QNN EP code names its backend, on Windows and Linux
+    {"backend_path": "QnnHtp.dll"},
+    {"backend_path": "libQnnHtp.so"},
+    {"backend_path": "C:\\Qualcomm\\lib\\QnnHtp.dll"},
+    {"backend_path": "/opt/qcom/aistack/lib/libQnnHtp.so"},
+    {"backend_path": "libQnnGpu.so"},
+    {"backend_path": "QnnCpu.dll"},
+    {"backend_type": "htp"},
+    {"backend_type": "gpu"},
+    {"backend_type": "cpu"},
+    {"backend_type": "htp", "htp_performance_mode": "burst", "enable_htp_fp16_precision": "1"},
+]
+
+
+@pytest.mark.parametrize("options", QNN_EP_BACKENDS)
+def test_qnn_ep_code_naming_any_backend_runs_unchanged_with_at_most_one_warning(
+    small_model: Path, options: dict[str, str]
+) -> None:
+    ids = {"input_ids": sample_input_ids(SMALL, 1, 6, seed=2)}
+    expected = onnxruntime.InferenceSession(str(small_model)).run(None, ids)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = quiver.ort.InferenceSession(
+            str(small_model), providers=["QNNExecutionProvider"], provider_options=[options]
+        )
+        got = session.run(None, ids)[0]
+    hardware = "cpu" not in str(options).lower()
+    assert len(caught) == (1 if hardware else 0), [str(w.message) for w in caught]
+    if hardware:
+        assert "running on Quiver's cpu backend" in str(caught[0].message)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_type_and_backend_path_together_fail_as_in_onnxruntime(small_model: Path) -> None:
+    with pytest.raises(quiver.ort.Fail, match="Only one of 'backend_type' and 'backend_path' should be set"):
+        quiver.ort.InferenceSession(str(small_model), providers=[
+            ("QNNExecutionProvider", {"backend_type": "htp", "backend_path": "libQnnHtp.so"})])  # fmt: skip
+
+
+def test_the_saver_backend_records_the_model_and_each_run_for_replay(small_model: Path, tmp_path: Path) -> None:
+    from quiver.ort.saver import recorded_runs
+
+    options = {"backend_type": "saver", "qnn_saver_path": str(tmp_path / "saved")}
+    session = quiver.ort.InferenceSession(str(small_model), providers=[("QNNExecutionProvider", options)])
+    runs = [{"input_ids": sample_input_ids(SMALL, 1, 6, seed=seed)} for seed in (3, 4)]
+    results = [session.run(None, feeds)[0] for feeds in runs]
+    (folder,) = (tmp_path / "saved").iterdir()
+    replay = onnxruntime.InferenceSession(str(folder / "model.onnx"))
+    recorded = list(recorded_runs(folder))
+    assert len(recorded) == 2
+    for (inputs, outputs), fed, got in zip(recorded, runs, results):
+        np.testing.assert_array_equal(inputs["input_ids"], fed["input_ids"])
+        name = session.get_outputs()[0].name
+        np.testing.assert_array_equal(outputs[name], got)
+        np.testing.assert_allclose(replay.run([name], inputs)[0], got, rtol=1e-5, atol=1e-5)
+
+
+def test_a_saver_library_path_records_where_qnn_saver_does(
+    small_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    session = quiver.ort.InferenceSession(str(small_model), providers=[("QNNExecutionProvider", {
+        "backend_path": "libQnnHtp.so", "qnn_saver_path": "/opt/qcom/lib/libQnnSaver.so"})])  # fmt: skip
+    session.run(None, {"input_ids": sample_input_ids(SMALL, 1, 6, seed=5)})
+    (folder,) = (tmp_path / "saver_output").iterdir()
+    assert (folder / "model.onnx").is_file() and len(list(folder.glob("run-*.npz"))) == 2
 
 
 def test_reference_backend_and_performance_modes(small_model: Path) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quiver.ort.errors import InvalidArgument
+from quiver.ort.errors import Fail, InvalidArgument
 
 PROVIDER = "QuiverExecutionProvider"
 ALIASES = {"QNNExecutionProvider": PROVIDER, "CPUExecutionProvider": PROVIDER}
@@ -44,6 +44,7 @@ SNAPDRAGON_ONLY = (
 OPTIONS = (
     "backend_type",
     "backend_path",
+    "qnn_saver_path",
     "profiling_level",
     "profiling_file_path",
     "htp_performance_mode",
@@ -55,9 +56,22 @@ OPTIONS = (
 )
 
 
+# QNN's backend types (ORT's QNN EP: ParseBackendTypeName) -> what the hardware ones are; they run on the
+# best backend Quiver has, with one warning. `saver` records the session's calls instead (`quiver.ort.saver`).
+QNN_HARDWARE = {
+    "htp": "the Hexagon NPU (Snapdragon)",
+    "gpu": "the Adreno GPU (Snapdragon)",
+    "ir": "QNN's IR backend (a DLC writer)",
+    "genie": "Qualcomm's Genie runtime",
+}
+QNN_BACKEND_TYPES = ("cpu", "saver", *QNN_HARDWARE)
+SAVER_OUTPUT = "saver_output"  # QNN Saver's default output folder, in the working directory
+
+
 @dataclass
 class ProviderConfig:
     backend: str = "cpu"
+    saver_path: str | None = None  # where `saver` records the session (the graph, each run's inputs and outputs)
     profiling_level: str = "off"
     profiling_file_path: str | None = None
     performance_mode: str = "default"
@@ -78,14 +92,20 @@ class ProviderConfig:
 
 
 def _backend_from_path(path: str) -> str:
-    """QNN's backend libraries (libQnnCpu.so, QnnHtp.dll, ...) or a Quiver backend name."""
-    lowered = os.path.basename(path).lower()
+    """QNN's backend libraries on any OS's spelling (libQnnHtp.so, QnnHtp.dll, a full path, QnnDsp for
+    the older DSP) as their backend type, or a Quiver backend name as it is."""
+    lowered = os.path.basename(path.replace("\\", "/")).lower()
     if not lowered:
         return ""
-    for marker, backend in (("htp", "htp"), ("dsp", "htp"), ("saver", "saver"), ("gpu", "gpu"), ("cpu", "cpu")):
+    for marker, backend in (("htp", "htp"), ("dsp", "htp"), ("saver", "saver"), ("gpu", "gpu"), ("cpu", "cpu"),
+                            ("qnnir", "ir"), ("genie", "genie")):  # fmt: skip
         if marker in lowered:
             return backend
     return path
+
+
+def _is_library(path: str) -> bool:
+    return os.path.basename(path.replace("\\", "/")).lower().endswith((".so", ".dll", ".dylib"))
 
 
 def _choice(key: str, value: str, valid: Sequence[str]) -> str:
@@ -105,20 +125,33 @@ def parse_provider_options(options: Mapping[str, Any]) -> ProviderConfig:
     if unknown:
         raise InvalidArgument(f"unknown {PROVIDER} option(s) {unknown}; valid options are {sorted(OPTIONS)}")
     config = ProviderConfig(options=given)
+    if given.get("backend_type") and given.get("backend_path"):
+        raise Fail("Only one of 'backend_type' and 'backend_path' should be set.")  # ORT's QNN EP's words
     backend = given.get("backend_type") or (
         _backend_from_path(given["backend_path"]) if "backend_path" in given else ""
     )
+    saver = given.get("qnn_saver_path")
+    if backend == "saver" or saver:
+        # QNN EP's qnn_saver_path names the QnnSaver library (its log then goes to ./saver_output, as QNN
+        # Saver's does); any other path is the folder to record into
+        config.saver_path = saver if saver and not _is_library(saver) else SAVER_OUTPUT
+        backend = "cpu" if backend == "saver" else backend
+    if backend in QNN_HARDWARE:
+        warnings.warn(
+            f"{PROVIDER}: QNN backend {backend!r} is {QNN_HARDWARE[backend]}, which this machine does not have; "
+            "running on Quiver's cpu backend",
+            stacklevel=3,
+        )
+        backend = "cpu"
     if backend:
         from quiver.backends import available_backends  # imported when a backend is named, not with quiver.ort
 
         available = available_backends()
         if backend not in available:
-            what = {
-                "htp": "the HTP (Hexagon NPU) backend exists only on Snapdragon devices",
-                "gpu": "no gpu backend yet",
-            }
-            reason = what.get(backend, f"no backend {backend!r}")
-            raise InvalidArgument(f"backend {backend!r} is not available: {reason}; available backends: {available}")
+            raise InvalidArgument(
+                f"backend {backend!r} is not available; QNN's backend types are {list(QNN_BACKEND_TYPES)}, "
+                f"Quiver's backends here {available}"
+            )
         config.backend = backend
     config.profiling_level = _choice("profiling_level", given.get("profiling_level", "off"), PROFILING_LEVELS)
     config.profiling_file_path = given.get("profiling_file_path")

@@ -86,6 +86,12 @@ class InferenceSession(onnxruntime.InferenceSession):
             folder = Path(self._entries[_EXTERNAL_DATA_FOLDER])
         self._options = with_model_config(self._options, model)
         self._json_profile = profile_of(self._options)
+        self._saver: Any = None  # a `quiver.ort.saver.SaverLog`
+        if self._config.saver_path is not None:  # QNN's saver backend: the model and every run recorded
+            from quiver.ort.saver import SaverLog  # its writer loads when a session records, not with quiver.ort
+
+            source = None if isinstance(path_or_bytes, (bytes, bytearray)) else str(path_or_bytes)
+            self._saver = SaverLog(self._config.saver_path, data, source, self._config.options)
         try:
             self._engine: _Engine = self._open(model, data, path_or_bytes, folder)
         except errors.QuiverError as exc:
@@ -197,7 +203,10 @@ class InferenceSession(onnxruntime.InferenceSession):
         out: Mapping[str, np.ndarray] | None,
     ) -> dict[str, np.ndarray]:
         """Every output by name; those in `out` are written into the caller's arrays (IOBinding's runs)."""
-        return self._engine.execute(feeds, run_options, out)
+        results = self._engine.execute(feeds, run_options, out)
+        if self._saver is not None:
+            self._saver.record(feeds, results)
+        return results
 
     def run(
         self,
@@ -206,8 +215,14 @@ class InferenceSession(onnxruntime.InferenceSession):
         run_options: RunOptions | Any | None = None,
     ) -> list[np.ndarray]:
         if self._engine.plain_ort:  # ORT takes every feed it knows (sequences, maps) as it is
-            return self._engine.run(output_names, input_feed, run_options)
-        return self._engine.run(output_names, feeds_of(input_feed, self._input_dtype), run_options)
+            results = self._engine.run(output_names, input_feed, run_options)
+        else:
+            input_feed = feeds_of(input_feed, self._input_dtype)
+            results = self._engine.run(output_names, input_feed, run_options)
+        if self._saver is not None:
+            names = output_names or [o.name for o in self.get_outputs()]
+            self._saver.record(input_feed, dict(zip(names, results)))
+        return results
 
     # --- the rest of ORT's session surface ----------------------------------------------------------------
 
