@@ -18,6 +18,7 @@ import quiver.ort
 from quiver.backends import CpuBackend, register_backend
 from quiver.backends import base as backends_base
 from quiver.errors import BackendError
+from quiver.ort import provider
 from quiver.ort.engine_quiver import SHARED_CONTEXTS
 from quiver.tools.family import SMALL, sample_input_ids
 from tests.support import FIXTURES  # noqa: E402
@@ -180,8 +181,9 @@ QNN_EP_BACKENDS = [  # as QNN EP code names its backend, on Windows and Linux
 
 @pytest.mark.parametrize("options", QNN_EP_BACKENDS)
 def test_qnn_ep_code_naming_any_backend_runs_unchanged_with_at_most_one_warning(
-    small_model: Path, options: dict[str, str]
+    small_model: Path, options: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(provider, "_WARNED", set())  # once per process: this test's process starts afresh
     ids = {"input_ids": sample_input_ids(SMALL, 1, 6, seed=2)}
     expected = onnxruntime.InferenceSession(str(small_model)).run(None, ids)[0]
     with warnings.catch_warnings(record=True) as caught:
@@ -409,3 +411,52 @@ def test_io_quantization_can_be_left_to_the_caller(small_model: Path, tmp_path: 
     encoding = encodings.tensors["last_hidden_state"]
     dequantized = (quantized.astype(np.float64) - encoding.zero_point[0]) * encoding.scale[0]  # ONNX's DQ formula
     np.testing.assert_allclose(dequantized, floats.run(None, ids)[0], atol=1e-6)
+
+
+HTP = {"backend_path": "QnnHtp.dll"}  # as every QNN EP snippet of the documents names its backend
+
+
+def _htp_session(path: Path, options: quiver.ort.SessionOptions | None = None, **more: str) -> Any:
+    return quiver.ort.InferenceSession(str(path), sess_options=options, providers=["QNNExecutionProvider"],
+                                       provider_options=[HTP | more])  # fmt: skip
+
+
+def test_the_qnn_ep_documents_snippets_run_unchanged_each_with_at_most_one_warning(
+    small_model: Path, wrapped: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = {"input_ids": sample_input_ids(SMALL, 1, 6, seed=6)}
+    expected = onnxruntime.InferenceSession(str(small_model)).run(None, ids)[0]
+
+    def profiling() -> None:
+        session = _htp_session(small_model, profiling_level="detailed", profiling_file_path=str(tmp_path / "p.csv"))
+        np.testing.assert_allclose(session.run(None, ids)[0], expected, rtol=1e-5, atol=1e-5)
+        assert session.end_profiling() == str(tmp_path / "p.csv") and (tmp_path / "p.csv").stat().st_size > 0
+
+    def ep_context() -> None:
+        options = quiver.ort.SessionOptions()
+        options.add_session_config_entry("ep.context_enable", "1")
+        options.add_session_config_entry("ep.context_file_path", str(tmp_path / "model_ctx.onnx"))
+        options.add_session_config_entry("ep.context_embed_mode", "0")  # the context beside it: sessions share it
+        _htp_session(small_model, options)
+        np.testing.assert_allclose(_htp_session(tmp_path / "model_ctx.onnx").run(None, ids)[0], expected, rtol=1e-5,
+                                   atol=1e-5)  # fmt: skip
+
+    def context_sharing() -> None:
+        options = quiver.ort.SessionOptions()
+        options.add_session_config_entry("ep.share_ep_contexts", "1")
+        first, second = (_htp_session(tmp_path / "model_ctx.onnx", options) for _ in range(2))
+        assert first.engine.shared_key is not None and first.engine.shared_key == second.engine.shared_key
+        np.testing.assert_allclose(second.run(None, ids)[0], expected, rtol=1e-5, atol=1e-5)
+
+    def lora_run_option() -> None:
+        session = _htp_session(wrapped / "wrapped" / "model_ctx.onnx")
+        options = quiver.ort.RunOptions()
+        options.add_run_config_entry("qnn.lora_config", str(wrapped / "wrapped" / "elementary.lora"))
+        session.run(None, {"x": X}, options)
+
+    for snippet in (profiling, ep_context, context_sharing, lora_run_option):
+        monkeypatch.setattr(provider, "_WARNED", set())  # each snippet as a program of its own
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            snippet()
+        assert len(caught) <= 1, (snippet.__name__, [str(w.message) for w in caught])

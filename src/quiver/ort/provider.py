@@ -66,6 +66,7 @@ QNN_HARDWARE = {
 }
 QNN_BACKEND_TYPES = ("cpu", "saver", *QNN_HARDWARE)
 SAVER_OUTPUT = "saver_output"  # QNN Saver's default output folder, in the working directory
+_WARNED: set[str] = set()  # hardware backends already warned about: once per process (servers open many sessions)
 
 
 @dataclass
@@ -136,12 +137,14 @@ def parse_provider_options(options: Mapping[str, Any]) -> ProviderConfig:
         # Saver's does); any other path is the folder to record into
         config.saver_path = saver if saver and not _is_library(saver) else SAVER_OUTPUT
         backend = "cpu" if backend == "saver" else backend
-    if backend in QNN_HARDWARE:
+    if backend in QNN_HARDWARE and backend not in _WARNED:
+        _WARNED.add(backend)
         warnings.warn(
             f"{PROVIDER}: QNN backend {backend!r} is {QNN_HARDWARE[backend]}, which this machine does not have; "
             "running on Quiver's cpu backend",
             stacklevel=3,
         )
+    if backend in QNN_HARDWARE:
         backend = "cpu"
     if backend:
         from quiver.backends import available_backends  # imported when a backend is named, not with quiver.ort
