@@ -59,6 +59,23 @@ def test_adapters_equal_peft_and_strength_zero_equals_the_base(
     assert expected[adapter] != expected["base"]
 
 
+def test_custom_alpha_names_and_the_base_use_case_equal_peft(smollm2: Path, expected: dict[str, Any]) -> None:
+    document = json.loads(smollm2.read_text())
+    for adapter in document["dialog"]["engine"]["model"]["binary"]["lora"]["adapters"]:
+        adapter["alphas"] = [f"alpha-{name}" for name in adapter["alphas"]]  # names of the user's choosing
+    renamed = smollm2.with_name("alphas.json")
+    renamed.write_text(json.dumps(document))
+    with Dialog.from_config(renamed) as dialog:
+        dialog.apply_lora("adapter_all")
+        assert _greedy(dialog, expected["prompt_ids"]) == expected["adapter_all"]
+        dialog.set_lora_strength("alpha-adapter_all", 0.5)
+        assert _greedy(dialog, expected["prompt_ids"]) == expected["adapter_all@0.5"]
+        dialog.set_lora_strength("alpha-adapter_all", 0.0)
+        assert _greedy(dialog, expected["prompt_ids"]) == expected["base"]
+        dialog.apply_lora("base")
+        assert _greedy(dialog, expected["prompt_ids"]) == expected["base"]
+
+
 def test_qwen2_architecture_equals_transformers(real_llms: Path, expected: dict[str, Any], tmp_path: Path) -> None:
     config = export(real_llms / "qwen2", tmp_path, options=ExportOptions(context_size=128)).path
     with Dialog.from_config(config) as dialog:

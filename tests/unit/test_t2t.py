@@ -378,7 +378,8 @@ def test_configs_naming_missing_files_or_bad_values_are_config_errors(llama: Tin
 
 def test_genie_configs_are_read_and_written_and_qnn_backends_run_on_cpu(llama: Tiny) -> None:
     config = read_dialog_config(llama.config)
-    assert config.context_size == CONTEXT and set(config.adapters) == {"all", "qv"} and config.eos_tokens == (1,)
+    assert config.context_size == CONTEXT and config.eos_tokens == (1,)
+    assert set(config.adapters) == {"all", "qv", "base"}  # each adapter's use case, and the base
     document = dialog_config_document(config, llama.out)
     assert document == json.loads(llama.config.read_text())
     document["dialog"]["engine"]["backend"] = {"version": 1, "type": "QnnHtp"}
@@ -536,7 +537,8 @@ def test_a_lora_yaml_gives_use_cases_of_several_adapters(llama: Tiny, tmp_path: 
                   str(tmp_path / "lora.yaml"), "--context-size", str(CONTEXT), "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = read_dialog_config(tmp_path / "out" / "genie_config.json")
-    assert list(config.adapters) == ["both"] and config.adapters["both"].alphas == ("all", "qv")
+    assert list(config.adapters) == ["both", "base"] and config.adapters["both"].alphas == ("all", "qv")
+    assert config.adapters["base"].alphas == ()  # the base use case: a section with every adapter off
     combined = {k: 0.5 * llama.deltas["all"].get(k, 0) + llama.deltas["qv"].get(k, 0) for k in llama.deltas["all"]}
     with Dialog(config) as dialog:
         ids = dialog.tokenizer.encode(PROMPT)
@@ -544,6 +546,33 @@ def test_a_lora_yaml_gives_use_cases_of_several_adapters(llama: Tiny, tmp_path: 
         assert dialog.token_query(ids, max_new_tokens=6, min_new_tokens=6, greedy=True).new_ids == _numpy_greedy(
             llama.weights, ids, 6, combined
         )
+        dialog.apply_lora("base")
+        base = dialog.token_query(ids, max_new_tokens=6, min_new_tokens=6, greedy=True).new_ids
+        assert base == _numpy_greedy(llama.weights, ids, 6, {})
+
+
+def test_strengths_are_set_by_the_alpha_names_a_genie_config_gives(llama: Tiny, tmp_path: Path) -> None:
+    document = json.loads(llama.config.read_text())
+    for adapter in document["dialog"]["engine"]["model"]["binary"]["lora"]["adapters"]:
+        adapter["alphas"] = [f"alpha-{name}" for name in adapter["alphas"]]  # names of the user's choosing
+    (llama.out / "alphas.json").write_text(json.dumps(document))
+    half = {k: 0.5 * v for k, v in llama.deltas["all"].items()}
+    with Dialog.from_config(llama.out / "alphas.json") as dialog:
+        ids = dialog.tokenizer.encode(PROMPT)
+        dialog.apply_lora("all")
+        for strength, deltas in ((1.0, llama.deltas["all"]), (0.5, half), (0.0, {})):
+            dialog.set_lora_strength("alpha-all", strength)
+            got = dialog.token_query(ids, max_new_tokens=6, min_new_tokens=6, greedy=True).new_ids
+            assert got == _numpy_greedy(llama.weights, ids, 6, deltas), strength
+        with pytest.raises(quiver.GenerationError, match=r"no strength 'alpha-qv'; its alphas are \['alpha-all'\]"):
+            dialog.set_lora_strength("alpha-qv", 1.0)
+    greedy = ["t2t", "run", "-c", str(llama.out / "alphas.json"), "-p", PROMPT, "--greedy", "--max-new-tokens", "6",
+              "--min-new-tokens", "6", "--json"]  # fmt: skip
+    runs = {spec: _cli(*greedy, "-l", spec) for spec in ("all,alpha-all,0.5", "base")}
+    assert all(r.returncode == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    ids = json.loads(runs["base"].stdout)["prompt_ids"]
+    assert json.loads(runs["all,alpha-all,0.5"].stdout)["new_ids"] == _numpy_greedy(llama.weights, ids, 6, half)
+    assert json.loads(runs["base"].stdout)["new_ids"] == _numpy_greedy(llama.weights, ids, 6, {})
 
 
 def test_generation_stops_at_any_eos_token(llama: Tiny) -> None:

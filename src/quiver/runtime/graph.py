@@ -116,6 +116,12 @@ class Graph:
         lora = self._context._state(self.name).lora
         return {} if lora is None else {a: float(v) for a, v in zip(lora.adapters, lora.alphas)}
 
+    @property
+    def lora_active(self) -> tuple[str, ...]:
+        """The adapters the applied section holds weights for (its use case), in its order; empty without one."""
+        lora = self._context._state(self.name).lora
+        return () if lora is None else tuple(lora.active)
+
     def update_tensors(self, values: Mapping[str, object]) -> None:
         """Stages new values for updateable tensors (QnnTensor_updateGraphTensors); `finalize()` applies them."""
         self._context._stage({self.name: values})

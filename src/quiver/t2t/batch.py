@@ -89,7 +89,9 @@ class BatchDecoder:
         except BaseException:
             self._context.close()
             raise
-        self.adapters = AdapterSet(self._context, config.adapters, config.path)
+        # a use case without adapters (Genie's base) is the base model, served under the model's own name
+        served = {name: adapter for name, adapter in config.adapters.items() if adapter.alphas}
+        self.adapters = AdapterSet(self._context, served, config.path)
         self.on_fill: Callable[[float], object] | None = None  # told how long each slot fill took
         fork.reset_after_fork(self)
         # prepare (and pack) the graph now: the first request measures generation, not session creation

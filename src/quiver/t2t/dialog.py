@@ -395,7 +395,8 @@ class Dialog:
         self._adapter = name
 
     def set_lora_strength(self, name: str, value: float) -> None:
-        """Sets the strength of one adapter (an entry of the alpha tensor); resets the conversation."""
+        """Sets the strength of one adapter of the applied use case (Genie's setLoraStrength): by its alpha
+        name as the config's `alphas` give it, or by the adapter's own name; resets the conversation."""
         with self._lock:
             self._set_strength(name, value)
             self._history, self._pending = [], []
@@ -403,11 +404,25 @@ class Dialog:
     def _set_strength(self, name: str, value: float) -> None:
         if self._adapter is None:
             raise GenerationError("no adapter applied: apply_lora(name) first, then set its strengths")
-        known = self._decode.lora_strengths
-        if name not in known:
-            raise GenerationError(f"the applied adapter has no strength {name!r}; it has {sorted(known)}")
+        adapter = self._strength_of(name)
         for graph in (self._prefill, self._decode):
-            graph.set_lora_strength(name, float(value))
+            graph.set_lora_strength(adapter, float(value))
+
+    def _strength_of(self, name: str) -> str:
+        """The adapter an alpha name sets: the config's `alphas` of the applied use case name its adapters in
+        the order its section holds them (Genie keys strengths by alpha name, QNN's alpha tensor by adapter)."""
+        assert self._adapter is not None
+        known = self._decode.lora_strengths
+        alphas = self._adapters.get(self._adapter).alphas
+        active = self._decode.lora_active
+        if name in alphas and alphas.index(name) < len(active):
+            return active[alphas.index(name)]
+        if name in known:
+            return name
+        raise GenerationError(
+            f"use case {self._adapter!r} has no strength {name!r}; its alphas are {list(alphas)} (adapters "
+            f"{list(active) or 'none: the base model'})"
+        )
 
     def close(self) -> None:
         self._context.close()

@@ -45,6 +45,7 @@ from quiver.t2t.quantize import (
 from quiver.t2t.tokenizer import TextTokenizer
 
 DEFAULT_CONTEXT_SIZE = 2048
+BASE_USE_CASE = "base"  # the use case written beside the adapters' with every adapter off (Genie's base)
 CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
 CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja")
 _FOREIGN_ADAPTER = (
@@ -145,7 +146,7 @@ def export(
     batched = build_decoder(config, weights.get, size, fuse_qkv=fuse_qkv, head_as_matmul=quantized, batched=True)
     cases = (
         [UseCase(n, [n], [1.0], None) for n in loaded] if use_cases is None else [u for u in use_cases if u.adapters]
-    )
+    )  # use cases without adapters are the base model: the one base section below serves them all
     updateable: list[str] = []
     values: dict[str, dict[str, Any]] = {}
     if cases:
@@ -154,6 +155,8 @@ def export(
         graph = lora_graph(model, loaded, cases, PREFILL_GRAPH, remedy=_FOREIGN_ADAPTER, share_down_projections=False)
         model, updateable = graph.model, graph.updateable
         batched = lora_graph(batched, loaded, cases, BATCH_GRAPH, remedy=_FOREIGN_ADAPTER, per_row=True).model
+        if BASE_USE_CASE not in {u.name for u in cases}:  # Genie's base use case: every adapter off, selectable
+            cases.append(UseCase(BASE_USE_CASE, [], [], None))
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if options.weight_bits is not None:
         moments = None
