@@ -232,7 +232,7 @@ class SampleReader:
         return (dict(sample) for sample in self._samples)
 
 
-def _placeholder_sample(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+def placeholder_sample(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """One all-zero feed (dynamic dims as 1): enough when every quantized activation has an encoding."""
     from onnx.helper import tensor_dtype_to_np_dtype
 
@@ -311,7 +311,7 @@ def _quantize(
         # one quantized op each instead of a chain of quantized pieces.
         if qnn_preprocess_model(source, preprocessed, fuse_layernorm=True):
             source = preprocessed
-        reader = SampleReader(samples or [_placeholder_sample(model_copy)])
+        reader = SampleReader(samples or [placeholder_sample(model_copy)])
         quiet = logging.getLogger()
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # ORT's advice to pre-process and its opset notes are not the user's business

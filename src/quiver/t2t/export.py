@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quiver.errors import FileAccessError, ModelFolderError, QuantizationError
 from quiver.formats.files import read_regular, read_text
@@ -43,6 +43,9 @@ from quiver.t2t.quantize import (
     quantize_weights,
 )
 from quiver.t2t.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from quiver.passes.gptq import BlockWeights
 
 DEFAULT_CONTEXT_SIZE = 2048
 BASE_USE_CASE = "base"  # the use case written beside the adapters' with every adapter off (Genie's base)
@@ -160,10 +163,12 @@ def export(
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if options.weight_bits is not None:
         moments = None
+        solved: dict[str, BlockWeights] = {}  # GPTQ's blocks, found for the prefill graph, reused by the batched one
         if options.quantizer in CALIBRATED:
             on_step(f"measuring the float model's inputs on {len(options.calibration)} calibration prompts")
             text = TextTokenizer(tokenizer)
-            moments = calibration_moments(model, [text.encode(p) for p in options.calibration], updateable)
+            prompts = [text.encode(p)[:size] for p in options.calibration]  # no longer than the cache
+            moments = calibration_moments(model, prompts, updateable)
         on_step(f"quantizing weights to {options.weight_bits} bits ({options.quantizer})")
         model, batched = (
             quantize_weights(
@@ -175,6 +180,7 @@ def export(
                 options.quantizer,
                 options.overrides,
                 moments,
+                solved,
             )
             for m in (model, batched)
         )

@@ -43,6 +43,8 @@ from quiver.ir.nibbles import pack_nibbles
 if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that names the quantizers
     import onnx
 
+    from quiver.passes.gptq import BlockWeights
+
 QUANTIZERS = ("rtn", "rtn-asym", "rtn-min", "hqq", "gptq", "gptq-asym")
 MINIMUM_FORM = ("rtn-min", "hqq")  # quantizers whose blocks carry a float minimum (added apart, float activations)
 CALIBRATED = ("gptq", "gptq-asym")  # quantizers that read the float model's inputs on calibration prompts
@@ -97,10 +99,12 @@ def quantize_weights(
     quantizer: str = DEFAULT_QUANTIZER,
     overrides: Sequence[Override] = (),
     moments: Mapping[str, np.ndarray] | None = None,
+    solved: dict[str, BlockWeights] | None = None,
 ) -> onnx.ModelProto:
     """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
     node named `head` (the LM head) at `head_bits`; `overrides` (the module) last. `moments`: what the
-    calibrated quantizers read, `calibration_moments` of the float model."""
+    calibrated quantizers read, `calibration_moments` of the float model; `solved`: their blocks by weight
+    name, shared by the graphs of one export (which share their weights), so each is solved once."""
     if quantizer not in QUANTIZERS:
         raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
@@ -119,7 +123,8 @@ def quantize_weights(
         return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
     if quantizer in CALIBRATED:
         assert moments is not None
-        model = _by_gptq(model, block_size, nodes[4], quantizer == "gptq", moments) if nodes[4] else model
+        blocks = solved if solved is not None else {}
+        model = _by_gptq(model, block_size, nodes[4], quantizer == "gptq", moments, blocks) if nodes[4] else model
         return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
     for width in (4, 8):
         if nodes[width]:
@@ -196,26 +201,18 @@ def calibration_moments(
 ) -> dict[str, np.ndarray]:
     """Σ xᵀx of each MatMul's input as the float prefill graph computes it on each prompt (token ids) from
     an empty cache: other inputs zero (no adapter, no cached tokens)."""
-    from onnx.helper import tensor_dtype_to_np_dtype
-
     from quiver.passes.gptq import input_moments
+    from quiver.passes.quantize import placeholder_sample
     from quiver.t2t.graph import INPUT_IDS, SEQLENS_K, TOTAL_LENGTH
 
-    initializers = {t.name for t in model.graph.initializer}
-    graph_inputs = [i for i in model.graph.input if i.name not in initializers]
+    zeros = placeholder_sample(model)
 
     def feeds(ids: Sequence[int]) -> dict[str, np.ndarray]:
-        fed: dict[str, np.ndarray] = {
+        return zeros | {
             INPUT_IDS: np.array([ids], np.int64),
             SEQLENS_K: np.array([len(ids) - 1], np.int32),
             TOTAL_LENGTH: np.array(len(ids), np.int32),
         }
-        for value in graph_inputs:
-            if value.name not in fed:
-                tensor = value.type.tensor_type
-                shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor.shape.dim]
-                fed[value.name] = np.zeros(shape, tensor_dtype_to_np_dtype(tensor.elem_type))
-        return fed
 
     if not prompts or not all(prompts):
         raise QuantizationError("calibration needs at least one prompt, none of them empty")
@@ -228,6 +225,7 @@ def _by_gptq(
     include: Collection[str],
     symmetric: bool,
     moments: Mapping[str, np.ndarray],
+    solved: dict[str, BlockWeights],
 ) -> onnx.ModelProto:
     """The MatMuls named in `include` by GPTQ's 4-bit blocks, as ONNX's blocked DequantizeLinear of int4
     weights, which `to_matmul_nbits` turns into MatMulNBits (with zero points where a block has one)."""
@@ -247,9 +245,11 @@ def _by_gptq(
     for name, inputs in readers.items():
         if len(constants[name].dims) != 2:
             continue
-        seen = [moments[x] for x in inputs if x in moments]  # none: an input calibration never reached, rounded
-        total = np.sum(seen, axis=0) if seen else None
-        blocks = quantize_blocks(numpy_helper.to_array(constants[name]), 4, block_size, symmetric, total)
+        if name not in solved:
+            seen = [moments[x] for x in inputs if x in moments]  # none: an input calibration never reached
+            total = np.sum(seen, axis=0) if seen else None
+            solved[name] = quantize_blocks(numpy_helper.to_array(constants[name]), 4, block_size, symmetric, total)
+        blocks = solved[name]
         stem = f"{name}.gptq"
         graph.initializer.extend(blocks.int4_initializers(f"{stem}.q", f"{stem}.scales", f"{stem}.zero_points"))
         dequantizers.append(
