@@ -64,6 +64,29 @@ def test_inspect_prints_tables(built: Path) -> None:
     assert "stored tensors" in result.stdout and "tuned" in result.stdout and "x unique weights" in result.stdout
 
 
+def test_inspect_exports_each_stored_weight_once_as_a_raw_file_with_an_index(
+    built: Path, family_files: dict[str, Path], tmp_path: Path
+) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    result = quiver("inspect", built, "--export-weights", tmp_path / "weights")
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "weights" / "weights.json").read_text())
+    report = json.loads(quiver("inspect", built, "--json").stdout)
+    assert len(index["tensors"]) == report["weights"]["unique_count"] == len(list((tmp_path / "weights").glob("*.raw")))
+    assert any(len(t["graphs"]) > 1 for t in index["tensors"])  # shared by graphs: written once, named by each
+    source = {t.name: numpy_helper.to_array(t) for t in onnx.load(family_files["base"]).graph.initializer}
+    compared = 0
+    for tensor in index["tensors"]:
+        for name in tensor["graphs"].get("base", []):
+            stored = np.fromfile(tmp_path / "weights" / tensor["file"], dtype=tensor["dtype"]).reshape(tensor["shape"])
+            if name in source and stored.shape == source[name].shape:
+                np.testing.assert_array_equal(stored, source[name])
+                compared += 1
+    assert compared > 0
+
+
 def test_run_writes_qnn_net_run_outputs_equal_to_onnxruntime(
     built: Path, family_files: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -238,16 +238,24 @@ def _inspect_section(path: Path, as_json: bool) -> None:
 @click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the metadata as JSON.")
 @click.option("--tensors", is_flag=True, help="Also list every stored tensor and the graphs using it.")
-def inspect(context_path: Path, as_json: bool, tensors: bool) -> None:
+@click.option("--export-weights", type=click.Path(file_okay=False, path_type=Path),
+              help="Write every stored weight to DIR as a raw file, with weights.json indexing them.")  # fmt: skip
+def inspect(context_path: Path, as_json: bool, tensors: bool, export_weights: Path | None) -> None:
     """Print a context binary's graphs, inputs/outputs, tensors and sharing (or a .qsec section's tensors)."""
     from quiver.formats.layout import SECTION_MAGIC
     from quiver.tools.report import describe_context
+    from quiver.tools.report import export_weights as write_weights
 
     if _starts_with(context_path, SECTION_MAGIC):
+        if export_weights is not None:
+            raise click.BadParameter("--export-weights reads a context binary (.qctx), not a section")
         _inspect_section(context_path, as_json)
         return
     with Context.from_binary(context_path, backend="reference") as context:
         report = describe_context(context, str(context_path))
+        if export_weights is not None:
+            written = write_weights(context.file, export_weights)
+            console.print(f"{len(written['tensors'])} weights written to {export_weights} (index: weights.json)")
     if as_json:
         emit_json(report)  # JSON escapes control characters itself
         return

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from quiver.formats.layout import MAJOR
@@ -116,3 +118,28 @@ def describe_section(section: SectionFile, source: str) -> dict[str, Any]:
             for name, graph in section.graphs.items()
         },
     }
+
+
+def export_weights(file: ContextFile, folder: Path) -> dict[str, Any]:
+    """Every stored weight of a context as a raw file in `folder` (its bytes as stored: little-endian, 4-bit
+    values two to a byte), and `weights.json` indexing them: file, dtype, shape, bytes, encoding, and the
+    graphs and tensor names that read it (a weight shared by graphs is written once). Returns the index."""
+    from quiver.formats.writer import write_atomically  # the writer loads when weights are exported
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names: dict[int, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for graph, entry in file.graphs.items():
+        for tensor, index in entry.weights.items():
+            names[index][graph].append(tensor)
+    tensors = []
+    for weight in file.weights:
+        raw = f"{weight.index:05d}.raw"
+        write_atomically(folder / raw, file.buffer[weight.offset : weight.offset + weight.length])
+        tensors.append({
+            "file": raw, "index": weight.index, "dtype": weight.dtype, "shape": list(weight.shape),
+            "bytes": weight.length, "encoding": weight.encoding,
+            "graphs": {graph: sorted(tensor_names) for graph, tensor_names in sorted(names[weight.index].items())},
+        })  # fmt: skip
+    document = {"format_version": f"{MAJOR}.{file.minor_version}", "tensors": tensors}
+    write_atomically(folder / "weights.json", json.dumps(document, indent=1).encode())
+    return document
