@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+import quiver as quiver_api
 from quiver.formats.reader import ContextFile
 from tests.support.cli import assert_one_line_error, quiver
 
@@ -85,6 +86,32 @@ def test_inspect_exports_each_stored_weight_once_as_a_raw_file_with_an_index(
                 np.testing.assert_array_equal(stored, source[name])
                 compared += 1
     assert compared > 0
+
+
+def test_build_makes_the_weights_it_is_told_updateable_and_refuses_names_it_does_not_find(
+    family_files: dict[str, Path], tmp_path: Path
+) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    weights = [t for t in onnx.load(family_files["base"]).graph.initializer if len(t.dims) == 2]
+    names = [weights[0].name, weights[1].name]
+    (tmp_path / "names.txt").write_text("# the first two\n" + "\n".join(names) + "\n")
+    out = tmp_path / "generic.qctx"
+    result = quiver("build", "-q", "-o", out, family_files["base"], "--updateable", f"@{tmp_path / 'names.txt'}")
+    assert result.returncode == 0, result.stderr
+    ids = {"input_ids": np.arange(8, dtype=np.int64).reshape(1, 8)}
+    with quiver_api.Context.from_binary(out) as context:
+        graph_name = next(iter(context.graph_names))
+        assert set(context.file.graphs[graph_name].updateable) == set(names)
+        graph = context.graph(graph_name)
+        before = graph.execute(ids)
+        graph.update_tensors({names[1]: 2 * numpy_helper.to_array(weights[1])})
+        graph.finalize()
+        after = graph.execute(ids)
+    assert any(not np.array_equal(before[k], after[k]) for k in before)  # the new values ran
+    bad = quiver("build", "-q", "-o", tmp_path / "bad.qctx", family_files["base"], "--updateable", "no.such.weight")
+    assert_one_line_error(bad, "no.such.weight")
 
 
 def test_run_writes_qnn_net_run_outputs_equal_to_onnxruntime(

@@ -26,7 +26,8 @@ from quiver.cli.common import (
     status_line,
     tuning_input_lists_option,
 )
-from quiver.errors import QuiverError
+from quiver.errors import QuiverError, TensorUpdateError
+from quiver.formats.files import read_text
 from quiver.formats.reader import ContextFile
 from quiver.runtime.context import Context
 
@@ -91,6 +92,12 @@ def demo(workdir: Path | None, as_json: bool) -> None:
     metavar="NAME=D0,D1",
     help="Fix an input's shape (every graph that has it); repeat for more inputs.",
 )
+@click.option(
+    "--updateable",
+    metavar="NAMES|@FILE",
+    help="Weights a binary section or an update may replace later (a generic updateable context): names "
+    "separated by commas, or @FILE with one per line; each must be a weight of some graph.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the sharing report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option(
@@ -103,6 +110,7 @@ def build(
     models: tuple[str, ...],
     output: Path,
     input_shapes: tuple[str, ...],
+    updateable: str | None,
     as_json: bool,
     quiet: bool,
     config_file: Path | None,
@@ -114,18 +122,31 @@ def build(
 
     shapes = parse_shape_args(input_shapes)
     parsed = [parse_model_arg(m) for m in models]
+    wanted = _tensor_names(updateable) if updateable else []
+    found: set[str] = set()
     output.parent.mkdir(parents=True, exist_ok=True)
     context = Context.create("cpu", workdir=output.parent)
     with progress_bar(quiet) as progress:
         task = progress.add_task("building", total=len(parsed))
         for path, name in parsed:
             progress.update(task, description=f"adding {name}")
-            fixed = None
-            if shapes:  # fix only the inputs this model has (a family may differ in its inputs)
-                model_inputs = {i.name for i in load_model(path)[0].graph.input}
+            fixed, names = None, []
+            if shapes or wanted:  # fix only the inputs this model has (a family may differ in its inputs)
+                source = load_model(path)[0].graph
+                model_inputs = {i.name for i in source.input}
                 fixed = {k: v for k, v in shapes.items() if k in model_inputs} or None
-            context.add_graph(name, path, fixed)
+                weights = {t.name for t in source.initializer}
+                names = [n for n in wanted if n in weights]
+                found.update(names)
+            context.add_graph(name, path, fixed, updateable=names)
             progress.advance(task)
+        missing = [n for n in wanted if n not in found]
+        if missing:
+            context.close()
+            raise TensorUpdateError(
+                f"--updateable names {missing[:3]}, which no graph given has as a weight; `quiver inspect "
+                "--tensors` or the model's initializers list the names"
+            )
         progress.update(task, description="writing")
         context.save(output)
     if config_file is not None:
@@ -138,6 +159,18 @@ def build(
     report = printable(report)
     _print_graph_table(report, f"built {output}")
     _print_summary(report)
+
+
+def _tensor_names(spec: str) -> list[str]:
+    """`--updateable`'s names: comma-separated, or @FILE with one per line."""
+    if spec.startswith("@"):
+        text = read_text(Path(spec[1:]), limit=16 << 20, what="the --updateable list")
+        names = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    else:
+        names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names:
+        raise TensorUpdateError("--updateable names no tensor: give names separated by commas, or @FILE")
+    return names
 
 
 def _tune_built(
