@@ -29,6 +29,7 @@ from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
+from minilm_quantizers import measure_minilm_quantizers  # noqa: E402
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 from quantizers import measure_quantizers  # noqa: E402
@@ -277,6 +278,7 @@ SECTIONS = (
     "wheel_models",
     "lora_sections",
     "quantization",
+    "minilm_quantizers",
     "ort_api",
     "t2t",
     "quantizers",
@@ -360,6 +362,10 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("text generation ...", file=sys.stderr)
             report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=15)
+        if "minilm_quantizers" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
+            print("4-bit quantizers on MiniLM ...", file=sys.stderr)
+            report["minilm_quantizers"] = measure_minilm_quantizers(Path(corpus.stdout.strip()))
         if "quantizers" in sections:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("4-bit quantizers ...", file=sys.stderr)

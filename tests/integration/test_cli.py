@@ -194,6 +194,57 @@ def test_run_errors_are_one_line(built: Path, tmp_path: Path) -> None:
     )
 
 
+def test_run_takes_several_graphs_each_with_its_list_and_a_backend_extensions_config(
+    built: Path, family_files: dict[str, Path], tmp_path: Path
+) -> None:
+    for i in range(2):
+        np.arange(10 * (i + 1), 10 * (i + 1) + 8, dtype=np.int64).reshape(1, 8).tofile(tmp_path / f"ids{i}.raw")
+        (tmp_path / f"list{i}.txt").write_text(f"input_ids:=ids{i}.raw\n")
+    models = {"base": family_files["base"], "tuned": family_files["finetune_1"]}
+    lists = {"base": tmp_path / "list0.txt", "tuned": tmp_path / "list1.txt"}
+    by_pairs = ["run", built, "--graph", f"base:{lists['base']}", "--graph", f"tuned:{lists['tuned']}"]
+    by_commas = [
+        "run",
+        built,
+        "--graph",
+        "base",
+        "--graph",
+        "tuned",
+        "--input-list",
+        f"{lists['base']},{lists['tuned']}",
+    ]
+    for index, command in enumerate((by_pairs, by_commas)):
+        out = tmp_path / f"out{index}"
+        result = quiver(*command, "--output-dir", out)
+        assert result.returncode == 0, result.stderr
+        for i, (graph, model) in enumerate(models.items()):
+            ids = np.fromfile(tmp_path / f"ids{i}.raw", dtype=np.int64).reshape(1, 8)
+            expected = ort.InferenceSession(str(model)).run(None, {"input_ids": ids})[0]
+            got = np.fromfile(out / graph / "Result_0" / "last_hidden_state.raw", dtype=np.float32)
+            np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+    (tmp_path / "htp.json").write_text(
+        json.dumps({"context": {"enable_graphs": ["base"], "is_persistent_binary": True}})
+    )
+    (tmp_path / "extensions.json").write_text(json.dumps({"backend_extensions": {
+        "shared_library_path": "libQnnHtpNetRunExtensions.so", "config_file_path": "htp.json"}}))  # fmt: skip
+    allowed = quiver(*by_pairs[:4], "--config-file", tmp_path / "extensions.json", "--output-dir", tmp_path / "ok")
+    assert allowed.returncode == 0, allowed.stderr
+    assert_one_line_error(
+        quiver(*by_pairs, "--config-file", tmp_path / "extensions.json", "--output-dir", tmp_path / "no"),
+        "enable_graphs allows ['base'], not ['tuned']",
+    )
+    (tmp_path / "small.json").write_text(json.dumps({"context": {"memory_limit_hint": 0.001}}))
+    assert_one_line_error(
+        quiver(*by_pairs[:4], "--config-file", tmp_path / "small.json", "--output-dir", tmp_path / "no"),
+        "exceed memory_limit_hint",
+    )
+    assert_one_line_error(
+        quiver("run", built, "--graph", "base", "--graph", "tuned", "--input-list", lists["base"], "--output-dir",
+               tmp_path / "no"),
+        "1 input list(s) for 2 graph(s)",
+    )  # fmt: skip
+
+
 def test_compare_reports_identical_and_different_tensors(family_files: dict[str, Path]) -> None:
     report = json.loads(quiver("compare", family_files["base"], family_files["finetune_1"], "--json").stdout)
     assert report["identical"] and report["different"] and not report["only_a"] and not report["only_b"]

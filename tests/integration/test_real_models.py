@@ -17,7 +17,7 @@ import quiver
 from quiver.backends import cpu
 from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend
 from quiver.passes.mask_fills import mask_fills_of
-from tests.real.corpus import OUTPUTS, case, quantize_minilm, sentences, write_sentence_list
+from tests.real.corpus import OUTPUTS, case, held_out_cosines, quantize_a16w4, quantize_minilm
 from tests.support.helpers import ort_fuses_8_bit_weights
 
 
@@ -149,33 +149,11 @@ def test_a16w8_minilm_keeps_its_sentence_embeddings(real_models: Path, quantized
 def test_a16w4_by_gptq_keeps_the_embeddings_of_sentences_it_was_not_calibrated_on(
     real_models: Path, tmp_path: Path
 ) -> None:
-    calibration = write_sentence_list(real_models, tmp_path)
-    held_out = sentences(real_models, "held_out")
-    float_model = ort.InferenceSession(str(real_models / "minilm.onnx"))
-    reference = np.stack([float_model.run(None, _sentence(ids))[0][0].mean(axis=0) for ids in held_out])
-    cosines = {}
-    for quantizer in ("gptq-asym", "rtn"):
-        out = tmp_path / f"minilm_{quantizer}.onnx"
-        result = subprocess.run(
-            [sys.executable, "-m", "quiver", "quantize", str(real_models / "minilm.onnx"), "-o", str(out),
-             "--act-bitwidth", "16", "--weight-bitwidth", "4", "--block-size", "16", "--quantizer", quantizer,
-             "--input-list", str(calibration), "--quiet"],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        with quiver.Context.create("cpu") as context:
-            context.add_graph("q", out)
-            context.finalize()
-            graph = context.graph("q")
-            got = np.stack([graph.execute(_sentence(ids))["last_hidden_state"][0].mean(axis=0) for ids in held_out])
-        norms = np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1)
-        cosines[quantizer] = (got * reference).sum(axis=1) / norms
+    cosines = {
+        q: held_out_cosines(real_models, quantize_a16w4(real_models, tmp_path, q, 16)) for q in ("gptq-asym", "rtn")
+    }
     assert cosines["gptq-asym"].mean() >= 0.99 and cosines["gptq-asym"].min() >= 0.98, cosines
     assert cosines["rtn"].mean() < cosines["gptq-asym"].mean() - 0.01, cosines  # what calibrating the weights gives
-
-
-def _sentence(ids: np.ndarray) -> dict[str, np.ndarray]:
-    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
 
 
 @pytest.mark.parametrize("name", ["a16w8", "a16w4"])

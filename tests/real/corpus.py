@@ -71,3 +71,39 @@ def write_sentence_list(corpus: Path, folder: Path) -> Path:
         lines.append(f"input_ids:=sentence_ids_{i}.npy attention_mask:=sentence_mask_{i}.npy")
     (folder / "sentences.txt").write_text("\n".join(lines) + "\n")
     return folder / "sentences.txt"
+
+
+def quantize_a16w4(corpus: Path, folder: Path, quantizer: str, block_size: int) -> Path:
+    """MiniLM with 16-bit activations and 4-bit weights by `quantizer`, calibrated on the corpus's
+    calibration sentences, by `quiver quantize` (as a user runs it)."""
+    out = folder / f"minilm_a16w4_{quantizer}_{block_size}.onnx"
+    result = subprocess.run(
+        [sys.executable, "-m", "quiver", "quantize", str(corpus / "minilm.onnx"), "-o", str(out), "--act-bitwidth",
+         "16", "--weight-bitwidth", "4", "--block-size", str(block_size), "--quantizer", quantizer, "--input-list",
+         str(write_sentence_list(corpus, folder)), "--quiet"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"quiver quantize --quantizer {quantizer} failed: {result.stderr}")
+    return out
+
+
+def held_out_cosines(corpus: Path, model: Path) -> np.ndarray:
+    """Per held-out sentence, the cosine between its mean-pooled embedding by the float model (ONNX
+    Runtime) and by `model` in a Quiver context (cpu backend)."""
+    import onnxruntime as ort
+
+    import quiver
+
+    def feeds(ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+    held_out = sentences(corpus, "held_out")
+    float_model = ort.InferenceSession(str(corpus / "minilm.onnx"))
+    reference = np.stack([float_model.run(None, feeds(ids))[0][0].mean(axis=0) for ids in held_out])
+    with quiver.Context.create("cpu") as context:
+        context.add_graph("q", model)
+        context.finalize()
+        graph = context.graph("q")
+        got = np.stack([graph.execute(feeds(ids))["last_hidden_state"][0].mean(axis=0) for ids in held_out])
+    return (got * reference).sum(axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1))

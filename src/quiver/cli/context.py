@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.progress import TaskID
 from rich.table import Table
 
 from quiver.backends import available_backends
@@ -315,12 +316,24 @@ def inspect(context_path: Path, as_json: bool, tensors: bool, export_weights: Pa
 
 @cli.command()
 @click.argument("context_path", metavar="CONTEXT.qctx", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--graph", "graph_name", help="Graph to run (default: the only graph).")
+@click.option(
+    "--graph",
+    "graphs",
+    multiple=True,
+    metavar="NAME[:LIST]",
+    help="A graph to run (default: the only graph), with its own input list after a colon; repeat for more.",
+)
 @click.option(
     "--input-list",
-    required=True,
+    help="qnn-net-run input list(s): `name:=file.raw ...` per line (.raw or .npy); several graphs take one "
+    "each, comma-separated, in the order of --graph (or of the context's graphs).",
+)
+@click.option(
+    "--config-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="qnn-net-run input list: `name:=file.raw ...` per line (.raw or .npy).",
+    help="qnn-net-run's backend extensions JSON (or the backend config it names): context.enable_graphs "
+    "limits the graphs that may run, memory_limit_hint (MB) is checked against the context, "
+    "is_persistent_binary keeps it mapped (as it always is here).",
 )
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--backend", type=click.Choice(available_backends()), default="cpu", show_default=True)
@@ -340,8 +353,9 @@ def inspect(context_path: Path, as_json: bool, tensors: bool, export_weights: Pa
 )
 def run(
     context_path: Path,
-    graph_name: str | None,
-    input_list: Path,
+    graphs: tuple[str, ...],
+    input_list: str | None,
+    config_file: Path | None,
     output_dir: Path,
     backend: str,
     npy: bool,
@@ -349,38 +363,69 @@ def run(
     section: Path | None,
     strengths: tuple[str, ...],
 ) -> None:
-    """Execute a graph for every line of an input list (qnn-net-run compatible outputs)."""
-    from quiver.runtime.netrun import run_input_list
+    """Execute a graph for every line of an input list (qnn-net-run compatible outputs); several graphs, each
+    with its list, write to a folder per graph."""
+    from quiver.runtime.netrun import read_backend_extensions, run_input_list
 
+    extensions = read_backend_extensions(config_file) if config_file is not None else None
     with Context.from_binary(context_path, backend=backend) as context:
-        if graph_name is None:
-            if len(context.graph_names) != 1:
-                raise QuiverError(f"the context holds {context.graph_names}; choose one with --graph")
-            graph_name = context.graph_names[0]
-        if section is not None:
-            context.apply_binary_section(graph_name, section)
-        for strength in strengths:
-            adapter, _, value = strength.partition("=")
-            try:
-                number = float(value)
-            except ValueError:
-                raise click.BadParameter(f"{strength!r}: write ADAPTER=VALUE, e.g. elementary=0.5") from None
-            context.graph(graph_name).set_lora_strength(adapter, number)
+        plan = _run_plan(context.graph_names, graphs, input_list)
+        if extensions is not None:
+            extensions.check(context_path, [graph for graph, _ in plan])
+        written: list[Path] = []
         start = time.perf_counter()
-        shapes = parse_file_shapes(input_shapes)
-        with progress_bar(quiet=False) as progress:
-            task = progress.add_task(f"running {graph_name}", total=None)
-            written = run_input_list(
-                context.graph(graph_name),
-                input_list,
-                output_dir,
-                npy=npy,
-                shapes=shapes,
-                on_result=lambda done, total: progress.update(task, completed=done, total=total),
-            )
+        for graph_name, list_path in plan:
+            if section is not None:
+                context.apply_binary_section(graph_name, section)
+            for strength in strengths:
+                adapter, _, value = strength.partition("=")
+                try:
+                    number = float(value)
+                except ValueError:
+                    raise click.BadParameter(f"{strength!r}: write ADAPTER=VALUE, e.g. elementary=0.5") from None
+                context.graph(graph_name).set_lora_strength(adapter, number)
+            shapes = parse_file_shapes(input_shapes)
+            with progress_bar(quiet=False) as progress:
+                task = progress.add_task(f"running {graph_name}", total=None)
+
+                def advance(done: int, total: int, task: TaskID = task) -> None:
+                    progress.update(task, completed=done, total=total)
+
+                written += run_input_list(
+                    context.graph(graph_name),
+                    list_path,
+                    output_dir / graph_name if len(plan) > 1 else output_dir,
+                    npy=npy,
+                    shapes=shapes,
+                    on_result=advance,
+                )
         elapsed = time.perf_counter() - start
     results = len({p.parent for p in written})
     err_console.print(f"{results} result(s), {len(written)} output file(s) in {output_dir} ({elapsed:.2f} s)")
+
+
+def _run_plan(names: Sequence[str], graphs: Sequence[str], input_list: str | None) -> list[tuple[str, Path]]:
+    """(graph, input list) pairs from `--graph NAME[:LIST]` and `--input-list A[,B...]`, in order."""
+    given = [graph.partition(":") for graph in graphs] or [(name, "", "") for name in names]
+    lists = input_list.split(",") if input_list else []
+    if not graphs and len(names) > 1 and len(lists) != len(names):
+        raise QuiverError(
+            f"the context holds {list(names)}; choose one with --graph (or give one input list per graph, "
+            "comma-separated)"
+        )
+    if lists and any(path for _, _, path in given):
+        raise QuiverError("give input lists either with --graph NAME:LIST or with --input-list, not both")
+    if lists and len(lists) != len(given):
+        raise QuiverError(f"{len(lists)} input list(s) for {len(given)} graph(s): give one per graph, comma-separated")
+    plan = []
+    for index, (name, _, path) in enumerate(given):
+        if name not in names:
+            raise QuiverError(f"no graph {name!r} in the context; it holds {list(names)}")
+        chosen = path or (lists[index] if lists else "")
+        if not chosen:
+            raise QuiverError(f"no input list for graph {name!r}: give --input-list or --graph {name}:LIST")
+        plan.append((name, Path(chosen)))
+    return plan
 
 
 @cli.command()
