@@ -198,8 +198,8 @@ def test_run_takes_several_graphs_each_with_its_list_and_a_backend_extensions_co
     built: Path, family_files: dict[str, Path], tmp_path: Path
 ) -> None:
     for i in range(2):
-        np.arange(10 * (i + 1), 10 * (i + 1) + 8, dtype=np.int64).reshape(1, 8).tofile(tmp_path / f"ids{i}.raw")
-        (tmp_path / f"list{i}.txt").write_text(f"input_ids:=ids{i}.raw\n")
+        np.save(tmp_path / f"ids{i}.npy", np.arange(10 * (i + 1), 10 * (i + 1) + 8, dtype=np.int64).reshape(1, 8))
+        (tmp_path / f"list{i}.txt").write_text(f"input_ids:=ids{i}.npy\n")
     models = {"base": family_files["base"], "tuned": family_files["finetune_1"]}
     lists = {"base": tmp_path / "list0.txt", "tuned": tmp_path / "list1.txt"}
     by_pairs = ["run", built, "--graph", f"base:{lists['base']}", "--graph", f"tuned:{lists['tuned']}"]
@@ -218,7 +218,7 @@ def test_run_takes_several_graphs_each_with_its_list_and_a_backend_extensions_co
         result = quiver(*command, "--output-dir", out)
         assert result.returncode == 0, result.stderr
         for i, (graph, model) in enumerate(models.items()):
-            ids = np.fromfile(tmp_path / f"ids{i}.raw", dtype=np.int64).reshape(1, 8)
+            ids = np.load(tmp_path / f"ids{i}.npy")
             expected = ort.InferenceSession(str(model)).run(None, {"input_ids": ids})[0]
             got = np.fromfile(out / graph / "Result_0" / "last_hidden_state.raw", dtype=np.float32)
             np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
