@@ -144,11 +144,11 @@ def _serve_on_ray(
         from quiver.serve.ray import RayOptions, run
     except ImportError as exc:
         raise ServeError(f"--ray needs the ray extra ({exc.name} is missing): pip install 'quiver[ray]'") from None
-    from quiver.t2t.config import read_dialog_config
+    from quiver.t2t.config import adapter_use_cases, read_dialog_config
     from quiver.t2t.model_source import ensure_model_folder
 
     # checked here: a bad config is one line, not a replica's traceback
     config = read_dialog_config(ensure_model_folder(config_path, args.get("model_source")))
     options = RayOptions.from_args({"config": str(config_path.resolve()), **args})
-    models = [config_path.resolve().parent.name, *config.adapters, *options.loras]
+    models = [config_path.resolve().parent.name, *adapter_use_cases(config), *options.loras]
     run(options, host, port, lambda h, p: ready(h, p, models))

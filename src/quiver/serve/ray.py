@@ -38,7 +38,7 @@ from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.metrics import Metrics
 from quiver.serve.service import LocalService, ServiceUnavailableError, drained
-from quiver.t2t.config import read_dialog_config
+from quiver.t2t.config import adapter_use_cases, read_dialog_config
 from quiver.t2t.model_source import ensure_model_folder
 from quiver.t2t.tokenizer import TextTokenizer
 
@@ -193,7 +193,7 @@ class RayService:
         self.tokenizer = TextTokenizer(config.tokenizer)
         self.context_size = config.context_size
         self.vocabulary = config.n_vocab
-        self._adapters: dict[str, str | None] = dict.fromkeys(config.adapters)
+        self._adapters: dict[str, str | None] = dict.fromkeys(adapter_use_cases(config))
         self._adapters |= dict.fromkeys(options.loras)  # the replicas load these at start
         self._running: dict[int, asyncio.Task[None]] = {}  # by id() of their job
         self._watch: Metrics | None = None

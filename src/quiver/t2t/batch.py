@@ -34,7 +34,7 @@ from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.runtime.bound_run import BoundRun
 from quiver.runtime.context import Context
 from quiver.t2t.adapters import AdapterSet
-from quiver.t2t.config import BATCH_GRAPH, DialogConfig, cpu_backend_for, read_dialog_config
+from quiver.t2t.config import BATCH_GRAPH, DialogConfig, adapter_use_cases, cpu_backend_for, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.tokenizer import TextTokenizer
 
@@ -89,9 +89,7 @@ class BatchDecoder:
         except BaseException:
             self._context.close()
             raise
-        # a use case without adapters (Genie's base) is the base model, served under the model's own name
-        served = {name: adapter for name, adapter in config.adapters.items() if adapter.alphas}
-        self.adapters = AdapterSet(self._context, served, config.path)
+        self.adapters = AdapterSet(self._context, adapter_use_cases(config), config.path)
         self.on_fill: Callable[[float], object] | None = None  # told how long each slot fill took
         fork.reset_after_fork(self)
         # prepare (and pack) the graph now: the first request measures generation, not session creation

@@ -67,6 +67,12 @@ class DialogConfig:
     accuracy_level: int | None = None
 
 
+def adapter_use_cases(config: DialogConfig) -> dict[str, LoraAdapterConfig]:
+    """The config's use cases that apply adapters; one without any (Genie's base use case) is the base
+    model, which a server serves under the model's own name."""
+    return {name: adapter for name, adapter in config.adapters.items() if adapter.alphas}
+
+
 def cpu_backend_for(config: DialogConfig, packed_weights: str | Path | None = None) -> CpuBackend:
     """The cpu backend the config's engine asks for: its threads, its accuracy level, packed eagerly."""
     from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend  # ORT loads with a model, not a config
