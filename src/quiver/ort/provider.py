@@ -95,7 +95,7 @@ class ProviderConfig:
 def _backend_from_path(path: str) -> str:
     """QNN's backend libraries on any OS's spelling (libQnnHtp.so, QnnHtp.dll, a full path, QnnDsp for
     the older DSP) as their backend type, or a Quiver backend name as it is."""
-    lowered = os.path.basename(path.replace("\\", "/")).lower()
+    lowered = _file_name(path)
     if not lowered:
         return ""
     for marker, backend in (("htp", "htp"), ("dsp", "htp"), ("saver", "saver"), ("gpu", "gpu"), ("cpu", "cpu"),
@@ -106,7 +106,12 @@ def _backend_from_path(path: str) -> str:
 
 
 def _is_library(path: str) -> bool:
-    return os.path.basename(path.replace("\\", "/")).lower().endswith((".so", ".dll", ".dylib"))
+    return _file_name(path).endswith((".so", ".dll", ".dylib"))
+
+
+def _file_name(path: str) -> str:
+    """A path's last part, lower-cased, whichever OS spelled it (QNN EP code gives Windows paths too)."""
+    return os.path.basename(path.replace("\\", "/")).lower()
 
 
 def _choice(key: str, value: str, valid: Sequence[str]) -> str:

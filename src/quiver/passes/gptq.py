@@ -119,6 +119,13 @@ def quantize_blocks(
     return BlockWeights(q, scales.astype(np.float32), zeros.astype(np.float32), block_size)
 
 
+def moments_of(inputs: Iterable[str], moments: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The summed moments of the inputs one weight multiplies (a weight read by several MatMuls sees all
+    their inputs); None where calibration reached none of them: that weight is rounded to nearest."""
+    seen = [moments[x] for x in inputs if x in moments]
+    return np.sum(seen, axis=0) if seen else None
+
+
 def _upper_inverse(moments: np.ndarray, damping: float) -> np.ndarray:
     """The upper Cholesky factor of (H + λI)⁻¹, as GPTQ uses it; inputs never seen count as independent."""
     h = np.array(moments, np.float64)

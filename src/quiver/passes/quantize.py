@@ -24,7 +24,7 @@ from onnx import numpy_helper
 
 from quiver.errors import QuantizationError
 from quiver.formats.encodings import Encoding, EncodingSet
-from quiver.passes.gptq import WEIGHT_QUANTIZERS, input_moments, quantize_blocks
+from quiver.passes.gptq import WEIGHT_QUANTIZERS, input_moments, moments_of, quantize_blocks
 from quiver.passes.mask_fills import clamp_mask_fills, record_mask_fills
 from quiver.passes.quantized import QUANTIZED_SUFFIX, graph_encodings
 
@@ -396,14 +396,8 @@ def _matmul_weights_to_int4_blocks(
     moments = input_moments(float_model, samples, [x for xs in readers.values() for x in xs]) if gptq else {}
     for name, node in targets.items():
         weight = numpy_helper.to_array(floats[name]).astype(np.float32)
-        seen = [moments[x] for x in readers.get(name, ()) if x in moments]
-        blocks = quantize_blocks(
-            weight,
-            4,
-            block_size,
-            symmetric=not quantizer.endswith("-asym"),
-            moments=np.sum(seen, axis=0) if seen else None,
-        )
+        symmetric = not quantizer.endswith("-asym")
+        blocks = quantize_blocks(weight, 4, block_size, symmetric, moments_of(readers.get(name, ()), moments))
         names = [f"{name}{QUANTIZED_SUFFIX}", f"{name}_scale", f"{name}_zero_point"]
         del node.input[:]
         node.input.extend(names)

@@ -232,7 +232,7 @@ def _by_gptq(
     from onnx import helper, numpy_helper
 
     from quiver.ir.edit import drop_unread_initializers
-    from quiver.passes.gptq import quantize_blocks
+    from quiver.passes.gptq import moments_of, quantize_blocks
     from quiver.passes.nbits import to_matmul_nbits
 
     graph = model.graph
@@ -246,9 +246,8 @@ def _by_gptq(
         if len(constants[name].dims) != 2:
             continue
         if name not in solved:
-            seen = [moments[x] for x in inputs if x in moments]  # none: an input calibration never reached
-            total = np.sum(seen, axis=0) if seen else None
-            solved[name] = quantize_blocks(numpy_helper.to_array(constants[name]), 4, block_size, symmetric, total)
+            weight = numpy_helper.to_array(constants[name])
+            solved[name] = quantize_blocks(weight, 4, block_size, symmetric, moments_of(inputs, moments))
         blocks = solved[name]
         stem = f"{name}.gptq"
         graph.initializer.extend(blocks.int4_initializers(f"{stem}.q", f"{stem}.scales", f"{stem}.zero_points"))
