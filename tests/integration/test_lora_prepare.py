@@ -200,3 +200,61 @@ def test_verify_checks_sections_and_inspect_lists_updateable_tensors(prepared: P
     assert_one_line_error(run_cli("verify", tmp_path / "damaged.qsec"), "checksum mismatch")
     report = json.loads(run_cli("inspect", prepared / "lora.qctx", "--json").stdout)
     assert len(report["graphs"][0]["updateable"]) == 3 * 4  # A, B and adapter index at each of 4 attach points
+
+
+def _two_graph_project(project: Path, root: Path, share_key: str = "") -> Path:
+    """The project with a second export of the base model (another batch size, weights renamed, as a
+    second `torch.onnx` export names them) as a second graph: the base use case names both."""
+    for part in ("base", "elementary", "long"):
+        (root / part).symlink_to(project / part)
+    second = dynamo_like_model(BASE_WEIGHTS)
+    for tensor in second.graph.initializer:
+        tensor.name = tensor.name.replace("val_", "w_")
+    for node in second.graph.node:
+        node.input[:] = [name.replace("val_", "w_") for name in node.input]
+    second.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+    onnx.save(second, str(root / "decode.onnx"))
+    yaml = YAML.replace("model_name: base/model.onnx", "model_name: [base/model.onnx, decode.onnx]")
+    (root / "lora.yaml").write_text(share_key + yaml)
+    return root
+
+
+@pytest.mark.parametrize("how", ["flag", "yaml", "no"])
+def test_a_super_adapter_is_one_section_for_every_graph(project: Path, tmp_path: Path, how: str) -> None:
+    root = _two_graph_project(project, tmp_path, "share_adapters_between_graphs: Yes\n" if how == "yaml" else "")
+    flag = ["--share-adapters-between-graphs"] if how == "flag" else []
+    result = run_cli("lora", "prepare", "--lora-config", root / "lora.yaml", "-o", root / "out", *flag, "--json")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads(result.stdout)
+    assert manifest["graphs"] == ["model", "decode"] and manifest["shared_between_graphs"] is (how != "no")
+    case = manifest["use_cases"]["elementary_long"]
+    with quiver.Context.from_binary(root / "out" / "lora.qctx") as context:
+        if how == "no":  # a section per graph
+            assert case["sections"] == {g: f"elementary_long.{g}.qsec" for g in ("model", "decode")}
+            for graph, file in case["sections"].items():
+                assert list(context.apply_binary_section(None, root / "out" / file).graphs) == [graph]
+            sizes = [(root / "out" / f).stat().st_size for f in case["sections"].values()]
+        else:  # one section updates both graphs, each distinct tensor in it once
+            assert case["section"] == "elementary_long.qsec"
+            section = context.apply_binary_section(None, root / "out" / case["section"])
+            assert sorted(section.graphs) == ["decode", "model"]
+            sizes = [(root / "out" / case["section"]).stat().st_size]
+        expected = _expected(project, {"elementary": 1.0, "long": 0.5})
+        np.testing.assert_allclose(context.graph("model").execute({"x": X})["y"], expected, rtol=1e-4, atol=1e-5)
+        decoded = context.graph("decode").execute({"x": X[:1]})["y"]
+        np.testing.assert_allclose(decoded, expected[:1], rtol=1e-4, atol=1e-5)
+        assert context.weight_stats().unique_bytes < 0.6 * context.weight_stats().referenced_bytes  # base shared
+    one_graph = (project / "out" / "elementary_long.qsec").stat().st_size  # the one-graph prepare's
+    assert sum(sizes) <= 1.1 * one_graph if how != "no" else sum(sizes) >= 1.8 * one_graph
+
+
+def test_only_the_base_use_case_names_several_models(project: Path, tmp_path: Path) -> None:
+    root = _two_graph_project(project, tmp_path)
+    text = (
+        (root / "lora.yaml")
+        .read_text()
+        .replace("adapter_names: [elementary]\n", "adapter_names: [elementary]\n  model_name: [a.onnx, b.onnx]\n")
+    )
+    (root / "lora.yaml").write_text(text)
+    result = run_cli("lora", "prepare", "--lora-config", root / "lora.yaml", "-o", root / "out")
+    assert_one_line_error(result, "only the base use case names several models")

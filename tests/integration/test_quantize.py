@@ -494,3 +494,33 @@ def test_4_bit_tensors_unpack_as_onnx_unpacks_them(dtype: int, low: int, high: i
     tensor = helper.make_tensor("t", dtype, [5, 7], pack_nibbles(flat & 0x0F).tobytes(), raw=True)
     np.testing.assert_array_equal(unpack_nibbles(tensor), values)
     np.testing.assert_array_equal(numpy_helper.to_array(tensor).astype(np.int64), values)
+
+
+def test_float_fallback_keeps_a_real_detectors_fused_conv_relu_pairs_quantized(real_wheel_models: Path) -> None:
+    """AIMET (and ORT's quantizer) write no encoding between a Conv and the Relu or Clip fused after it, only
+    on the pair's output: --float-fallback with such encodings quantizes the pair as QNN does, and leaves
+    no op of RapidOCR's detector float."""
+    import warnings
+
+    from quiver.tools.quantize import load_float_model
+    from tests.real.wheel_corpus import MODELS
+
+    model = load_float_model(real_wheel_models / "ocr_det.onnx")
+    for dim, size in zip(model.graph.input[0].type.tensor_type.shape.dim, MODELS["ocr_det"]["x"]):
+        dim.dim_value = size  # replaces the dynamic dim's name
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.random(MODELS["ocr_det"]["x"]).astype(np.float32)} for _ in range(2)]
+    _, given = quantize(model, samples, QuantizeOptions(activation_bits=8))
+    producers = {output: node for node in model.graph.node for output in node.output}
+    pairs = [n for n in model.graph.node if n.op_type in ("Relu", "Clip") and n.input[0] in producers]
+    pairs = [n for n in pairs if producers[n.input[0]].op_type in ("Conv", "Add")]
+    assert len(pairs) >= 30 and not any(n.input[0] in given.tensors for n in pairs)  # AIMET's layout
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback, used = quantize(model, [], QuantizeOptions(activation_bits=8, float_fallback=True, encodings=given))
+    assert not [str(w.message) for w in caught if "stay float" in str(w.message)]
+    quantized_inputs = {n.input[0] for n in fallback.graph.node if n.op_type == "QuantizeLinear"}
+    assert all(n.output[0] in quantized_inputs for n in pairs)  # each pair quantized, its Relu/Clip folded
+    assert {name: (e.scale, e.zero_point) for name, e in used.tensors.items()} == {
+        name: (e.scale, e.zero_point) for name, e in given.tensors.items()
+    }

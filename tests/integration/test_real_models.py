@@ -18,6 +18,7 @@ from quiver.backends import cpu
 from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend
 from quiver.passes.mask_fills import mask_fills_of
 from tests.real.corpus import OUTPUTS, case, held_out_cosines, quantize_a16w4, quantize_minilm
+from tests.support.cli import quiver as run_cli
 from tests.support.helpers import ort_fuses_8_bit_weights
 
 
@@ -192,3 +193,34 @@ def test_quantized_contexts_load_silently_and_answer_the_same_first_and_later(
     assert result.stderr == ""
     outcome = json.loads(result.stdout)
     assert outcome["packed"] and outcome["relative"] <= 1e-5
+
+
+def test_build_quantizes_two_fine_tunes_from_one_encodings_file_and_they_still_share_weights(
+    real_models: Path, quantized: dict[str, Path], tmp_path: Path
+) -> None:
+    """`quiver build --quantization-overrides` (qairt's converter with overrides and --float_fallback, then
+    the context generator): MiniLM and its fine-tune quantized from one AIMET file (a16w8 per channel, as
+    `quiver quantize` wrote it), the given scales exact, and the layers they share stored once."""
+    import onnx
+
+    from quiver.formats.encodings import save_encodings
+    from quiver.passes.quantize import encodings_of
+
+    given = encodings_of(onnx.load(quantized["a16w8"]))
+    save_encodings(given, tmp_path / "minilm.encodings", "1.0.0")
+    out = tmp_path / "both.qctx"
+    models = [f"{real_models / name}.onnx" for name in ("minilm", "minilm_tuned")]
+    result = run_cli("build", *models, "-o", out, "--quantization-overrides", tmp_path / "minilm.encodings", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert not report.get("encoding_conflicts")
+    with quiver.Context.from_binary(out) as context:
+        stats = context.weight_stats()
+        for name in ("minilm", "minilm_tuned"):
+            used = context.graph(name).encodings().params()
+            assert used and all(used[n].scale == e.scale for n, e in given.params().items() if n in used), name
+            feeds, expected = case(real_models, name)
+            got = context.graph(name).execute(feeds)[OUTPUTS[name]]
+            a, b = (_sentence_embeddings(h, feeds["attention_mask"]) for h in (expected, got))
+            assert ((a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min() >= 0.99
+    assert stats.unique_bytes < 0.75 * stats.referenced_bytes  # the shared layers' integers stored once

@@ -99,6 +99,12 @@ def demo(workdir: Path | None, as_json: bool) -> None:
     help="Weights a binary section or an update may replace later (a generic updateable context): names "
     "separated by commas, or @FILE with one per line; each must be a weight of some graph.",
 )
+@click.option(
+    "--quantization-overrides",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Quantize every graph from these encodings (AIMET 0.6.1/1.0.0/2.0.0 or ORT TensorQuantOverrides), "
+    "what they leave out kept float and named, as qairt's converter with --float_fallback.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the sharing report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @click.option(
@@ -112,6 +118,7 @@ def build(
     output: Path,
     input_shapes: tuple[str, ...],
     updateable: str | None,
+    quantization_overrides: Path | None,
     as_json: bool,
     quiet: bool,
     config_file: Path | None,
@@ -119,11 +126,13 @@ def build(
 ) -> None:
     """Pack MODEL.onnx[:GRAPH_NAME] ... into one context binary, each distinct weight stored once."""
     from quiver.passes.load import load_model
+    from quiver.tools.quantize import quantize_from_overrides, read_overrides
     from quiver.tools.report import describe_context
 
     shapes = parse_shape_args(input_shapes)
     parsed = [parse_model_arg(m) for m in models]
     wanted = _tensor_names(updateable) if updateable else []
+    overrides = read_overrides(quantization_overrides) if quantization_overrides else None
     found: set[str] = set()
     output.parent.mkdir(parents=True, exist_ok=True)
     context = Context.create("cpu", workdir=output.parent)
@@ -139,7 +148,12 @@ def build(
                 weights = {t.name for t in source.initializer}
                 names = [n for n in wanted if n in weights]
                 found.update(names)
-            context.add_graph(name, path, fixed, updateable=names)
+            if overrides is not None:
+                progress.update(task, description=f"quantizing {name}")
+                quantized, _ = quantize_from_overrides(Path(path), overrides, fixed)
+                context.add_graph(name, quantized, updateable=names)  # its inputs fixed already
+            else:
+                context.add_graph(name, path, fixed, updateable=names)
             progress.advance(task)
         missing = [n for n in wanted if n not in found]
         if missing:

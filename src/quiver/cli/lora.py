@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
@@ -19,6 +20,9 @@ from quiver.cli.common import (
 )
 from quiver.errors import QuiverError
 from quiver.formats.writer import write_atomically, write_text_atomically
+
+if TYPE_CHECKING:
+    from quiver.formats.encodings import EncodingSet
 
 _lora_config = click.option(
     "--lora-config",
@@ -108,15 +112,22 @@ def lora_create(lora_config: Path, output: Path) -> None:
 @click.option("--context", "context_path", type=click.Path(dir_okay=False, path_type=Path), help="With --onnx-adapter.")
 @click.option("--graph", "graphs", multiple=True, help="With --onnx-adapter: the graphs it updates (default: all).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Folder (--lora-config) or .qsec.")
+@click.option(
+    "--quantization-overrides",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --lora-config: AIMET encodings for every use case (a use case's quant_overrides win).",
+)
 def lora_import(
     lora_config: Path | None,
     onnx_adapter: Path | None,
     context_path: Path | None,
     graphs: tuple[str, ...],
     output: Path,
+    quantization_overrides: Path | None,
 ) -> None:
-    """Import adapters: a LoRA YAML's use cases (<use case>.safetensors, zero-padded, and use_cases.json in
-    the -o folder), or an ONNX Runtime .onnx_adapter as a binary section of a context (-o FILE.qsec)."""
+    """Import adapters: a LoRA YAML's use cases (<use case>.safetensors, zero-padded, <use case>.encodings
+    where it has encodings, and use_cases.json in the -o folder), or an ONNX Runtime .onnx_adapter as a
+    binary section of a context (-o FILE.qsec)."""
     if (lora_config is None) == (onnx_adapter is None):
         raise click.UsageError("give --lora-config (PEFT adapters) or --onnx-adapter with --context")
     if onnx_adapter is not None:
@@ -130,7 +141,7 @@ def lora_import(
     assert lora_config is not None
     from quiver.lora.prepare import write_use_cases
 
-    summary = write_use_cases(lora_config, output)
+    summary = write_use_cases(lora_config, output, _aimet_overrides(quantization_overrides))
     err_console.print(f"{len(summary)} use case(s) in {output}")
 
 
@@ -151,6 +162,24 @@ def lora_import(
 @click.option("--act-bitwidth", type=click.Choice(["8", "16"]), default="16", show_default=True)
 @click.option("--weight-bitwidth", type=click.Choice(["8", "16"]), default="8", show_default=True)
 @click.option("--lora-weight-bitwidth", type=click.Choice(["8", "16"]), help="Keep adapter weights at this width.")
+@click.option(
+    "--quantization-overrides",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="AIMET encodings (0.6.1/1.0.0/2.0.0) for every use case; a use case's quant_overrides win, tensor by tensor.",
+)
+@click.option(
+    "--float-fallback",
+    is_flag=True,
+    help="Quantize from the encodings alone (no --input-list): tensors without one stay float, each op named.",
+)
+@click.option(
+    "--share-adapters-between-graphs",
+    "share",
+    flag_value=True,
+    default=None,
+    help="With several base exports: one section per use case for all graphs (a super adapter); "
+    "default: the YAML's share_adapters_between_graphs.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def lora_prepare(
     lora_config: Path,
@@ -161,32 +190,59 @@ def lora_prepare(
     act_bitwidth: str,
     weight_bitwidth: str,
     lora_weight_bitwidth: str | None,
+    quantization_overrides: Path | None,
+    float_fallback: bool,
+    share: bool | None,
     as_json: bool,
 ) -> None:
-    """Map, create, import: one context, one section per use case, and manifest.json (quantized with --input-list)."""
-    from quiver.lora.prepare import LoraQuantization, load_lora_config, prepare
+    """Map, create, import: one context, one section per use case, and manifest.json (quantized with --input-list
+    or --float-fallback, from the use cases' quant_overrides and --quantization-overrides where given)."""
+    from quiver.lora.prepare import LoraQuantization, load_lora_config, prepare, section_files
     from quiver.passes.quantize import QuantizeOptions
     from quiver.tools.quantize import load_float_model, read_samples
 
+    if quantization_overrides is not None and input_list is None and not float_fallback:
+        raise click.UsageError("--quantization-overrides quantizes: add --input-list (calibration) or --float-fallback")
     quantization = None
-    if input_list is not None:
+    if input_list is not None or float_fallback:
         base = load_float_model(load_lora_config(lora_config).base_model)
         quantization = LoraQuantization(
             read_samples(base, input_list, parse_file_shapes(input_shapes)),
-            QuantizeOptions(activation_bits=int(act_bitwidth), weight_bits=int(weight_bitwidth)),
+            QuantizeOptions(
+                activation_bits=int(act_bitwidth),
+                weight_bits=int(weight_bitwidth),
+                float_fallback=float_fallback,
+                encodings=_aimet_overrides(quantization_overrides),
+            ),
             int(lora_weight_bitwidth) if lora_weight_bitwidth else None,
         )
     with status_line("preparing") as status:
         manifest = prepare(
-            lora_config, output_dir, genie_config, on_step=lambda step: status.update(step), quantization=quantization
+            lora_config,
+            output_dir,
+            genie_config,
+            on_step=lambda step: status.update(step),
+            quantization=quantization,
+            share_adapters_between_graphs=share,
         )
     if as_json:
         emit_json(manifest)
         return
-    table = Table(title=f"{output_dir / manifest['context']}: graph {manifest['graph']}")
+    shared = " (one section for all: shared adapters)" if manifest["shared_between_graphs"] else ""
+    table = Table(title=f"{output_dir / manifest['context']}: graph(s) {', '.join(manifest['graphs'])}{shared}")
     for column in ("use case", "adapters", "alphas", "section", "bytes"):
         table.add_column(column)
     for name, case in manifest["use_cases"].items():
-        size = (output_dir / case["section"]).stat().st_size
-        table.add_row(name, ", ".join(case["adapters"]) or "-", str(case["alphas"]), case["section"], f"{size:,}")
+        for file in section_files(case):
+            size = (output_dir / file).stat().st_size
+            table.add_row(name, ", ".join(case["adapters"]) or "-", str(case["alphas"]), file, f"{size:,}")
     console.print(table)
+
+
+def _aimet_overrides(path: Path | None) -> EncodingSet | None:
+    """`--quantization-overrides` for LoRA: AIMET encodings (any version), as the YAML's quant_overrides."""
+    if path is None:
+        return None
+    from quiver.formats.encodings import load_encodings
+
+    return load_encodings(path)

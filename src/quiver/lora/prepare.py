@@ -6,7 +6,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import onnx
 import yaml
 
 from quiver.errors import AdapterError, FileAccessError
-from quiver.formats.encodings import to_document
+from quiver.formats.encodings import EncodingSet, load_encodings, save_encodings, to_document
 from quiver.formats.files import read_text
 from quiver.formats.writer import write_atomically, write_text_atomically
 from quiver.lora.attach import AttachPoint, find_attach_points
@@ -39,6 +39,8 @@ class UseCase:
     adapters: list[str]
     alphas: list[float]
     model: Path | None  # QNN needs one export per use case; Quiver only checks it against the base
+    quant_overrides: Path | None = None  # the use case's AIMET encodings (from QAT), used when quantizing
+    more_models: tuple[Path, ...] = ()  # the base use case's further exports (a list `model_name`): more graphs
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class LoraProject:
     adapters: dict[str, Path]
     use_cases: list[UseCase]
     attach_map: dict[str, str] | None
+    # Every graph of the context: the base model, then other exports of it (e.g. other fixed shapes) that
+    # the same adapters adapt; with `share_adapters_between_graphs` one section per use case covers them all.
+    graph_models: tuple[Path, ...] = ()
+    share_adapters_between_graphs: bool = False
 
 
 def _list(raw: dict[str, Any], key: str, source: Path) -> list[Any]:
@@ -59,7 +65,7 @@ def _list(raw: dict[str, Any], key: str, source: Path) -> list[Any]:
 
 
 # Every key the YAML may hold (QNN's LoRA v3 flow); anything else is a typo that would be ignored silently.
-_TOP_KEYS = {"adapter", "use-case", "attach_point_onnx_mapping"}
+_TOP_KEYS = {"adapter", "use-case", "attach_point_onnx_mapping", "share_adapters_between_graphs"}
 _ADAPTER_KEYS = {"name", "lora_config"}
 _USE_CASE_KEYS = {"name", "adapter_names", "adapter_alphas", "model_name", "quant_overrides"}
 
@@ -103,12 +109,6 @@ def read_adapters_and_use_cases(path: str | Path) -> tuple[dict[str, Any], dict[
         if not isinstance(entry, dict) or "name" not in entry:
             raise AdapterError(f"{path}: each use case needs a 'name'")
         _check_keys(entry, _USE_CASE_KEYS, f"use case {entry['name']!r}", path)
-        if "quant_overrides" in entry:
-            warnings.warn(
-                f"{path}: use case {entry['name']!r}: quant_overrides is not used by `lora prepare`; "
-                "quantize with --quantization-overrides instead",
-                stacklevel=2,
-            )
         names = [str(n) for n in _list(entry, "adapter_names", path)]
         unknown = sorted(set(names) - set(adapters))
         if unknown:
@@ -117,8 +117,16 @@ def read_adapters_and_use_cases(path: str | Path) -> tuple[dict[str, Any], dict[
         alphas = [_alpha(a, str(entry["name"]), path) for a in given_alphas]
         if len(alphas) != len(names):
             raise AdapterError(f"{path}: use case {entry['name']!r} has {len(names)} adapters but {len(alphas)} alphas")
-        model = folder / str(entry["model_name"]) if entry.get("model_name") else None
-        use_cases.append(UseCase(str(entry["name"]), names, alphas, model))
+        models = (
+            [folder / str(m) for m in _list(entry, "model_name", path)]
+            if isinstance(entry.get("model_name"), list)
+            else ([folder / str(entry["model_name"])] if entry.get("model_name") else [])
+        )
+        if len(models) > 1 and names:
+            raise AdapterError(f"{path}: use case {entry['name']!r}: only the base use case names several models")
+        overrides = folder / str(entry["quant_overrides"]) if entry.get("quant_overrides") else None
+        model = models[0] if models else None
+        use_cases.append(UseCase(str(entry["name"]), names, alphas, model, overrides, tuple(models[1:])))
     return raw, adapters, use_cases
 
 
@@ -138,9 +146,18 @@ def load_lora_config(path: str | Path) -> LoraProject:
         except (FileAccessError, ValueError, AttributeError, RecursionError) as exc:
             raise AdapterError(f"cannot read the attach-point map {map_path}: {exc}") from None
     base = bases[0].model
-    if base is None or not base.is_file():
-        raise AdapterError(f"{path}: the base model {base} does not exist; fix 'model_name' of the base use case")
-    return LoraProject(base, adapters, use_cases, mapping)
+    graphs = (base, *bases[0].more_models) if base is not None else ()
+    for model in graphs:
+        if not model.is_file():
+            raise AdapterError(f"{path}: the base model {model} does not exist; fix 'model_name' of the base use case")
+    stems = [model.stem for model in graphs]
+    if len(set(stems)) != len(stems):
+        raise AdapterError(f"{path}: the base models {stems} name their graphs; give files of different names")
+    share = raw.get("share_adapters_between_graphs", False)
+    if not isinstance(share, bool):
+        raise AdapterError(f"{path}: share_adapters_between_graphs is Yes or No, not {share!r}")
+    assert base is not None
+    return LoraProject(base, adapters, use_cases, mapping, tuple(graphs), share)
 
 
 def _check_use_case_models(project: LoraProject) -> None:
@@ -174,15 +191,17 @@ def load_adapters(project: LoraProject) -> dict[str, PeftAdapter]:
     return {name: load_peft_adapter(path, name) for name, path in project.adapters.items()}
 
 
-def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter]) -> LoraGraph:
-    """`quiver lora create`: map, then one max-rank LoRA graph for every use case."""
+def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter], model: Path | None = None) -> LoraGraph:
+    """`quiver lora create`: map, then one max-rank LoRA graph for every use case, over the base model or
+    `model` (another of the project's graphs)."""
     _check_use_case_models(project)
-    base = onnx.load(str(project.base_model))  # with its weights: the created graph carries them
+    model = model or project.base_model
+    base = onnx.load(str(model))  # with its weights: the created graph carries them
     return lora_graph(
         base,
         {name: adapters[name] for name in project.adapters},
         project.use_cases,
-        project.base_model.stem,
+        model.stem,
         project.attach_map,
         remedy="export with torch.onnx (dynamo) or give attach_point_onnx_mapping (module -> node name)",
     )
@@ -230,19 +249,43 @@ def section_metadata(use_case: UseCase, adapter_order: Sequence[str]) -> dict[st
     }
 
 
-def write_use_cases(config: str | Path, output: Path) -> dict[str, dict[str, Any]]:
+def use_case_encodings(project: LoraProject, common: EncodingSet | None = None) -> dict[str, EncodingSet]:
+    """Per use case, the encodings it is quantized with: `common` (`--quantization-overrides`, e.g. the base
+    model's) with the use case's own `quant_overrides` over them, tensor by tensor; none for a use case
+    that has neither."""
+    result = {}
+    for use_case in project.use_cases:
+        if use_case.quant_overrides is None:
+            if common is not None:
+                result[use_case.name] = common
+            continue
+        own = load_encodings(use_case.quant_overrides)
+        result[use_case.name] = own if common is None else replace(own, tensors={**common.tensors, **own.tensors})
+    return result
+
+
+def write_use_cases(config: str | Path, output: Path, common: EncodingSet | None = None) -> dict[str, dict[str, Any]]:
     """`quiver lora import`: each use case's updateable tensors as `<use case>.safetensors` (zero-padded)
-    and `use_cases.json` naming them, their adapter order and alphas, in `output`; returns that summary."""
+    and, where it has encodings (`use_case_encodings`), those of the LoRA graph's tensors as
+    `<use case>.encodings` (AIMET, the file's version); `use_cases.json` names them, the adapter order and
+    alphas, in `output`; returns that summary."""
     from safetensors.numpy import save
+
+    from quiver.lora.quantize import encodings_in_graph
 
     project = load_lora_config(config)
     adapters = load_adapters(project)
     graph = create_graph(project, adapters)
+    encodings = use_case_encodings(project, common)
     output.mkdir(parents=True, exist_ok=True)
     summary: dict[str, dict[str, Any]] = {}
     for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
         write_atomically(output / f"{name}.safetensors", save(values))
         summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
+        if name in encodings:
+            found = encodings_in_graph(graph.model, encodings[name], f"use case {name!r}")
+            save_encodings(found, output / f"{name}.encodings", found.version)
+            summary[name]["encodings"] = f"{name}.encodings"
     write_text_atomically(output / "use_cases.json", json.dumps(summary, indent=2))
     return summary
 
@@ -262,8 +305,8 @@ def import_use_cases(
 class LoraQuantization:
     """Quantize every use case (LoRA-aware): calibration feeds of the base inputs, and the options."""
 
-    samples: Sequence[Mapping[str, np.ndarray]]
-    options: QuantizeOptions
+    samples: Sequence[Mapping[str, np.ndarray]]  # none: --float-fallback, every quantized tensor has an encoding
+    options: QuantizeOptions  # its `encodings` (--quantization-overrides) serve every use case
     lora_weight_bits: int | None = None  # e.g. 16 while the base is 8-bit
 
 
@@ -273,66 +316,109 @@ def prepare(
     genie_config: str | Path | None = None,
     on_step: Callable[[str], object] = lambda _: None,
     quantization: LoraQuantization | None = None,
+    share_adapters_between_graphs: bool | None = None,
 ) -> dict[str, Any]:
     """The whole LoRA v3 flow: map, create, import, then the context, sections and manifest in `out_dir`.
 
     With `quantization`, the context holds one QDQ graph and each section also carries its use case's
-    adapter integers and encodings (`quiver.lora.quantize`).
+    adapter integers and encodings (`quiver.lora.quantize`). With several base exports (the base use
+    case's `model_name` a list), the context has a graph for each, and each use case one section per
+    graph, or one for them all (a super adapter, each distinct tensor stored once) when sharing
+    (`share_adapters_between_graphs`, else the YAML's key of that name).
     """
     config = Path(config)
     project = load_lora_config(config)
+    share = (
+        project.share_adapters_between_graphs
+        if share_adapters_between_graphs is None
+        else share_adapters_between_graphs
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     on_step("reading adapters")
     adapters = load_adapters(project)
     on_step("mapping and creating the LoRA graph")
-    graph = create_graph(project, adapters)
+    graphs = [create_graph(project, adapters, model) for model in project.graph_models]
+    if quantization is not None and len(graphs) > 1:
+        raise AdapterError(
+            f"{config}: quantizing names one base model; prepare each of {[g.name for g in graphs]} on its own"
+        )
+    graph = graphs[0]
     imported = import_use_cases(project, adapters, graph)
-    model, updateable = graph.model, graph.updateable
-    values = {name: dict(tensors) for name, (tensors, _) in imported.items()}
+    unused = [u.name for u in project.use_cases if u.quant_overrides is not None]
+    if quantization is None and unused:
+        warnings.warn(
+            f"{config}: the quant_overrides of use case(s) {unused} are used when quantizing: give --input-list "
+            "(calibration) or --float-fallback (what they leave out stays float); the sections are float",
+            stacklevel=2,
+        )
+    models = {g.name: (g.model, g.updateable) for g in graphs}
+    values = {  # graph -> use case -> its tensors
+        g.name: {name: dict(tensors) for name, (tensors, _) in import_use_cases(project, adapters, g).items()}
+        for g in graphs
+    }
     encodings: dict[str, Any] = {}
     if quantization is not None:
         from quiver.lora.quantize import quantize_use_cases
 
         on_step("calibrating and quantizing every use case")
         quantized = quantize_use_cases(
-            graph, imported, quantization.samples, quantization.options, quantization.lora_weight_bits
+            graph,
+            imported,
+            quantization.samples,
+            quantization.options,
+            quantization.lora_weight_bits,
+            use_case_encodings(project, quantization.options.encodings),
         )
-        model, updateable, values = quantized.model, quantized.updateable, quantized.values
+        models[graph.name] = (quantized.model, quantized.updateable)
+        values[graph.name] = quantized.values
         encodings = {name: to_document(found) for name, found in quantized.encodings.items()}
     context = Context.create("reference", workdir=out)
-    context.add_graph(graph.name, model, updateable=updateable)
+    for name, (model, updateable) in models.items():
+        context.add_graph(name, model, updateable=updateable)
     context.save(out / f"{config.stem}.qctx")
     manifest: dict[str, Any] = {
         "context": f"{config.stem}.qctx",
         "graph": graph.name,
+        "graphs": list(models),
+        "shared_between_graphs": share and len(models) > 1,
         "alpha_input": ALPHA_INPUT,
         "adapters": graph.adapter_order,
         "use_cases": {},
     }
     cases = {u.name: u for u in project.use_cases}
     if quantization is not None:
-        manifest["quantized"] = {"updateable_tensors": len(updateable)}
+        manifest["quantized"] = {"updateable_tensors": len(models[graph.name][1])}
     for name in imported:
         on_step(f"writing the section of use case {name}")
-        context.graph(graph.name).update_tensors(values[name])
+        for graph_name in models:
+            context.graph(graph_name).update_tensors(values[graph_name][name])
         context.finalize()
         metadata = section_metadata(cases[name], graph.adapter_order)
         if name in encodings:
             metadata["encodings"] = encodings[name]  # its adapter weights' and the changed activations
-        # replaced, never rewritten: a process that applied the old file keeps what it checked
-        write_atomically(out / f"{name}.qsec", context.get_binary_section(graph.name, metadata))
-        manifest["use_cases"][name] = {
-            "section": f"{name}.qsec",
-            "adapters": cases[name].adapters,
-            "alphas": cases[name].alphas,
-        }
+        if len(models) == 1 or share:
+            files = {f"{name}.qsec": None if len(models) > 1 else graph.name}
+        else:
+            files = {f"{name}.{graph_name}.qsec": graph_name for graph_name in models}
+        for file, covers in files.items():
+            # replaced, never rewritten: a process that applied the old file keeps what it checked
+            write_atomically(out / file, context.get_binary_section(covers, metadata))
+        manifest["use_cases"][name] = {"adapters": cases[name].adapters, "alphas": cases[name].alphas}
+        manifest["use_cases"][name] |= (
+            {"section": next(iter(files))} if len(files) == 1 else {"sections": {g: f for f, g in files.items()}}
+        )
     context.close()
     write_text_atomically(out / "manifest.json", json.dumps(manifest, indent=2))
     if genie_config is not None:
         genie = genie_lora_block(manifest, out, Path(genie_config).parent)
         write_text_atomically(Path(genie_config), json.dumps(genie, indent=2))
     return manifest
+
+
+def section_files(case: Mapping[str, Any]) -> list[str]:
+    """A manifest use case's section files: one (for its graph, or all of them), or one per graph."""
+    return [case["section"]] if "section" in case else list(case["sections"].values())
 
 
 def genie_lora_block(manifest: dict[str, Any], out_dir: Path, relative_to: Path) -> dict[str, Any]:
@@ -350,7 +436,12 @@ def genie_lora_block(manifest: dict[str, Any], out_dir: Path, relative_to: Path)
             "version": 1,
             "alpha-tensor-name": manifest["alpha_input"],
             "adapters": [
-                {"version": 1, "name": name, "alphas": case["adapters"], "bin-sections": [where(case["section"])]}
+                {
+                    "version": 1,
+                    "name": name,
+                    "alphas": case["adapters"],
+                    "bin-sections": [where(f) for f in section_files(case)],
+                }
                 for name, case in manifest["use_cases"].items()
             ],
         }

@@ -10,6 +10,7 @@ section replaces them all at once (QNN updates encodings after applyBinarySectio
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from onnx import numpy_helper
 from quiver.errors import AdapterError
 from quiver.formats.encodings import EncodingSet
 from quiver.lora.create import ALPHA_INPUT, LoraGraph
-from quiver.passes.quantize import QuantizeOptions, quant_type_of, quantize
+from quiver.passes.quantize import QuantizeOptions, placeholder_sample, quant_type_of, quantize
 
 UseCaseValues = Mapping[str, tuple[Mapping[str, np.ndarray], Sequence[float]]]  # name -> (tensors, alphas)
 
@@ -46,16 +47,41 @@ def _structure(model: onnx.ModelProto) -> list[tuple[str, tuple[str, ...], tuple
     return [(n.op_type, tuple(n.input), tuple(n.output)) for n in model.graph.node]
 
 
+def encodings_in_graph(model: onnx.ModelProto, encodings: EncodingSet, where: str) -> EncodingSet:
+    """The encodings of tensors `model` has (weights, inputs, node outputs), as qairt's converter takes
+    overrides: names it lacks are skipped with a warning, and a file that names none of them is an error."""
+    names = {t.name for t in model.graph.initializer} | {v.name for v in model.graph.input}
+    names.update(output for node in model.graph.node for output in node.output)
+    found = {name: encoding for name, encoding in encodings.tensors.items() if name in names}
+    missing = sorted(set(encodings.tensors) - set(found))
+    if encodings.tensors and not found:
+        raise AdapterError(
+            f"{where}: its encodings name no tensor of the LoRA graph (e.g. {missing[:3]}); encodings from QAT "
+            "must name the graph `quiver lora create` writes"
+        )
+    if missing:
+        warnings.warn(
+            f"{where}: {len(missing)} encoding(s) name tensors the LoRA graph lacks, skipped: {missing[:5]}",
+            stacklevel=2,
+        )
+    return dataclasses.replace(encodings, tensors=found)
+
+
 def quantize_use_cases(
     graph: LoraGraph,
     cases: UseCaseValues,
     samples: Sequence[Mapping[str, np.ndarray]],
     options: QuantizeOptions,
     lora_weight_bits: int | None = None,
+    case_encodings: Mapping[str, EncodingSet] | None = None,
 ) -> QuantizedLora:
-    """Calibrates and quantizes the LoRA graph once per use case; returns the shared graph and the differences."""
-    if not samples:
-        raise AdapterError("quantizing LoRA use cases needs calibration inputs: give --input-list")
+    """Calibrates and quantizes the LoRA graph once per use case, each with its own encodings where
+    `case_encodings` has them (else `options.encodings`); returns the shared graph and the differences."""
+    if not samples and not options.float_fallback:
+        raise AdapterError(
+            "quantizing LoRA use cases needs calibration inputs: give --input-list, or --float-fallback with encodings"
+        )
+    case_encodings = case_encodings or {}
     adapter_weights = [name for slot in graph.slots for name in (slot.a_name, slot.b_name)]
     overrides = dict(options.ort_overrides)
     if lora_weight_bits is not None:  # e.g. 16-bit adapters on an 8-bit base
@@ -69,8 +95,18 @@ def quantize_use_cases(
     encodings: dict[str, EncodingSet] = {}
     for name, (values, alphas) in cases.items():
         alpha = np.asarray(alphas, np.float32)
-        calibration = [{**sample, ALPHA_INPUT: alpha} for sample in samples]
-        models[name], encodings[name] = quantize(_with_values(graph.model, values), calibration, per_case_options)
+        calibration = [{**sample, ALPHA_INPUT: alpha} for sample in samples or [placeholder_sample(graph.model)]]
+        given = case_encodings.get(name, options.encodings)
+        if given is None and options.float_fallback:
+            raise AdapterError(
+                f"use case {name!r} has no encodings to quantize from with --float-fallback: give it quant_overrides "
+                "in the YAML, or encodings for every use case with --quantization-overrides"
+            )
+        case_options = per_case_options
+        if given is not None:
+            given = encodings_in_graph(graph.model, given, f"use case {name!r}")
+            case_options = dataclasses.replace(per_case_options, encodings=given)
+        models[name], encodings[name] = quantize(_with_values(graph.model, values), calibration, case_options)
     first_name, first = next(iter(models.items()))
     for name, model in models.items():
         if _structure(model) != _structure(first):

@@ -126,7 +126,8 @@ def _placeholder(tensor: onnx.TensorProto) -> onnx.TensorProto:
     return placeholder
 
 
-def _fix_input_shapes(graph: onnx.GraphProto, input_shapes: InputShapes) -> None:
+def fix_input_shapes(graph: onnx.GraphProto, input_shapes: InputShapes) -> None:
+    """Gives the named inputs of `graph` these shapes (a str dim stays symbolic), checking names and ranks."""
     inputs = {i.name: i for i in graph.input}
     for name, dims in input_shapes.items():
         if name not in inputs:
@@ -271,7 +272,7 @@ def convert(
     del graph.input[:]
     graph.input.extend(real_inputs)
     if input_shapes:
-        _fix_input_shapes(graph, input_shapes)
+        fix_input_shapes(graph, input_shapes)
 
     model = _infer_shapes(model, label)
     foldable = _FoldableValues(known, {n: w for n, w in weights.items() if n not in updateable})

@@ -12,8 +12,9 @@ import contextlib
 import io
 import logging
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,11 @@ DEFAULT_BLOCK_SIZE = 64
 # Ops whose output is a rearrangement of their input: an encoding carries over unchanged (qairt propagates
 # encodings across such "math-invariant" ops before falling back to float).
 _INVARIANT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice", "Gather"}
+# Activations that AIMET and QNN fuse into the op before them (a "supergroup": Conv+Relu, Gemm+Clip...):
+# only the activation's output has an encoding, and quantizing the producer's output with it is exact,
+# since these activations only clamp.
+_CLAMPING_ACTIVATIONS = {"Relu", "Clip"}
+_FUSING_PRODUCERS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "BatchNormalization"}
 
 
 @dataclass
@@ -88,7 +94,11 @@ def quant_type_of(dtype: str) -> Any:
 
 
 def _quant_types(options: QuantizeOptions) -> tuple[Any, Any]:
-    activation = "uint16" if options.activation_bits == 16 else "uint8"
+    # Under --float-fallback with encodings, every quantized activation takes its type from them; ORT's
+    # default type then only steers its mixed-precision rules, and at 16 bits those refuse a given 16-bit
+    # tensor that an 8-bit region produces (a 16-bit a16w8 file's own embeddings, made 8-bit by their tables).
+    given_types = options.float_fallback and options.encodings is not None
+    activation = "uint16" if options.activation_bits == 16 and not given_types else "uint8"
     weight = {4: "uint8", 8: "uint8", 16: "int16"}[options.weight_bits]  # 4: MatMul weights redone afterwards
     return quant_type_of(activation), quant_type_of(weight)
 
@@ -193,6 +203,30 @@ def _channel_axis(model: onnx.ModelProto, weight: str) -> int:
     return 0
 
 
+def fused_activation_encodings(model: onnx.ModelProto, encodings: EncodingSet) -> EncodingSet:
+    """`encodings` plus, for each fused pair (Conv→Relu, Gemm→Clip…) whose activation output has an encoding
+    and whose producer output has none, that encoding on the producer's output too, as QNN's converter does
+    when it folds the activation into the op (AIMET writes an encoding only after the pair)."""
+    consumers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers[name] = consumers.get(name, 0) + 1
+    producers = {output: node for node in model.graph.node for output in node.output}
+    outputs = {o.name for o in model.graph.output}
+    added: dict[str, Encoding] = {}
+    for node in model.graph.node:
+        if node.op_type not in _CLAMPING_ACTIVATIONS or not node.input or node.output[0] not in encodings.tensors:
+            continue
+        source = node.input[0]
+        producer = producers.get(source)
+        fused = producer is not None and producer.op_type in _FUSING_PRODUCERS
+        if fused and consumers.get(source) == 1 and source not in outputs and source not in encodings.tensors:
+            added[source] = encodings.tensors[node.output[0]]
+    if not added:
+        return encodings
+    return replace(encodings, tensors={**encodings.tensors, **added})
+
+
 def _float_fallback_exclusions(model: onnx.ModelProto, encodings: set[str]) -> list[str]:
     """Nodes touching a float activation that has no encoding (after propagation): these stay float."""
     initializers = {t.name for t in model.graph.initializer}
@@ -286,8 +320,10 @@ def _quantize(
     mask_fills = clamp_mask_fills(model_copy, samples)
     activation_type, weight_type = _quant_types(options)
     overrides = dict(options.ort_overrides)
-    if options.encodings is not None:
-        overrides.update(_encoding_overrides(model_copy, options.encodings))
+    encodings = options.encodings
+    if encodings is not None:
+        encodings = fused_activation_encodings(model_copy, encodings)
+        overrides.update(_encoding_overrides(model_copy, encodings))
     for table in _weights_read_by(model_copy, "Gather", 0):
         # QNN's config gives a Gather table the activations' type (its output shares the encoding): with
         # 16-bit activations that doubles the biggest weight of a transformer. Tables are weights.
@@ -301,6 +337,13 @@ def _quantize(
     excluded: list[str] = []
     if options.float_fallback:
         excluded = _float_fallback_exclusions(model_copy, set(overrides))
+        if excluded:
+            ops = {n.name: n.op_type for n in model_copy.graph.node}
+            warnings.warn(
+                f"--float-fallback: {len(excluded)} op(s) stay float, an activation of each having no encoding: "
+                + ", ".join(f"{name} ({ops[name]})" for name in excluded),
+                stacklevel=2,
+            )
     method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
               "entropy": CalibrationMethod.Entropy}[options.calibration]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="quiver-quantize-") as tmp:
@@ -335,15 +378,37 @@ def _quantize(
         finally:
             quiet.setLevel(level)
         result = onnx.load(target)
-    if options.encodings is not None:
-        _requantize_weights(result, model_copy, options.encodings)
+    if encodings is not None:
+        _requantize_weights(result, model_copy, encodings)
     if options.weight_bits == 4:
         result = _with_opset(result, BLOCK_QUANTIZATION_OPSET)
         _matmul_weights_to_int4_blocks(
             result, model_copy, options.block_size or DEFAULT_BLOCK_SIZE, options.weight_quantizer, samples
         )
     record_mask_fills(result, mask_fills)  # the model says what was changed in it; reports read it there
-    return result, encodings_of(result)
+    used = encodings_of(result)
+    if encodings is not None:
+        _warn_of_replaced_encodings(encodings, used)
+    return result, used
+
+
+def _warn_of_replaced_encodings(given: EncodingSet, used: EncodingSet) -> None:
+    """Says which given activation encodings the result does not use: ORT's QNN rules fix some outputs
+    (Tanh, Sigmoid, Softmax...) whatever the overrides say, as QNN's HTP needs them."""
+    replaced = [
+        name
+        for name, encoding in given.activations().items()
+        if name in used.tensors
+        and not encoding.is_float
+        and (used.tensors[name].scale, used.tensors[name].zero_point)
+        != (tuple(float(np.float32(s)) for s in encoding.scale), encoding.zero_point)
+    ]
+    if replaced:
+        warnings.warn(
+            f"{len(replaced)} given activation encoding(s) were replaced by the fixed ones ONNX Runtime's QNN rules "
+            f"require (e.g. Tanh, Sigmoid outputs): {', '.join(replaced)}; the result's encodings say what is used",
+            stacklevel=3,
+        )
 
 
 BLOCK_QUANTIZATION_OPSET = 21  # DequantizeLinear's block_size
@@ -435,6 +500,40 @@ def _requantize_weights(qdq: onnx.ModelProto, float_model: onnx.ModelProto, enco
         shape = numpy_helper.to_array(scale).shape
         scale.CopyFrom(numpy_helper.from_array(encoding.scale_array().reshape(shape), scale.name))
         zero.CopyFrom(numpy_helper.from_array(np.asarray(encoding.zero_point, dtype).reshape(shape), zero.name))
+    _rederive_biases(qdq, floats, stored)
+
+
+def _rederive_biases(
+    qdq: onnx.ModelProto, floats: Mapping[str, onnx.TensorProto], stored: Mapping[str, onnx.TensorProto]
+) -> None:
+    """A 32-bit bias's scale is its op's input scale × weight scale (QNN's rule, and ORT's): where the
+    weight's scale was replaced by a given one, the bias is quantized again to the new product."""
+    dequantized = {n.output[0]: n for n in qdq.graph.node if n.op_type == "DequantizeLinear"}
+
+    def array(name: str) -> np.ndarray | None:
+        return numpy_helper.to_array(stored[name]) if name in stored else None
+
+    for node in qdq.graph.node:
+        if len(node.input) < 3 or not all(i in dequantized for i in node.input[:3]):
+            continue
+        x, w, b = (dequantized[i] for i in node.input[:3])
+        bias_ints, bias_scale, x_scale, w_scale = (
+            array(b.input[0]),
+            array(b.input[1]),
+            array(x.input[1]),
+            array(w.input[1]),
+        )
+        bias_float = floats.get(b.input[0].removesuffix(QUANTIZED_SUFFIX))
+        if bias_ints is None or bias_ints.dtype != np.int32 or bias_float is None or x_scale is None or w_scale is None:
+            continue
+        scale = (x_scale.astype(np.float64) * w_scale.astype(np.float64)).astype(np.float32).reshape(-1)
+        if bias_scale is not None and bias_scale.size == scale.size and np.array_equal(bias_scale.reshape(-1), scale):
+            continue  # ORT's product already: the weight kept its scale
+        values = numpy_helper.to_array(bias_float).astype(np.float64)
+        ints = np.clip(np.round(values / scale.astype(np.float64)), -(2**31), 2**31 - 1).astype(np.int32)
+        stored[b.input[0]].CopyFrom(numpy_helper.from_array(ints, b.input[0]))
+        shape = bias_scale.shape if bias_scale is not None and bias_scale.size == scale.size else scale.shape
+        stored[b.input[1]].CopyFrom(numpy_helper.from_array(scale.reshape(shape), b.input[1]))
 
 
 def encodings_of(model: onnx.ModelProto) -> EncodingSet:

@@ -15,6 +15,7 @@ from quiver.errors import ModelLoadError, QuantizationError
 from quiver.formats.encodings import EncodingSet, parse_encodings, read_json_file, save_encodings
 from quiver.formats.writer import write_atomically
 from quiver.ir.tensors import TensorType, info_of_value
+from quiver.passes.convert import InputShapes, fix_input_shapes
 from quiver.passes.load import load_model
 from quiver.passes.quantize import QuantizeOptions, parse_ort_overrides, quantize
 from quiver.runtime.netrun import parse_input_list
@@ -96,6 +97,20 @@ def run_quantize(
         save_encodings(encodings, encodings_out, encodings_version)
     accuracy = accuracy_report(model, qdq, samples) if report else None
     return QuantizeResult(qdq, encodings, accuracy, _weight_bytes(model), _weight_bytes(qdq))
+
+
+def quantize_from_overrides(
+    path: Path,
+    overrides: tuple[EncodingSet | None, dict[str, list[dict[str, Any]]]],
+    shapes: InputShapes | None = None,
+) -> tuple[onnx.ModelProto, EncodingSet]:
+    """`quiver build --quantization-overrides`: the model at `path` (inputs fixed to `shapes`) quantized from
+    the given encodings alone, what they leave out kept float (qairt's converter with `--float_fallback`)."""
+    encodings, ort_overrides = overrides
+    model = load_float_model(path)
+    if shapes:
+        fix_input_shapes(model.graph, shapes)
+    return quantize(model, [], QuantizeOptions(float_fallback=True, encodings=encodings, ort_overrides=ort_overrides))
 
 
 def run_eval(
