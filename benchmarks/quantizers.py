@@ -20,20 +20,17 @@ rounds.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import psutil
-
+import llama_completion  # a sibling script, not a package
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.quality import read_prompts
-from serve import _free_port, _wait_healthy
 from t2t import (  # a sibling script, not a package
     CONTEXT,
+    LLAMA_Q4_1,
+    NEW_TOKENS,
     PROMPTS,
     THREADS,
     _genai_copy,
@@ -42,9 +39,10 @@ from t2t import (  # a sibling script, not a package
     genai_replies,
     leading_equal,
     quiver_replies,
+    worker_prompts,
 )
 
-LLAMA = "llama.cpp Q4_1"
+LLAMA = LLAMA_Q4_1
 # GPTQ's prompts: the tests' calibration set, none of them the prompts the agreement is measured on
 CALIBRATION = tuple(read_prompts(Path(__file__).resolve().parents[1] / "tests" / "data" / "calibration_prompts.txt"))
 SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export, or llama.cpp's Q4_1 GGUF
@@ -70,79 +68,18 @@ SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export, or
 }
 
 
-def _llama() -> dict[str, Any]:
-    """llama-server and the Q4_1 model; {"unavailable": why} where they cannot be built or fetched."""
-    try:
-        from llama_server import build, environment, q4_1_model
-
-        return {"server": build() / "llama-server", "model": q4_1_model(), "env": environment()}
-    except (OSError, subprocess.CalledProcessError, ImportError, StopIteration) as exc:
-        return {"unavailable": f"{type(exc).__name__}: {exc}"}
-
-
-def _llama_run(llama: dict[str, Any], work: Any) -> Any:
-    """`work(complete, process)` against a fresh llama-server; `complete(body)` posts to /completion."""
-    port = _free_port()
-    # --no-repack: its repacked Q4_1 path (AMX on this CPU) dies here of SIGILL or SIGSEGV at the first batch
-    command = [str(llama["server"]), "-m", str(llama["model"]), "--port", str(port), "-np", "1", "-c", str(CONTEXT),
-               "-t", str(THREADS), "-tb", str(THREADS), "--no-webui", "--no-repack"]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama["env"])
-    url = f"http://127.0.0.1:{port}"
-
-    def complete(body: dict[str, Any]) -> dict[str, Any]:
-        data = json.dumps({"temperature": 0, "ignore_eos": True, "cache_prompt": False, **body}).encode()
-        request = urllib.request.Request(f"{url}/completion", data, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as reply:
-            return dict(json.loads(reply.read()))
-
-    try:
-        _wait_healthy(url, process)
-        return work(complete, process)
-    finally:
-        process.terminate()
-        process.wait(60)
-
-
-def _llama_replies(llama: dict[str, Any], expected: dict[str, Any]) -> list[list[int]]:
-    def work(complete: Any, _: Any) -> list[list[int]]:
-        bodies = [{"prompt": ids, "n_predict": len(want), "return_tokens": True}
-                  for ids, want in zip(expected["prompt_ids"], expected["base_long"])]  # fmt: skip
-        return [list(complete(body)["tokens"]) for body in bodies]
-
-    return list(_llama_run(llama, work))
-
-
-def _llama_speed(llama: dict[str, Any]) -> dict[str, Any]:
-    """What `_worker` measures, from llama-server's own timings (the same prompts, 128 new tokens)."""
-    rng = np.random.default_rng(0)  # the prompts of benchmarks/t2t.py's worker, drawn in the same order
-    prompts = {n: [1] + [int(i) for i in rng.integers(100, 40000, n - 1)] for n in PROMPTS}
-
-    def work(complete: Any, process: subprocess.Popen[bytes]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for n, ids in prompts.items():
-            complete({"prompt": ids[:16], "n_predict": 4})  # warm-up
-            timings = complete({"prompt": ids, "n_predict": 128})["timings"]
-            result[str(n)] = {
-                "prefill_tok_s": timings["prompt_per_second"],
-                "decode_tok_s": timings["predicted_per_second"],
-            }
-        memory = psutil.Process(process.pid).memory_full_info()
-        result["rss_growth_mb"] = result["peak_rss_growth_mb"] = memory.rss / 2**20  # the whole server's
-        return result
-
-    return dict(_llama_run(llama, work))
-
-
 def measure_quantizers(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
     expected = json.loads((corpus / "expected.json").read_text())
     paths: dict[str, Path] = {}
     sizes: dict[str, float] = {}
     agreement: dict[str, list[int]] = {}
-    llama = _llama()
+    llama = llama_completion.q4_1()
     setups = {k: v for k, v in SETUPS.items() if k != LLAMA or "unavailable" not in llama}
     for label, options in setups.items():
         if label == LLAMA:
-            replies = _llama_replies(llama, expected)
+            replies = llama_completion.replies(
+                llama, CONTEXT, THREADS, expected["prompt_ids"], [len(w) for w in expected["base_long"]]
+            )
             sizes[label] = llama["model"].stat().st_size / 2**20
         elif options is None:
             paths[label] = _genai_copy(corpus / "genai_int4", folder / "quantizers" / "genai_int4")
@@ -161,7 +98,8 @@ def measure_quantizers(folder: Path, corpus: Path, rounds: int = 3) -> dict[str,
         for label in plan if round_ % 2 == 0 else plan[::-1]:
             print(f"  quantizers round {round_ + 1}/{rounds}: {label}", file=sys.stderr)
             if label == LLAMA:
-                runs.setdefault(label, []).append(_llama_speed(llama))
+                speed = llama_completion.speed(llama, CONTEXT, THREADS, worker_prompts(), NEW_TOKENS)
+                runs.setdefault(label, []).append(speed)
                 continue
             engine = "genai" if SETUPS[label] is None else "quiver"
             runs.setdefault(label, []).append(_worker(engine, str(paths[label]), "both"))

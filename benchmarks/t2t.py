@@ -3,7 +3,9 @@
     python benchmarks/run.py --only t2t
 
 Every engine runs in fresh processes, alternated round by round: prefill and decode tok/s for prompts
-of 128 and 512 tokens with 128 new tokens (greedy, eos suppressed), 2 intra-op threads on both sides.
+of 128 and 512 tokens with 128 new tokens (greedy, eos suppressed), 2 intra-op threads on every side;
+llama.cpp's `llama-server` on SmolLM2's own Q4_1 GGUF in the same rounds (a fresh server per round, its
+own timings; benchmarks/llama_completion.py), where it can be built.
 Also: 4-bit greedy agreement with transformers, RSS with both graphs vs one, adapter switch time, the
 decode cost of a rank-8 adapter on every projection, and Python's share of a decode step.
 """
@@ -19,14 +21,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+import llama_completion  # a sibling script, not a package
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.quality import leading_equal
 
 THREADS = 2
 PROMPTS = (128, 512)
+LLAMA_Q4_1 = "llama.cpp Q4_1"
 NEW_TOKENS = 128
 CONTEXT = 1024
+
+
+def worker_prompts() -> dict[int, list[int]]:
+    """The prompts `_WORKER` generates from (the same seed, drawn in the same order), for peers that take
+    token ids over HTTP."""
+    rng = np.random.default_rng(0)
+    return {n: [1] + [int(i) for i in rng.integers(100, 40000, n - 1)] for n in PROMPTS}
+
 
 _WORKER = r"""
 import json, sys, time
@@ -61,7 +75,10 @@ if engine == "genai":
 else:
     from quiver.backends import _ort_capi
     from quiver.t2t.config import read_dialog_config
-    from quiver.t2t.dialog import Dialog
+    import llama_completion  # a sibling script, not a package
+import numpy as np
+
+from quiver.t2t.dialog import Dialog
     import dataclasses, tokenizers
     start_rss = status("VmRSS")
     config = read_dialog_config(path)
@@ -198,6 +215,7 @@ def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
         corpus / "smollm2", folder / "int4", options=ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4)
     ).path
     genai = {p: _genai_copy(corpus / f"genai_{p}", folder / f"genai_{p}") for p in ("fp32", "int4")}
+    llama = llama_completion.q4_1()
     runs: dict[str, list[dict[str, Any]]] = {}
     plan = [
         ("quiver fp32", "quiver", configs["fp32"], "both"),
@@ -207,10 +225,16 @@ def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
         ("quiver fp32, rank-8 adapter on every projection", "quiver", configs["fp32+lora"], "lora:adapter_all"),
         ("quiver fp32, one graph for prefill and decode", "quiver", configs["fp32"], "one-graph"),
     ]
+    if "unavailable" not in llama:
+        plan.append((LLAMA_Q4_1, "llama", llama["model"], "-"))
     for round_ in range(rounds):  # the order turns round by round, as in timing.alternating_medians
         for label, engine, path, mode in plan if round_ % 2 == 0 else plan[::-1]:
             print(f"  t2t round {round_ + 1}/{rounds}: {label}", file=sys.stderr)
-            runs.setdefault(label, []).append(_worker(engine, str(path), mode))
+            if engine == "llama":
+                speed = llama_completion.speed(llama, CONTEXT, THREADS, worker_prompts(), NEW_TOKENS)
+                runs.setdefault(label, []).append(speed)
+            else:
+                runs.setdefault(label, []).append(_worker(engine, str(path), mode))
     results = {label: _medians(r) for label, r in runs.items()}
     weights = (corpus / "smollm2" / "model.safetensors").stat().st_size
     kv_bytes = 30 * 2 * 3 * CONTEXT * 64 * 4
@@ -230,8 +254,17 @@ def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
                 "decode_int4": _paired(runs["quiver int4"], runs["genai int4"], n, "decode_tok_s"),
                 "decode_with_adapter_vs_base": _paired(runs[lora_label], runs["quiver fp32"], n, "decode_tok_s"),
             }
+            | (  # Quiver's int4 (symmetric blocks of 32, head 8-bit) beside llama.cpp's Q4_1 (its own GGUF)
+                {
+                    "prefill_int4_vs_llama_q4_1": _paired(runs["quiver int4"], runs[LLAMA_Q4_1], n, "prefill_tok_s"),
+                    "decode_int4_vs_llama_q4_1": _paired(runs["quiver int4"], runs[LLAMA_Q4_1], n, "decode_tok_s"),
+                }
+                if LLAMA_Q4_1 in runs
+                else {}
+            )
             for n in map(str, PROMPTS)
         },
+        "llama_cpp": llama.get("unavailable", f"llama-server from {llama.get('server')}, {llama.get('model')}"),
         "rounds": runs,
         "python_ms_per_step": {n: fp32[n]["python_ms_per_step"] for n in map(str, PROMPTS)},
         "export_seconds": export_s,
