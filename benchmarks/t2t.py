@@ -75,10 +75,7 @@ if engine == "genai":
 else:
     from quiver.backends import _ort_capi
     from quiver.t2t.config import read_dialog_config
-    import llama_completion  # a sibling script, not a package
-import numpy as np
-
-from quiver.t2t.dialog import Dialog
+    from quiver.t2t.dialog import Dialog
     import dataclasses, tokenizers
     start_rss = status("VmRSS")
     config = read_dialog_config(path)

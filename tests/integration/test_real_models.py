@@ -210,12 +210,16 @@ def test_build_quantizes_two_fine_tunes_from_one_encodings_file_and_they_still_s
     save_encodings(given, tmp_path / "minilm.encodings", "1.0.0")
     out = tmp_path / "both.qctx"
     models = [f"{real_models / name}.onnx" for name in ("minilm", "minilm_tuned")]
-    result = run_cli("build", *models, "-o", out, "--quantization-overrides", tmp_path / "minilm.encodings", "--json")
+    updated = next(name for name, e in given.params().items() if e.bitwidth == 8)  # by its float name
+    result = run_cli("build", *models, "-o", out, "--quantization-overrides", tmp_path / "minilm.encodings",
+                     "--updateable", updated, "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert not report.get("encoding_conflicts")
     with quiver.Context.from_binary(out) as context:
         stats = context.weight_stats()
+        marked = {t.name for t in context.graph("minilm").static_tensors if t.tensor_type.name == "UPDATEABLE_STATIC"}
+        assert {f"{updated}_quantized", f"{updated}_scale"} <= marked  # its integers and encoding
         for name in ("minilm", "minilm_tuned"):
             used = context.graph(name).encodings().params()
             assert used and all(used[n].scale == e.scale for n, e in given.params().items() if n in used), name

@@ -126,7 +126,7 @@ def build(
 ) -> None:
     """Pack MODEL.onnx[:GRAPH_NAME] ... into one context binary, each distinct weight stored once."""
     from quiver.passes.load import load_model
-    from quiver.tools.quantize import quantize_from_overrides, read_overrides
+    from quiver.tools.quantize import quantize_from_overrides, read_overrides, stored_names
     from quiver.tools.report import describe_context
 
     shapes = parse_shape_args(input_shapes)
@@ -150,8 +150,9 @@ def build(
                 found.update(names)
             if overrides is not None:
                 progress.update(task, description=f"quantizing {name}")
-                quantized, _ = quantize_from_overrides(Path(path), overrides, fixed)
-                context.add_graph(name, quantized, updateable=names)  # its inputs fixed already
+                quantized, _ = quantize_from_overrides(path, overrides, fixed)
+                # its inputs fixed already; a quantized weight is updated as its integers, scale and zero point
+                context.add_graph(name, quantized, updateable=stored_names(quantized, names))
             else:
                 context.add_graph(name, path, fixed, updateable=names)
             progress.advance(task)

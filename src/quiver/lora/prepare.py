@@ -344,7 +344,8 @@ def prepare(
             f"{config}: quantizing names one base model; prepare each of {[g.name for g in graphs]} on its own"
         )
     graph = graphs[0]
-    imported = import_use_cases(project, adapters, graph)
+    imported_by_graph = {g.name: import_use_cases(project, adapters, g) for g in graphs}
+    imported = imported_by_graph[graph.name]
     unused = [u.name for u in project.use_cases if u.quant_overrides is not None]
     if quantization is None and unused:
         warnings.warn(
@@ -354,8 +355,7 @@ def prepare(
         )
     models = {g.name: (g.model, g.updateable) for g in graphs}
     values = {  # graph -> use case -> its tensors
-        g.name: {name: dict(tensors) for name, (tensors, _) in import_use_cases(project, adapters, g).items()}
-        for g in graphs
+        g: {name: dict(tensors) for name, (tensors, _) in cases.items()} for g, cases in imported_by_graph.items()
     }
     encodings: dict[str, Any] = {}
     if quantization is not None:

@@ -18,6 +18,7 @@ from quiver.ir.tensors import TensorType, info_of_value
 from quiver.passes.convert import InputShapes, fix_input_shapes
 from quiver.passes.load import load_model
 from quiver.passes.quantize import QuantizeOptions, parse_ort_overrides, quantize
+from quiver.passes.quantized import QUANTIZED_SUFFIX
 from quiver.runtime.netrun import parse_input_list
 from quiver.tools.accuracy import AccuracyReport, accuracy_report
 
@@ -111,6 +112,18 @@ def quantize_from_overrides(
     if shapes:
         fix_input_shapes(model.graph, shapes)
     return quantize(model, [], QuantizeOptions(float_fallback=True, encodings=encodings, ort_overrides=ort_overrides))
+
+
+def stored_names(qdq: onnx.ModelProto, weights: Sequence[str]) -> list[str]:
+    """The initializers of a QDQ model that hold each named float weight: itself where it stayed float,
+    else its integers, scale and zero point."""
+    stored = {t.name for t in qdq.graph.initializer}
+    names: list[str] = []
+    for weight in weights:
+        quantized = f"{weight}{QUANTIZED_SUFFIX}"  # a bias's scale is named after its integers
+        parts = [quantized, *(f"{base}_{part}" for base in (weight, quantized) for part in ("scale", "zero_point"))]
+        names.extend([weight] if weight in stored else [name for name in parts if name in stored])
+    return names
 
 
 def run_eval(
