@@ -28,7 +28,8 @@ import quiver
 from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lora import measure_lora  # noqa: E402  (a sibling script, not a package)
+from int4_profile import measure_int4_profile  # noqa: E402  (a sibling script, not a package)
+from lora import measure_lora  # noqa: E402
 from minilm_quantizers import measure_minilm_quantizers  # noqa: E402
 from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
@@ -282,6 +283,7 @@ SECTIONS = (
     "ort_api",
     "t2t",
     "quantizers",
+    "int4_profile",
     "serve",
     "serve_ray",
     "tuning",
@@ -370,6 +372,10 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("4-bit quantizers ...", file=sys.stderr)
             report["quantizers"] = measure_quantizers(folder, Path(corpus.stdout.strip()))
+        if "int4_profile" in sections:
+            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("int4 decode profile ...", file=sys.stderr)
+            report["int4_profile"] = measure_int4_profile(folder, Path(corpus.stdout.strip()))
         if "serve" in sections:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("serving ...", file=sys.stderr)

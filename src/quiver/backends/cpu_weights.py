@@ -28,16 +28,25 @@ _SHAREABLE_SLOTS = {
     ("com.microsoft", "FusedMatMul"): {1},
     ("com.microsoft", "MatMulNBits"): {1, 2, 3},
 }
+# Slots that read a weight as it is, which no pass rewrites either: a packed weight also read there stays
+# shareable. A tied LM head is the token table a Gather reads: without this, each graph of a dialog (prefill,
+# decode) packed its own copy of the head (108 MB for SmolLM2).
+_READ_AS_IS_SLOTS = {("", "Gather"): {0}}
 
 
 def shareable_weights(model: proto.ModelProto) -> set[str]:
-    """The initializers every node uses only in a packed slot (`_SHAREABLE_SLOTS`), subgraphs included."""
+    """The initializers that nodes use in a packed slot (`_SHAREABLE_SLOTS`) and otherwise only read as
+    they are (`_READ_AS_IS_SLOTS`), subgraphs included."""
     slots: dict[str, bool] = {}
+    packed_somewhere: set[str] = set()
     for node in iter_nodes(model.graph):
-        packed = _SHAREABLE_SLOTS.get((node.domain.replace("ai.onnx", ""), node.op_type), set())
+        op = (node.domain.replace("ai.onnx", ""), node.op_type)
+        packed, as_is = _SHAREABLE_SLOTS.get(op, set()), _READ_AS_IS_SLOTS.get(op, set())
         for index, name in enumerate(node.input):
-            slots[name] = slots.get(name, True) and index in packed
-    return {t.name for t in model.graph.initializer if slots.get(t.name, False)}
+            slots[name] = slots.get(name, True) and (index in packed or index in as_is)
+            if index in packed:
+                packed_somewhere.add(name)
+    return {t.name for t in model.graph.initializer if slots.get(t.name, False) and t.name in packed_somewhere}
 
 
 @dataclasses.dataclass(frozen=True)
