@@ -121,6 +121,17 @@ def test_inspect_shows_a_sections_tensors_and_use_case(prepared: Path) -> None:
         (lambda text: text.replace("  lora_config: long", "  lora_config: long\n  rank: 4"), "unknown keys ['rank']"),
         (lambda text: text.replace("base/model.onnx", "missing/model.onnx"), "does not exist"),
         (lambda text: text.replace("[1.0, 0.5]", "[1.0, .nan]"), "alphas are finite numbers"),
+        (
+            lambda text: text.replace(
+                "  adapter_names: [elementary]\n", "  adapter_names: [elementary]\n  quant_overrides: [a]\n"
+            ),
+            "quant_overrides must be a file name",
+        ),
+        (
+            lambda text: text.replace("model_name: base/model.onnx", "model_name: [base/model.onnx, 3]"),
+            "model_name must be a file name",
+        ),
+        (lambda text: "share_adapters_between_graphs: maybe\n" + text, "share_adapters_between_graphs is Yes or No"),
     ],
 )
 def test_yaml_mistakes_are_one_line_errors(project: Path, tmp_path: Path, edit: Any, message: str) -> None:

@@ -86,6 +86,12 @@ def _alpha(value: Any, use_case: str, source: Path) -> float:
     return alpha
 
 
+def _file_name(value: Any, key: str, where: str, source: Path) -> str:
+    if not isinstance(value, str) or not value:
+        raise AdapterError(f"{source}: {where}: {key} must be a file name (relative to the YAML), not {value!r}")
+    return value
+
+
 def read_adapters_and_use_cases(path: str | Path) -> tuple[dict[str, Any], dict[str, Path], list[UseCase]]:
     """The YAML's top level, its adapters (name -> PEFT folder) and use cases, checked; no base model needed
     (`quiver t2t export` builds the base from a transformers folder)."""
@@ -117,14 +123,14 @@ def read_adapters_and_use_cases(path: str | Path) -> tuple[dict[str, Any], dict[
         alphas = [_alpha(a, str(entry["name"]), path) for a in given_alphas]
         if len(alphas) != len(names):
             raise AdapterError(f"{path}: use case {entry['name']!r} has {len(names)} adapters but {len(alphas)} alphas")
-        models = (
-            [folder / str(m) for m in _list(entry, "model_name", path)]
-            if isinstance(entry.get("model_name"), list)
-            else ([folder / str(entry["model_name"])] if entry.get("model_name") else [])
-        )
+        where = f"use case {entry['name']!r}"
+        given = entry.get("model_name")
+        given = [] if given is None else given if isinstance(given, list) else [given]
+        models = [folder / _file_name(m, "model_name", where, path) for m in given]
         if len(models) > 1 and names:
-            raise AdapterError(f"{path}: use case {entry['name']!r}: only the base use case names several models")
-        overrides = folder / str(entry["quant_overrides"]) if entry.get("quant_overrides") else None
+            raise AdapterError(f"{path}: {where}: only the base use case names several models")
+        quant = entry.get("quant_overrides")
+        overrides = folder / _file_name(quant, "quant_overrides", where, path) if quant is not None else None
         model = models[0] if models else None
         use_cases.append(UseCase(str(entry["name"]), names, alphas, model, overrides, tuple(models[1:])))
     return raw, adapters, use_cases
