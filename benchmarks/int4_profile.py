@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quiver.t2t.export import ExportOptions, export
+from quiver.t2t.export import CONTEXT_FILE, ExportOptions, export
 
 THREADS = 2
 POSITIONS = 590  # a 512-token prompt, some way into its reply
@@ -97,9 +97,9 @@ def _worker(engine: str, path: Path) -> dict[str, Any]:
 
 def measure_int4_profile(folder: Path, corpus: Path, rounds: int = 4) -> dict[str, Any]:
     options = ExportOptions(1024, n_threads=THREADS, weight_bits=4, quantizer="rtn", overrides=(("lm_head.weight", 4),))
+    export(corpus / "smollm2", folder / "int4_profile", options=options)
     paths = {
-        "quiver int4 rtn, head 4-bit": export(corpus / "smollm2", folder / "int4_profile", options=options).path.parent
-        / "model.qctx",
+        "quiver int4 rtn, head 4-bit": folder / "int4_profile" / CONTEXT_FILE,
         "genai int4": corpus / "genai_int4" / "model.onnx",
     }
     runs: dict[str, list[dict[str, Any]]] = {}

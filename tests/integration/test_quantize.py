@@ -524,3 +524,23 @@ def test_float_fallback_keeps_a_real_detectors_fused_conv_relu_pairs_quantized(r
     assert {name: (e.scale, e.zero_point) for name, e in used.tensors.items()} == {
         name: (e.scale, e.zero_point) for name, e in given.tensors.items()
     }
+
+
+def test_a_given_activation_encoding_that_qnns_rules_overrule_is_named() -> None:
+    """ORT's QNN rules fix a 16-bit Tanh's output encoding (scale 2/65536, zero point 32768), whatever the
+    overrides say: the result uses theirs, and the warning names the tensor whose given encoding was not used."""
+    from quiver.formats.encodings import Encoding, EncodingSet
+
+    graph = helper.make_graph(
+        [helper.make_node("Tanh", ["x"], ["t"], name="tanh")], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [1, 4])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    given = EncodingSet({
+        "x": Encoding("uint16", (3e-4,), (32768,), kind="activation"),
+        "t": Encoding("uint16", (1e-4,), (32768,), kind="activation"),
+    })  # fmt: skip
+    with pytest.warns(UserWarning, match=r"1 given activation encoding\(s\) were replaced .*: t;"):
+        _, used = quantize(model, [], QuantizeOptions(activation_bits=16, float_fallback=True, encodings=given))
+    assert used.tensors["t"].scale == (2 / 65536,) and used.tensors["x"].scale == (float(np.float32(3e-4)),)

@@ -387,19 +387,15 @@ def run(
         plan = _run_plan(context.graph_names, graphs, input_list)
         if extensions is not None:
             extensions.check(context_path, [graph for graph, _ in plan])
+        shapes = parse_file_shapes(input_shapes)
+        adapter_strengths = [_strength(given) for given in strengths]
         written: list[Path] = []
         start = time.perf_counter()
         for graph_name, list_path in plan:
             if section is not None:
                 context.apply_binary_section(graph_name, section)
-            for strength in strengths:
-                adapter, _, value = strength.partition("=")
-                try:
-                    number = float(value)
-                except ValueError:
-                    raise click.BadParameter(f"{strength!r}: write ADAPTER=VALUE, e.g. elementary=0.5") from None
+            for adapter, number in adapter_strengths:
                 context.graph(graph_name).set_lora_strength(adapter, number)
-            shapes = parse_file_shapes(input_shapes)
             with progress_bar(quiet=False) as progress:
                 task = progress.add_task(f"running {graph_name}", total=None)
 
@@ -417,6 +413,15 @@ def run(
         elapsed = time.perf_counter() - start
     results = len({p.parent for p in written})
     err_console.print(f"{results} result(s), {len(written)} output file(s) in {output_dir} ({elapsed:.2f} s)")
+
+
+def _strength(given: str) -> tuple[str, float]:
+    """`--lora-strength ADAPTER=VALUE`."""
+    adapter, _, value = given.partition("=")
+    try:
+        return adapter, float(value)
+    except ValueError:
+        raise click.BadParameter(f"{given!r}: write ADAPTER=VALUE, e.g. elementary=0.5") from None
 
 
 def _run_plan(names: Sequence[str], graphs: Sequence[str], input_list: str | None) -> list[tuple[str, Path]]:
