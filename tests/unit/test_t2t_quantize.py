@@ -20,7 +20,10 @@ from quiver.t2t.graph import LM_HEAD_NODE
 from quiver.t2t.quality import DEFAULT_PROMPTS, quality_report
 from quiver.t2t.quantize import (
     CALIBRATED,
+    HEAD_WEIGHT,
     QUANTIZERS,
+    SHORTLIST,
+    SHORTLIST_SIZE,
     block_minimums,
     head_bits,
     hqq_minimums,
@@ -90,12 +93,19 @@ def test_hqq_keeps_a_q4_1_grid_and_rounds_other_weights_closer_than_their_range_
 
 def test_rtn_min_exports_compute_what_the_float_weights_compute(gridded: tuple[Path, dict], tmp_path: Path) -> None:
     folder, weights = gridded
-    options = ExportOptions(context_size=64, weight_bits=4, quantizer="rtn-min")
-    config = export(folder, tmp_path, options=options).path
+    want = forward(weights, IDS)
+    float_head = ExportOptions(context_size=64, weight_bits=4, quantizer="rtn-min", overrides=((HEAD_WEIGHT, None),))
+    config = export(folder, tmp_path / "float-head", options=float_head).path
     assert read_dialog_config(config).accuracy_level == 0  # float activations: what keeps it exact
-    np.testing.assert_allclose(_logits(config), forward(weights, IDS), rtol=0, atol=2e-4)
+    np.testing.assert_allclose(_logits(config), want, rtol=0, atol=2e-4)
+    # the default head (tied): a 4-bit shortlist whose best tokens' logits come from the float rows
+    shortlisted = _logits(
+        export(folder, tmp_path / "rtn-min", options=ExportOptions(64, weight_bits=4, quantizer="rtn-min")).path
+    )
+    exact = np.abs(shortlisted - want) <= 2e-4
+    assert exact.sum() >= SHORTLIST_SIZE and exact[np.argsort(want)[-8:]].all() and not exact.all()
     rounded = _logits(export(folder, tmp_path / "rtn", options=ExportOptions(context_size=64, weight_bits=4)).path)
-    assert np.abs(rounded - forward(weights, IDS)).max() > 10 * 2e-4  # symmetric blocks lose the grid
+    assert np.abs(rounded - want).max() > 10 * 2e-4  # symmetric blocks lose the grid
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
@@ -212,6 +222,46 @@ def test_overrides_set_each_weights_bits_and_the_last_match_wins() -> None:
         LM_HEAD_NODE] == 8  # fmt: skip
 
 
+def test_a_shortlist_head_takes_its_best_logits_from_the_float_rows() -> None:
+    """The head at 4 bits ranks; its best SHORTLIST_SIZE logits are the float rows' products (ORT runs it)."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    model = _three_matmuls()
+    head = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == HEAD_WEIGHT)  # [64, 64]
+    model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(head.T), "rows"))
+    quantized = quantize_weights(model, 4, 32, head=LM_HEAD_NODE, head_rows="rows")
+    assert {n.op_type for n in quantized.graph.node} >= {"TopK", "ScatterElements"}
+    assert _bits(quantized)[LM_HEAD_NODE] == 4
+    x = {"x": np.random.default_rng(6).standard_normal((1, 64)).astype(np.float32)}
+
+    def run(m: Any) -> np.ndarray:
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return np.asarray(session.run(None, x)[0])
+
+    # what the head reads: the same quantized layers (ORT's rounding is deterministic), the head cut off
+    body = quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE)
+    kept = [n for n in body.graph.node if "y" not in n.output]
+    del body.graph.node[:]
+    body.graph.node.extend(kept)
+    body.graph.output[0].name = "h1"
+    h1 = run(body)
+    want = (h1.astype(np.float64) @ head.astype(np.float64)).reshape(-1)
+    got = run(quantized).reshape(-1).astype(np.float64)
+    exact = np.abs(got - want) <= 1e-4
+    assert exact.sum() == SHORTLIST_SIZE and exact[np.argsort(want)[-8:]].all()
+    assert np.abs(got - want).max() > 1e-3  # the others keep their 4-bit values
+
+
+def test_only_a_head_with_float_rows_is_a_shortlist() -> None:
+    assert head_bits("rtn", tied=True) == head_bits("hqq", tied=True) == SHORTLIST and head_bits("rtn") == 8
+    assert parse_override("lm_head.weight=shortlist") == (HEAD_WEIGHT, SHORTLIST)
+    with pytest.raises(QuantizationError, match="needs the head's float rows"):
+        quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE, overrides=[(HEAD_WEIGHT, SHORTLIST)])
+    with pytest.raises(QuantizationError, match="only the LM head"):
+        quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE, overrides=[("model.*", SHORTLIST)])
+
+
 @pytest.mark.parametrize("rule", ["lm_head.weight", "=4", "layers.*=3", "lm_head.weight=fp16"])
 def test_an_override_that_is_not_pattern_equals_bits_is_refused(rule: str) -> None:
     with pytest.raises(QuantizationError, match="write PATTERN=4, PATTERN=8 or PATTERN=float"):
@@ -252,7 +302,8 @@ def test_log_likelihoods_are_each_tokens_log_softmax_given_those_before(
 def test_the_quality_report_sees_what_each_quantizer_kept(gridded: tuple[Path, dict], tmp_path: Path) -> None:
     folder, _ = gridded
     reference = export(folder, tmp_path / "float", options=ExportOptions(context_size=128)).path
-    exact = export(folder, tmp_path / "min", options=ExportOptions(128, weight_bits=4, quantizer="rtn-min")).path
+    float_head = ExportOptions(128, weight_bits=4, quantizer="rtn-min", overrides=((HEAD_WEIGHT, None),))
+    exact = export(folder, tmp_path / "min", options=float_head).path
     rounded = export(folder, tmp_path / "rtn", options=ExportOptions(128, weight_bits=4)).path
     kept = quality_report(reference, exact, tokens=8)
     assert kept.agreement == [8] * len(DEFAULT_PROMPTS) and kept.mean_agreement == 8

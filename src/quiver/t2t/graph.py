@@ -30,6 +30,8 @@ TOTAL_LENGTH = "total_sequence_length"  # [] int32: tokens in the cache after th
 LOGITS = "logits"
 BATCH = "batch"  # the rows (sequences) of a batched graph
 LM_HEAD, LM_HEAD_NODE = "lm_head.weight", "/lm_head/MatMul"
+EMBEDDING = "model.embed_tokens.weight"
+HEAD_ROWS = "lm_head.rows"  # an untied head's float [vocab, hidden] rows, kept beside its quantized copy
 OPSET = 21
 
 
@@ -90,22 +92,27 @@ def build_decoder(
     fuse_qkv: bool = False,
     head_as_matmul: bool = False,
     batched: bool = False,
+    head_rows: bool = False,
+    fuse_gate_up: bool = False,
 ) -> onnx.ModelProto:
     """The decoder as one ONNX graph; `weight(name)` returns a transformers tensor as float32.
 
     `fuse_qkv`: one MatMul by the q, k and v weights side by side, fed to attention packed (as
     onnxruntime-genai does); without it each projection keeps a MatMul of its own, where adapters attach.
+    `fuse_gate_up`: the MLP's gate and up projections one MatMul too, its result split in two.
     `head_as_matmul`: the LM head as a MatMul by its own [hidden, vocab] copy (`LM_HEAD`), which weight
     quantization can turn into MatMulNBits; otherwise a tied head multiplies by the embedding itself.
     `batched`: a dynamic batch dimension (`BATCH`) instead of 1 on the tokens, the cache and the logits:
     each row is one sequence with its own length (`seqlens_k` per row), as `quiver serve` decodes them.
+    `head_rows`: an untied head's float rows kept too (`HEAD_ROWS`), for a shortlist head to rescore with
+    (a tied head's are the embedding).
     """
     b = _Builder()
     eps = config.rms_eps
     cos, sin = rotary_tables(config, context_size)
     b.weight("cos_cache", cos)
     b.weight("sin_cache", sin)
-    embed = b.weight("model.embed_tokens.weight", weight("model.embed_tokens.weight"))
+    embed = b.weight(EMBEDDING, weight(EMBEDDING))
     hidden = b.node("Gather", [embed, INPUT_IDS], "/model/embed_tokens/Gather")
     residual = hidden
     normed = b.rms_norm(hidden, "model.layers.0.input_layernorm.weight", weight, "/model/layers.0/input_layernorm", eps)
@@ -160,8 +167,17 @@ def build_decoder(
         attended = linear(f"{attention}/output_0", f"{prefix}.self_attn.o_proj")
         w = b.weight(f"{prefix}.post_attention_layernorm.weight", weight(f"{prefix}.post_attention_layernorm.weight"))
         normed, residual = b.skip_norm(residual, attended, w, f"{scope}/post_attention_layernorm", eps)
-        gate = linear(normed, f"{prefix}.mlp.gate_proj")
-        up = linear(normed, f"{prefix}.mlp.up_proj")
+        if fuse_gate_up:
+            names = [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up")]
+            w = b.weight(f"{prefix}.mlp.gate_up_proj.weight", np.concatenate([weight(n) for n in names]).T)
+            both = b.node("MatMul", [normed, w], f"{scope}/mlp/gate_up_proj/MatMul")
+            gate, up = f"{scope}/mlp/gate", f"{scope}/mlp/up"
+            b.nodes.append(
+                helper.make_node("Split", [both], [gate, up], name=f"{scope}/mlp/Split", axis=-1, num_outputs=2)
+            )
+        else:
+            gate = linear(normed, f"{prefix}.mlp.gate_proj")
+            up = linear(normed, f"{prefix}.mlp.up_proj")
         sigmoid = b.node("Sigmoid", [gate], f"{scope}/mlp/act_fn/Sigmoid")
         activated = b.node("Mul", [gate, sigmoid], f"{scope}/mlp/act_fn/Mul")
         product = b.node("Mul", [activated, up], f"{scope}/mlp/Mul")
@@ -177,9 +193,11 @@ def build_decoder(
     # only the last position goes on: the final norm (with the last residual add) and the LM head
     norm = b.weight("model.norm.weight", weight("model.norm.weight"))
     final, _ = b.skip_norm(last_position(residual, "residual"), last_position(delta, "delta"), norm, "/model/norm", eps)
-    head_weight = "model.embed_tokens.weight" if config.tie_embeddings else LM_HEAD
+    head_weight = EMBEDDING if config.tie_embeddings else LM_HEAD
     if head_as_matmul:
         head = b.weight(LM_HEAD, weight(head_weight).T)
+        if head_rows and not config.tie_embeddings:
+            b.weight(HEAD_ROWS, weight(LM_HEAD))
         b.nodes.append(helper.make_node("MatMul", [final, head], [LOGITS], name=LM_HEAD_NODE))
     else:  # [vocab, hidden] as stored (transB): a tied head reuses the embedding itself, no copy
         head = embed if config.tie_embeddings else b.weight(LM_HEAD, weight(LM_HEAD))

@@ -20,12 +20,18 @@ Quantizers, by name:
   per block, from the float model's inputs to each MatMul on calibration prompts; weights set to 8 bits
   (the LM head by default) round to nearest.
 
-The LoRA branches (updateable tensors) stay in float, and the tied LM head at 8 bits (at 4 it loses most
-of a small model's greedy agreement, measured; with `rtn-min` it stays in float: its 8-bit kernel needs
-int8 activations to be fast). Overrides change that per weight: rules `PATTERN=4|8|float`, matched in
-order against each MatMul's weight name (transformers', `model.layers.0.mlp.down_proj.weight`; the LM
-head is `lm_head.weight`, tied or not), the last match winning. Weights set to 8 bits under `rtn-min`
-take symmetric 8-bit blocks.
+The LoRA branches (updateable tensors) stay in float. The LM head is the largest single weight a decode
+step reads (SmolLM2: 49152 x 576), and at 4 bits it loses most of a small model's greedy agreement
+(measured); so where its float rows are at hand (a tied head: the token table the embedding Gather
+reads anyway) it is a *shortlist*: 4-bit blocks (round to nearest) rank every token, and the top
+`SHORTLIST_SIZE` logits are computed again from the float rows (TopK, a Gather of those rows, one small
+MatMul, ScatterElements). A 4-bit head's cost and the float head's choice, unless the float head's best
+token ranks below 32 at 4 bits; the other logits keep their 4-bit values. An untied head (no float rows
+without a second copy) takes 8 bits, or float under `rtn-min` and `hqq` (its 8-bit kernel needs int8
+activations to be fast). Overrides change that per weight: rules `PATTERN=4|8|float` (and
+`lm_head.weight=shortlist`), matched in order against each MatMul's weight name (transformers',
+`model.layers.0.mlp.down_proj.weight`; the LM head is `lm_head.weight`, tied or not), the last match
+winning. Weights set to 8 bits under `rtn-min` take symmetric 8-bit blocks.
 """
 
 from __future__ import annotations
@@ -61,33 +67,39 @@ ACCURACY_LEVELS: dict[str, int | None] = {
 }
 
 
-Override = tuple[str, int | None]  # a weight-name pattern and its bits (None: float)
+SHORTLIST = "shortlist"  # the LM head at 4 bits, its best tokens' logits computed again from float rows
+SHORTLIST_SIZE = 32  # how many: the float head's best token ranks below this at 4 bits (almost) never
+Width = int | str | None  # a weight's bits: 4, 8, None (float) or, for the LM head only, SHORTLIST
+Override = tuple[str, Width]  # a weight-name pattern and its width
 HEAD_WEIGHT = "lm_head.weight"  # the name overrides match the LM head by, tied or not
 
 
 def parse_override(rule: str) -> Override:
-    """`PATTERN=4|8|float` (an fnmatch pattern over weight names) as a pattern and bits."""
+    """`PATTERN=4|8|float` (an fnmatch pattern over weight names) or `lm_head.weight=shortlist` as a pattern
+    and its width."""
     pattern, sep, value = rule.rpartition("=")
-    widths = {"4": 4, "8": 8, "float": None}
+    widths: dict[str, Width] = {"4": 4, "8": 8, "float": None, SHORTLIST: SHORTLIST}
     if not sep or not pattern or value not in widths:
         raise QuantizationError(
-            f"quantization override {rule!r}: write PATTERN=4, PATTERN=8 or PATTERN=float, the pattern over "
-            "weight names such as model.layers.0.mlp.down_proj.weight or lm_head.weight"
+            f"quantization override {rule!r}: write PATTERN=4, PATTERN=8 or PATTERN=float (or "
+            f"{HEAD_WEIGHT}={SHORTLIST}), the pattern over weight names such as model.layers.0.mlp.down_proj.weight "
+            f"or {HEAD_WEIGHT}"
         )
     return pattern, widths[value]
 
 
-def _overridden(name: str, default: int | None, overrides: Sequence[Override]) -> int | None:
+def _overridden(name: str, default: Width, overrides: Sequence[Override]) -> Width:
     for pattern, width in overrides:
         if fnmatch.fnmatchcase(name, pattern):
             default = width
     return default
 
 
-def head_bits(quantizer: str, overrides: Sequence[Override] = ()) -> int | None:
-    """The LM head's bits (None: float, the tied embedding itself): 8, or float with `rtn-min` and `hqq`,
-    unless an override says otherwise."""
-    return _overridden(HEAD_WEIGHT, None if quantizer in MINIMUM_FORM else 8, overrides)
+def head_bits(quantizer: str, overrides: Sequence[Override] = (), tied: bool = False) -> Width:
+    """The LM head's width (None: float, the tied embedding itself): a shortlist where the head is tied,
+    else 8, or float with `rtn-min` and `hqq`, unless an override says otherwise."""
+    default: Width = SHORTLIST if tied else None if quantizer in MINIMUM_FORM else 8
+    return _overridden(HEAD_WEIGHT, default, overrides)
 
 
 def quantize_weights(
@@ -100,11 +112,14 @@ def quantize_weights(
     overrides: Sequence[Override] = (),
     moments: Mapping[str, np.ndarray] | None = None,
     solved: dict[str, BlockWeights] | None = None,
+    head_rows: str | None = None,
 ) -> onnx.ModelProto:
     """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
     node named `head` (the LM head) at `head_bits`; `overrides` (the module) last. `moments`: what the
     calibrated quantizers read, `calibration_moments` of the float model; `solved`: their blocks by weight
-    name, shared by the graphs of one export (which share their weights), so each is solved once."""
+    name, shared by the graphs of one export (which share their weights), so each is solved once.
+    `head_rows`: the head's float [vocab, hidden] rows (a tied head's embedding), which a shortlist head
+    rescores its best tokens with; without them the head is not a shortlist by default."""
     if quantizer not in QUANTIZERS:
         raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
@@ -115,20 +130,78 @@ def quantize_weights(
         raise QuantizationError(f"the {quantizer} quantizer makes 4-bit weights; use --weight-bitwidth 4")
     if quantizer in CALIBRATED and moments is None:
         raise QuantizationError(f"the {quantizer} quantizer needs calibration prompts (--calibration FILE)")
-    plan = _plan(model, bits, exclude, head, quantizer, overrides)
+    plan = _plan(model, bits, exclude, head, quantizer, overrides, tied=head_rows is not None)
+    shortlisted = {n for n, w in plan.items() if w == SHORTLIST}
+    if shortlisted and head_rows is None:
+        raise QuantizationError(
+            f"{HEAD_WEIGHT}={SHORTLIST} needs the head's float rows, which this graph does not hold; "
+            f"give {HEAD_WEIGHT}=4, 8 or float"
+        )
+    head_node = next((n for n in model.graph.node if n.name in shortlisted), None)
+    ends = (head_node.input[0], head_node.output[0]) if head_node is not None else None
+    # the rows as they are now: ORT's quantizer drops initializers no node reads (an untied head's rows)
+    rows = next((t for t in model.graph.initializer if t.name == head_rows), None) if ends else None
+    if ends and (rows is None or len(rows.dims) != 2):
+        raise QuantizationError(f"the LM head's float rows {head_rows!r} are not a [vocab, hidden] weight of the graph")
     nodes = {width: {n for n, w in plan.items() if w == width} for width in (4, 8)}
     if quantizer in MINIMUM_FORM:
         fit = hqq_minimums if quantizer == "hqq" else block_minimums
         model = _with_block_minimums(model, block_size, nodes[4], fit) if nodes[4] else model
-        return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
-    if quantizer in CALIBRATED:
+        model = _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
+    elif quantizer in CALIBRATED:
         assert moments is not None
         blocks = solved if solved is not None else {}
         model = _by_gptq(model, block_size, nodes[4], quantizer == "gptq", moments, blocks) if nodes[4] else model
-        return _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
-    for width in (4, 8):
-        if nodes[width]:
-            model = _ort_rtn(model, width, block_size, nodes[width], symmetric=quantizer == "rtn")
+        model = _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
+    else:
+        for width in (4, 8):
+            if nodes[width]:
+                model = _ort_rtn(model, width, block_size, nodes[width], symmetric=quantizer == "rtn")
+    if ends is not None and rows is not None:  # the approximate head ranks, whatever the quantizer
+        model = _ort_rtn(model, 4, block_size, shortlisted, symmetric=True)
+        model = _shortlisted_head(model, *ends, rows)
+    return model
+
+
+def _shortlisted_head(model: onnx.ModelProto, hidden: str, logits: str, rows: onnx.TensorProto) -> onnx.ModelProto:
+    """The 4-bit head's `logits` with its best `SHORTLIST_SIZE` entries computed again from the float `rows`
+    [vocab, hidden]: TopK, a Gather of those rows, their products with `hidden`, ScatterElements. Any
+    leading dimensions (a batch of rows) carry through."""
+    from onnx import helper, numpy_helper
+
+    from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
+
+    graph = model.graph
+    approx = f"{logits}.approx"
+    if not any(t.name == rows.name for t in graph.initializer):
+        graph.initializer.append(rows)
+    vocab = int(rows.dims[0])
+
+    def part(name: str) -> str:
+        return f"/lm_head/shortlist/{name}"
+
+    for node in graph.node:
+        if logits in node.output:
+            node.output[list(node.output).index(logits)] = approx
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([min(SHORTLIST_SIZE, vocab)], np.int64), part("k")),
+            numpy_helper.from_array(np.array([-2], np.int64), part("axis")),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("TopK", [approx, part("k")], [part("values"), part("ids")], name=part("TopK"), axis=-1),
+            helper.make_node("Gather", [rows.name, part("ids")], [part("rows")], name=part("Gather"), axis=0),
+            helper.make_node("Unsqueeze", [hidden, part("axis")], [part("hidden")], name=part("Unsqueeze")),
+            helper.make_node("FusedMatMul", [part("hidden"), part("rows")], [part("products")], name=part("MatMul"),
+                             domain=MS_DOMAIN, transB=1, alpha=1.0),
+            helper.make_node("Squeeze", [part("products"), part("axis")], [part("exact")], name=part("Squeeze")),
+            helper.make_node("ScatterElements", [approx, part("ids"), part("exact")], [logits],
+                             name=part("ScatterElements"), axis=-1),
+        ]
+    )  # fmt: skip
+    use_microsoft_domain(model)
     return model
 
 
@@ -139,20 +212,24 @@ def _plan(
     head: str | None,
     quantizer: str,
     overrides: Sequence[Override],
-) -> dict[str, int | None]:
-    """Each MatMul by a constant 2-d weight (not reading `exclude`): its bits, None for float."""
+    tied: bool,
+) -> dict[str, Width]:
+    """Each MatMul by a constant 2-d weight (not reading `exclude`): its width (bits, None for float, or
+    SHORTLIST for the head; `tied`: the head's float rows are at hand)."""
     weights = {t.name: t for t in model.graph.initializer if len(t.dims) == 2}
     excluded = set(exclude)
-    plan: dict[str, int | None] = {}
+    plan: dict[str, Width] = {}
     matched: set[str] = set()
     for node in model.graph.node:
         if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in weights:
             continue
         if excluded.intersection(node.input):
             continue
-        name, default = (HEAD_WEIGHT, head_bits(quantizer)) if node.name == head else (node.input[1], bits)
+        name, default = (HEAD_WEIGHT, head_bits(quantizer, tied=tied)) if node.name == head else (node.input[1], bits)
         matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(name, p)}
         plan[node.name] = _overridden(name, default, overrides)
+        if plan[node.name] == SHORTLIST and node.name != head:
+            raise QuantizationError(f"only the LM head ({HEAD_WEIGHT}) can be a {SHORTLIST}, not {name}")
     if head is None or head not in plan:  # the head as the tied embedding: matched, not quantized here
         matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(HEAD_WEIGHT, p)}
     unmatched = [p for p, _ in overrides if p not in matched]
