@@ -33,7 +33,7 @@ class Continuation:
     ) -> None:
         self._sampler = sampler
         self._eos = set(eos_tokens)
-        self._eos_ids = np.array(sorted(self._eos), np.int64)
+        self._eos_ids = sorted(self._eos)
         self._seen = list(seen)  # the conversation's tokens so far (the repetition penalty reads them)
         self._cached = cached  # tokens whose keys and values are in the cache
         self._context_size = context_size
@@ -51,9 +51,10 @@ class Continuation:
         is now final (may be empty: a character still incomplete, or text that may begin a stop string,
         held back until it does not). After it, either `reason` is set, or the caller feeds
         `new_ids[-1]` to the cache and calls `step` again on the logits that gives."""
-        logits = logits.reshape(-1)
         if len(self.new_ids) < self._min and self._eos:
-            logits[self._eos_ids] = -np.inf
+            logits = logits.reshape(-1)
+            for eos in self._eos_ids:  # a few ids: plain item writes cost less than one fancy-indexed one
+                logits[eos] = -np.inf
         token = self._sampler.next_token(logits, self._seen)
         self.new_ids.append(token)
         self._seen.append(token)

@@ -51,6 +51,9 @@ class Sampler:
 
     def next_token(self, logits: np.ndarray, seen: Sequence[int]) -> int:
         s = self.sampling
+        if s.is_greedy and s.repetition_penalty == 1.0:
+            # the common case, once per generated token: as little as can be run between two decode steps
+            return int(logits.argmax())
         scores = np.asarray(logits, np.float32).reshape(-1)
         if s.repetition_penalty != 1.0 and len(seen):
             scores = scores.copy()
