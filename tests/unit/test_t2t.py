@@ -322,6 +322,39 @@ def test_a_bound_run_reads_its_arrays_in_place_each_run(llama: Tiny) -> None:
         np.testing.assert_allclose(returned["logits"][0, 0], forward(llama.weights, [*ids, 23]), atol=2e-4)
 
 
+def test_a_repeating_run_is_the_bound_run_and_sees_a_section_applied_between_two_steps(llama: Tiny) -> None:
+    """`BoundRun.repeating()` (a dialog's decode loop): each call runs on the arrays' values as they are
+    then; a section applied between two calls is in the next one, as it would be for `run()`."""
+    with quiver.Context.from_binary(llama.out / "model.qctx") as context:
+        cache, presents = _kv_cache()
+        logits = np.zeros((1, 1, llama.weights["model.embed_tokens.weight"].shape[0]), np.float32)
+        out = {"logits": logits, **presents}
+        ids = [5, 17, 42, 8, 23]
+        context.graph("prefill").execute(
+            {"input_ids": np.array([ids[:3]], np.int64), "seqlens_k": np.array([2], np.int32),
+             "total_sequence_length": np.array(3, np.int32), **cache},
+            out=out,
+        )  # fmt: skip
+        token, seqlens, total = np.zeros((1, 1), np.int64), np.zeros(1, np.int32), np.zeros((), np.int32)
+        feeds = {"input_ids": token, "seqlens_k": seqlens, "total_sequence_length": total, **cache}
+        step = context.graph("decode").bind(feeds, out)
+        with step.repeating() as decode:
+            for length in (4, 5):
+                token[0, 0], seqlens[0], total[()] = ids[length - 1], length - 1, length
+                decode()
+                np.testing.assert_allclose(logits[0, 0], forward(llama.weights, ids[:length]), atol=2e-4)
+            base = logits.copy()
+            context.apply_binary_section(None, llama.out / "all.qsec")
+            decode()  # the fifth token again, now through the adapter
+            adapted = logits.copy()
+        assert np.abs(adapted - base).max() > 1e-2
+        assert step.run() == {}  # the same step by `run()`: what the loop's last call computed
+        np.testing.assert_allclose(logits, adapted, rtol=0, atol=1e-6)
+        with pytest.raises(quiver.FeedDTypeError, match=r"writes every output into a buffer; bind \['logits'\]"):
+            with context.graph("decode").bind(feeds, presents).repeating():
+                pass
+
+
 def test_binding_refuses_what_a_run_could_not_read_in_place(llama: Tiny) -> None:
     with quiver.Context.from_binary(llama.out / "model.qctx") as context:
         graph = context.graph("decode")

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -489,6 +489,39 @@ class Session:
                     if value:
                         capi.ReleaseValue(value)
         return results
+
+    def repeater(
+        self,
+        output_names: Sequence[str],
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray],
+    ) -> Callable[[], None] | None:
+        """`run` of these very arrays again and again, their values rewritten in place between runs (a
+        generation's decode steps): the C arrays are built once, private to the caller, who runs it from
+        one thread at a time while the session lives. None where an output has no buffer.
+
+        A decode step's Python between two runs costs more than it seems: the run evicts it from the
+        caches, so each line comes back slowly (measured: ~4 % of a 4-bit SmolLM2 step for `run`'s).
+        """
+        plan = self._plan_for(tuple(output_names), feeds, bound, out)
+        if plan.results is None:
+            return None
+        inputs = (_P * plan.count)()
+        ctypes.memmove(inputs, plan.inputs, ctypes.sizeof(inputs))
+        fed = [_Tensor(np.asarray(feeds[name])) for name in plan.fresh]  # alive as long as the closure
+        for tensor, position in zip(fed, plan.fresh_positions):
+            inputs[position] = tensor.handle
+        outputs = (_P * len(output_names))()
+        ctypes.memmove(outputs, plan.outputs, ctypes.sizeof(outputs))
+        capi, handle, names, count, output_keys = self._api, self.handle, plan.names, plan.count, plan.output_names
+        n = len(outputs)
+
+        # the session, its plan's wrappers and the fed arrays' live as long as the function
+        def run(_keep: object = (self, plan, fed)) -> None:
+            capi.check(capi.Run(handle, None, names, inputs, count, output_keys, n, outputs))
+
+        return run
 
     def _plan_for(
         self,

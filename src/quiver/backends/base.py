@@ -122,6 +122,18 @@ class FinalizedGraph:
     mapping: MappedFile | None = None
 
 
+@runtime_checkable
+class Repeatable(Protocol):
+    """An executable that can run the same arrays many times over cheaply (a generation's decode steps)."""
+
+    def repeater(
+        self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, np.ndarray] | None, out: Mapping[str, np.ndarray]
+    ) -> Callable[[], None]:
+        """A function that runs as `run(feeds, bound, out)` does, for as long as only the feeds' values
+        change (rewritten in place) and the executable is in use."""
+        ...
+
+
 class Executable(Protocol):
     """A graph prepared by a backend."""
 

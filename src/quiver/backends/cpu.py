@@ -550,6 +550,52 @@ class CpuExecutable:
                 _drop_resident_pages(self._droppable)
         return outputs
 
+    def repeater(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray] | None,
+        out: Mapping[str, np.ndarray],
+    ) -> Callable[[], None]:
+        """`run(feeds, bound, out)` again and again, the feeds' values rewritten in place between runs and
+        nothing else changed (a generation's decode steps): through the C API session, its arrays built
+        once (`_ort_capi.Session.repeater`); otherwise runs as `run` does."""
+        session = self._session
+        if isinstance(session, _ort_capi.Session) and not self._upgrade_pending:
+            given_bound = _NOTHING if bound is None else bound
+            if self._strengths is not None:  # folded strengths depend on what is bound, fixed meanwhile
+                feeds, given_bound = self._strengths.apply(feeds, given_bound)
+            try:
+                repeat = session.repeater(self._output_names, feeds, given_bound, out)
+            except Exception as exc:
+                raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
+            if repeat is not None:
+                return self._counted(repeat)
+
+        def run_again() -> None:
+            self.run(feeds, bound, out)
+
+        return run_again
+
+    def _counted(self, repeat: Callable[[], None]) -> Callable[[], None]:
+        """`repeat`, its runs counted as `run` counts them (the mapped pages of packed weights let go now and
+        then), its errors ORT's."""
+        droppable = self._droppable if self.is_packed else []
+
+        def run() -> None:
+            try:
+                repeat()
+            except BackendError:
+                raise
+            except Exception as exc:
+                raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
+            if droppable:
+                self._runs_since_drop += 1
+                if self._runs_since_drop >= _REDROP_EVERY:
+                    self._runs_since_drop = 0
+                    _drop_resident_pages(droppable)
+
+        return run
+
     def _start_upgrade(self) -> None:
         with self._upgrade_lock:
             if not self._upgrade_pending or self._released:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -73,6 +74,32 @@ class BoundRun:
         arrays, bound = self.graph.backend_feeds(self._feeds, state)
         self._prepared = (state, arrays, bound)
         return self._prepared
+
+    @contextmanager
+    def repeating(self) -> Iterator[Callable[[], None]]:
+        """`run()` as a function for a loop of steps (a generation's decode steps), whose outputs all have
+        buffers: the graph's executable is held for the loop and each call is the backend's run alone.
+        A change of the graph's state (a section applied, a strength set) is seen at the next call, as by
+        `run()`; the binding's runs take turns with the loop's, which holds it until it ends."""
+        graph = self.graph
+        if self._unbound:
+            raise FeedDTypeError(
+                f"graph {graph.name!r}: a repeating run writes every output into a buffer; bind "
+                f"{[name for _, name in self._unbound]} too"
+            )
+        with self._lock:
+            state = graph._context._state(graph.name)
+            prepared = self._prepared if self._prepared[0] is state else self._prepare(state)
+            with graph._context._repeating(graph.name, prepared[1], prepared[2], self._out) as step:
+
+                def run() -> None:
+                    if graph._context._state(graph.name) is state:
+                        step()
+                    else:  # changed meanwhile: this run sees the new state, as `run()` would
+                        latest = self._prepare(graph._context._state(graph.name))
+                        graph._context._run(graph.name, latest[1], latest[2], self._out)
+
+                yield run
 
     def run(self) -> dict[str, np.ndarray]:
         """Executes the graph: outputs with a buffer land in it; the others come back, new arrays by name."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,6 +25,7 @@ from quiver.backends import (
     FinalizedGraph,
     MappedFile,
     PreparedGraph,
+    Repeatable,
     StoredWeight,
     WeightFile,
     get_backend,
@@ -331,6 +333,30 @@ class Context:
         store.file.check_unchanged()  # a file written in place under a live mapping: refuse, don't crash
         with store.running(name, lambda: self._finalized_graph(store, name)) as executable:
             return executable.run(feeds, bound, out) if out else executable.run(feeds, bound)
+
+    @contextmanager
+    def _repeating(
+        self,
+        name: str,
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray],
+    ) -> Iterator[Callable[[], None]]:
+        """`_run(name, feeds, bound, out)` as a function to call many times while only the feeds' values
+        change (a generation's decode steps): the graph's executable is held for the whole loop and the
+        file checked once, so each call is the backend's run alone where the backend offers one
+        (`Repeatable`). Mid-loop, a file changed in place is still rescued by the file guard."""
+        store = self._require_store()
+        store.file.check_unchanged()
+        with store.running(name, lambda: self._finalized_graph(store, name)) as executable:
+            if isinstance(executable, Repeatable):
+                yield executable.repeater(feeds, bound, out)
+                return
+
+            def run() -> None:
+                executable.run(feeds, bound, out)
+
+            yield run
 
     def finalized_graph(self, name: str) -> FinalizedGraph:
         """What the backend is given for this graph on this device (its structure, weight views and tuned

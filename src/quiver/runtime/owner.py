@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -24,6 +25,14 @@ class GraphOwner(Protocol):
         bound: Mapping[str, np.ndarray],
         out: Mapping[str, np.ndarray] | None = None,
     ) -> list[np.ndarray]: ...
+
+    def _repeating(
+        self,
+        name: str,
+        feeds: Mapping[str, np.ndarray],
+        bound: Mapping[str, np.ndarray],
+        out: Mapping[str, np.ndarray],
+    ) -> AbstractContextManager[Callable[[], None]]: ...
 
     def _set_lora_strength(self, graph: str, adapter: str, value: float) -> None: ...
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -99,7 +99,7 @@ class Dialog:
         )
         # a decode step runs on arrays bound once: the token arrays are rewritten in place each step, through
         # flat views of their memory (a plain buffer write costs less than numpy's indexing, between steps)
-        self._token_views = tuple(memoryview(a.reshape(-1)).cast("B").cast(a.dtype.char) for a in self._token_feeds)
+        self._token_views = tuple(_flat_view(a) for a in self._token_feeds)
         try:
             self._decode_run = self._decode.bind(
                 {INPUT_IDS: token, SEQLENS_K: seqlens, TOTAL_LENGTH: length, **self._cache}, self._out
@@ -214,16 +214,21 @@ class Dialog:
             min_new_tokens,
             stop,
         )
-        while True:
-            piece = reply.step(self._logits)
-            if piece and on_token is not None:
-                on_token(piece)
-            if reply.reason is not None:
-                break
-            if self._abort.is_set():
-                reply.reason, reply.pending = "aborted", reply.new_ids[-1:]
-                break
-            self._step(self._decode, reply.new_ids[-1:])
+        history, views, logits = self._history, self._token_views, self._logits
+        with self._decode_run.repeating() as decode:  # the decode graph held for the loop: a step is its run
+            while True:
+                piece = reply.step(logits)
+                if piece and on_token is not None:
+                    on_token(piece)
+                if reply.reason is not None:
+                    break
+                if self._abort.is_set():
+                    reply.reason, reply.pending = "aborted", reply.new_ids[-1:]
+                    break
+                token = reply.new_ids[-1]  # fed at the next position: its keys and values join the cache
+                views[0][0], views[1][0], views[2][0] = token, len(history), len(history) + 1
+                decode()
+                history.append(token)
         self._pending = reply.pending
         new, text, reason = reply.new_ids, reply.text, reply.reason
         finished = time.perf_counter()
@@ -435,6 +440,12 @@ class Dialog:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _flat_view(array: np.ndarray) -> memoryview[int]:
+    """The array's memory as a flat buffer of its integers (item writes change the array)."""
+    flat: Any = array.reshape(-1).data.cast("B")
+    return cast("memoryview[int]", flat.cast(array.dtype.char))
 
 
 def _is_utf8(text: str) -> bool:
