@@ -3,11 +3,11 @@ onnxruntime-genai's int4 export of the same weights.
 
     python benchmarks/run.py --only quantizers
 
-Per quantizer of `quiver t2t export --weight-bitwidth 4 --quantizer NAME` (blocks of 32; LM head 8-bit
-for rtn and rtn-asym, float for rtn-min), at the accuracy level its config asks for (rtn-min: 0, float
-activations; the others: the backend's 4, int8 activations), rtn-min also at 4, hqq, gptq and gptq-asym
-calibrated on tests/data/calibration_prompts.txt, and rtn with its LM head at 4 bits too (`--override
-lm_head.weight=4`: genai's int4 layout): greedy agreement with transformers' fp32 continuation (leading
+Per quantizer of `quiver t2t export --weight-bitwidth 4 --quantizer NAME` (blocks of 32; the tied LM head
+a shortlist: 4-bit ranking, its best 32 logits from the float rows), at the accuracy level its config asks
+for (rtn-min, hqq: 0, float activations; the others: the backend's 4, int8 activations), rtn-min also at
+4, gptq and gptq-asym calibrated on tests/data/calibration_prompts.txt, and rtn with a plain 4-bit LM head
+(`--override lm_head.weight=4`: genai's int4 layout): greedy agreement with transformers' fp32 continuation (leading
 identical tokens of 128, per prompt of the corpus, and their mean), the context's size, and prefill /
 decode tok/s for 128- and 512-token prompts (128 new tokens, greedy, 2 threads everywhere), every engine
 in fresh processes with the order turning round by round, as benchmarks/t2t.py runs them. Quiver fp32,
@@ -60,7 +60,7 @@ SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export, or
     "quiver int4 gptq-asym": ExportOptions(
         CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="gptq-asym", calibration=CALIBRATION
     ),
-    "quiver int4 rtn, head 4-bit": ExportOptions(  # genai's int4 layout: every MatMul, the head too, at 4 bits
+    "quiver int4 rtn, head 4-bit": ExportOptions(  # genai's int4 layout: every MatMul, the head too, plain 4-bit
         CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn", overrides=(("lm_head.weight", 4),)
     ),
     "genai int4": None,

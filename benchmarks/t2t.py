@@ -251,7 +251,7 @@ def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
                 "decode_int4": _paired(runs["quiver int4"], runs["genai int4"], n, "decode_tok_s"),
                 "decode_with_adapter_vs_base": _paired(runs[lora_label], runs["quiver fp32"], n, "decode_tok_s"),
             }
-            | (  # Quiver's int4 (symmetric blocks of 32, head 8-bit) beside llama.cpp's Q4_1 (its own GGUF)
+            | (  # Quiver's int4 (symmetric blocks of 32, the head a shortlist) beside llama.cpp's Q4_1 (its own GGUF)
                 {
                     "prefill_int4_vs_llama_q4_1": _paired(runs["quiver int4"], runs[LLAMA_Q4_1], n, "prefill_tok_s"),
                     "decode_int4_vs_llama_q4_1": _paired(runs["quiver int4"], runs[LLAMA_Q4_1], n, "decode_tok_s"),
