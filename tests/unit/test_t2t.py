@@ -296,20 +296,42 @@ def test_output_buffers_are_checked(llama: Tiny) -> None:
             graph.execute({}, out={"nope": np.zeros(1, np.float32)})
 
 
+@dataclasses.dataclass
+class _Decoding:
+    """The decode graph bound after a three-token prefill: write the next token into `token`, `seqlens`
+    and `total`, run `step`, read `logits`."""
+
+    step: Any
+    token: np.ndarray
+    seqlens: np.ndarray
+    total: np.ndarray
+    logits: np.ndarray
+    feeds: dict[str, np.ndarray]
+    presents: dict[str, np.ndarray]
+
+
+IDS_BOUND = [5, 17, 42, 8, 23]
+
+
+def _bound_decoding(context: quiver.Context, llama: Tiny) -> _Decoding:
+    cache, presents = _kv_cache()
+    logits = np.zeros((1, 1, llama.weights["model.embed_tokens.weight"].shape[0]), np.float32)
+    out = {"logits": logits, **presents}
+    context.graph("prefill").execute(
+        {"input_ids": np.array([IDS_BOUND[:3]], np.int64), "seqlens_k": np.array([2], np.int32),
+         "total_sequence_length": np.array(3, np.int32), **cache},
+        out=out,
+    )  # fmt: skip
+    token, seqlens, total = np.zeros((1, 1), np.int64), np.zeros(1, np.int32), np.zeros((), np.int32)
+    feeds = {"input_ids": token, "seqlens_k": seqlens, "total_sequence_length": total, **cache}
+    return _Decoding(context.graph("decode").bind(feeds, out), token, seqlens, total, logits, feeds, presents)
+
+
 def test_a_bound_run_reads_its_arrays_in_place_each_run(llama: Tiny) -> None:
     with quiver.Context.from_binary(llama.out / "model.qctx") as context:
-        cache, presents = _kv_cache()
-        logits = np.zeros((1, 1, llama.weights["model.embed_tokens.weight"].shape[0]), np.float32)
-        out = {"logits": logits, **presents}
-        ids = [5, 17, 42, 8, 23]
-        context.graph("prefill").execute(
-            {"input_ids": np.array([ids[:3]], np.int64), "seqlens_k": np.array([2], np.int32),
-             "total_sequence_length": np.array(3, np.int32), **cache},
-            out=out,
-        )  # fmt: skip
-        token, seqlens, total = np.zeros((1, 1), np.int64), np.zeros(1, np.int32), np.zeros((), np.int32)
-        feeds = {"input_ids": token, "seqlens_k": seqlens, "total_sequence_length": total, **cache}
-        step = context.graph("decode").bind(feeds, out)
+        bound = _bound_decoding(context, llama)
+        step, token, seqlens, total, logits = bound.step, bound.token, bound.seqlens, bound.total, bound.logits
+        feeds, presents, ids = bound.feeds, bound.presents, IDS_BOUND
         for length in (4, 5):  # new values written into the bound arrays, not new arrays
             token[0, 0], seqlens[0], total[()] = ids[length - 1], length - 1, length
             assert step.run() == {}  # every output landed in its buffer
@@ -326,18 +348,9 @@ def test_a_repeating_run_is_the_bound_run_and_sees_a_section_applied_between_two
     """`BoundRun.repeating()` (a dialog's decode loop): each call runs on the arrays' values as they are
     then; a section applied between two calls is in the next one, as it would be for `run()`."""
     with quiver.Context.from_binary(llama.out / "model.qctx") as context:
-        cache, presents = _kv_cache()
-        logits = np.zeros((1, 1, llama.weights["model.embed_tokens.weight"].shape[0]), np.float32)
-        out = {"logits": logits, **presents}
-        ids = [5, 17, 42, 8, 23]
-        context.graph("prefill").execute(
-            {"input_ids": np.array([ids[:3]], np.int64), "seqlens_k": np.array([2], np.int32),
-             "total_sequence_length": np.array(3, np.int32), **cache},
-            out=out,
-        )  # fmt: skip
-        token, seqlens, total = np.zeros((1, 1), np.int64), np.zeros(1, np.int32), np.zeros((), np.int32)
-        feeds = {"input_ids": token, "seqlens_k": seqlens, "total_sequence_length": total, **cache}
-        step = context.graph("decode").bind(feeds, out)
+        bound = _bound_decoding(context, llama)
+        step, token, seqlens, total, logits = bound.step, bound.token, bound.seqlens, bound.total, bound.logits
+        feeds, presents, ids = bound.feeds, bound.presents, IDS_BOUND
         with step.repeating() as decode:
             for length in (4, 5):
                 token[0, 0], seqlens[0], total[()] = ids[length - 1], length - 1, length
