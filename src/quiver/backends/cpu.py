@@ -542,13 +542,16 @@ class CpuExecutable:
         if self._upgrade_pending:
             self._start_upgrade()
         elif self.is_packed and self._droppable:
-            self._runs_since_drop += 1
-            if self._runs_since_drop >= _REDROP_EVERY:
-                # Packed weights whose originals are still read (a tied embedding's rows, by Gather)
-                # fault pages back in as a conversation goes on: let them go again now and then.
-                self._runs_since_drop = 0
-                _drop_resident_pages(self._droppable)
+            self._count_run()
         return outputs
+
+    def _count_run(self) -> None:
+        """Packed weights whose originals are still read (a tied embedding's rows, by Gather) fault pages
+        back in as a conversation goes on: let them go again every `_REDROP_EVERY` runs."""
+        self._runs_since_drop += 1
+        if self._runs_since_drop >= _REDROP_EVERY:
+            self._runs_since_drop = 0
+            _drop_resident_pages(self._droppable)
 
     def repeater(
         self,
@@ -577,9 +580,8 @@ class CpuExecutable:
         return run_again
 
     def _counted(self, repeat: Callable[[], None]) -> Callable[[], None]:
-        """`repeat`, its runs counted as `run` counts them (the mapped pages of packed weights let go now and
-        then), its errors ORT's."""
-        droppable = self._droppable if self.is_packed else []
+        """`repeat`, its runs counted as `run` counts them (`_count_run`), its errors ORT's."""
+        counted = self.is_packed and bool(self._droppable)
 
         def run() -> None:
             try:
@@ -588,11 +590,8 @@ class CpuExecutable:
                 raise
             except Exception as exc:
                 raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
-            if droppable:
-                self._runs_since_drop += 1
-                if self._runs_since_drop >= _REDROP_EVERY:
-                    self._runs_since_drop = 0
-                    _drop_resident_pages(droppable)
+            if counted:
+                self._count_run()
 
         return run
 
