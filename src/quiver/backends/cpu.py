@@ -69,6 +69,11 @@ fork_waits = _ort_capi.fork_waits
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
+def _ort_failure(exc: Exception) -> BackendError:
+    """What a failed run raises: Quiver's own errors as they are, ORT's (plain exceptions) as a BackendError."""
+    return exc if isinstance(exc, BackendError) else BackendError(f"cpu backend (ONNX Runtime) failed: {exc}")
+
+
 def _packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
     """The weights ORT may pack for this graph: constant B inputs of MatMul/Gemm/FusedMatMul."""
     names = {
@@ -535,10 +540,8 @@ class CpuExecutable:
             feeds, bound = self._strengths.apply(feeds, bound)
         try:
             outputs = session.run(self._output_names, feeds, bound, _NOTHING if out is None else out)
-        except BackendError:
-            raise
         except Exception as exc:
-            raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
+            raise _ort_failure(exc) from None
         if self._upgrade_pending:
             self._start_upgrade()
         elif self.is_packed and self._droppable:
@@ -570,7 +573,7 @@ class CpuExecutable:
             try:
                 repeat = session.repeater(self._output_names, feeds, given_bound, out)
             except Exception as exc:
-                raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
+                raise _ort_failure(exc) from None
             if repeat is not None:
                 return self._counted(repeat)
 
@@ -586,10 +589,8 @@ class CpuExecutable:
         def run() -> None:
             try:
                 repeat()
-            except BackendError:
-                raise
             except Exception as exc:
-                raise BackendError(f"cpu backend (ONNX Runtime) failed: {exc}") from None
+                raise _ort_failure(exc) from None
             if counted:
                 self._count_run()
 

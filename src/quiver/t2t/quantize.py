@@ -137,12 +137,15 @@ def quantize_weights(
             f"{HEAD_WEIGHT}={SHORTLIST} needs the head's float rows, which this graph does not hold; "
             f"give {HEAD_WEIGHT}=4, 8 or float"
         )
+    # the head's input and output, and its rows as they are now (ORT's quantizer drops initializers no node
+    # reads: an untied head's rows)
+    shortlist = None
     head_node = next((n for n in model.graph.node if n.name in shortlisted), None)
-    ends = (head_node.input[0], head_node.output[0]) if head_node is not None else None
-    # the rows as they are now: ORT's quantizer drops initializers no node reads (an untied head's rows)
-    rows = next((t for t in model.graph.initializer if t.name == head_rows), None) if ends else None
-    if ends and (rows is None or len(rows.dims) != 2):
-        raise QuantizationError(f"the LM head's float rows {head_rows!r} are not a [vocab, hidden] weight of the graph")
+    if head_node is not None:
+        rows = next((t for t in model.graph.initializer if t.name == head_rows), None)
+        if rows is None or len(rows.dims) != 2:
+            raise QuantizationError(f"the LM head's float rows {head_rows!r} are not a [vocab, hidden] weight")
+        shortlist = (head_node.input[0], head_node.output[0], rows)
     nodes = {width: {n for n, w in plan.items() if w == width} for width in (4, 8)}
     if quantizer in MINIMUM_FORM:
         fit = hqq_minimums if quantizer == "hqq" else block_minimums
@@ -157,9 +160,9 @@ def quantize_weights(
         for width in (4, 8):
             if nodes[width]:
                 model = _ort_rtn(model, width, block_size, nodes[width], symmetric=quantizer == "rtn")
-    if ends is not None and rows is not None:  # the approximate head ranks, whatever the quantizer
+    if shortlist is not None:  # the approximate head ranks, whatever the quantizer
         model = _ort_rtn(model, 4, block_size, shortlisted, symmetric=True)
-        model = _shortlisted_head(model, *ends, rows)
+        model = _shortlisted_head(model, *shortlist)
     return model
 
 
