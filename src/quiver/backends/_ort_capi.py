@@ -502,7 +502,7 @@ class Session:
         one thread at a time while the session lives. None where an output has no buffer.
 
         A decode step's Python between two runs costs more than it seems: the run evicts it from the
-        caches, so each line comes back slowly (measured: ~4 % of a 4-bit SmolLM2 step for `run`'s).
+        caches, so each line comes back slowly (by hand: `run`'s cost ~4 % of a 4-bit SmolLM2 step).
         """
         plan = self._plan_for(tuple(output_names), feeds, bound, out)
         if plan.results is None:
