@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -301,6 +302,41 @@ def test_the_engine_refuses_beyond_its_queue_and_skips_what_was_cancelled(export
         assert finished[-1].finish_reason == "cancelled" and len(finished[-1].token_ids) < 40
     finally:
         decoder.close()
+
+
+def test_adapters_warmed_at_start_fill_their_first_slot_without_reading_a_section(
+    exported: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quiver.formats.section import SectionFile
+
+    copy = shutil.copytree(exported.parent, tmp_path / "copy")  # files this process has never read
+    opened: list[Path] = []
+    read = SectionFile.open.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[SectionFile], path: Path, *args: Any, **kwargs: Any) -> SectionFile:
+        opened.append(Path(path))
+        return read(cls, path, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(SectionFile, "open", classmethod(counted))
+    decoder = BatchDecoder.from_config(copy / exported.name, max_batch=2)
+    try:
+        budget = sum(p.stat().st_size for p in decoder.adapters.get("all").bin_sections)
+        assert decoder.warm_adapters(budget) == ["all"]  # "qv" is beyond what is left of the budget
+        warmed = len(opened)
+        assert warmed >= 1
+        decoder.acquire_slot("all")
+        assert len(opened) == warmed  # its slot filled from what was read and checked at the start
+        decoder.acquire_slot("qv")
+        assert len(opened) == warmed + 1  # not warmed: read on its first request
+    finally:
+        decoder.close()
+
+
+def test_a_batch_beyond_the_machines_memory_is_refused_at_start(exported: Path) -> None:
+    from quiver.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="--max-batch"):  # terabytes of KV cache: allocated at start
+        BatchDecoder.from_config(exported, max_batch=10**9)
 
 
 def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Path) -> None:

@@ -111,12 +111,15 @@ def _verified(section: SectionFile) -> SectionFile:
     return section
 
 
+SECTION_CACHE_BYTES = 256 * 1024 * 1024  # sections read from paths kept verified in memory, at most
+
+
 class _VerifiedSections:
     """Sections read from paths and verified, by file identity: switching back to a file applied before
     costs a stat, not a copy and a checksum of every tensor. A file replaced or written
     to since has another identity (inode, size, mtime, ctime) and is read and verified again."""
 
-    def __init__(self, limit_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(self, limit_bytes: int = SECTION_CACHE_BYTES) -> None:
         self._limit = limit_bytes
         self._sections: OrderedDict[tuple[int, ...], SectionFile] = OrderedDict()
         self._lock = threading.Lock()

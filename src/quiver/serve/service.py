@@ -83,6 +83,7 @@ class LocalService:
         try:
             for name, path in adapters.items():
                 decoder.add_adapter(name, Path(path))
+            decoder.warm_adapters()  # the first request on an adapter waits for no read of its sections
         except QuiverError:
             decoder.close()
             raise

@@ -28,11 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from quiver import fork
-from quiver.errors import GenerationError
+from quiver.errors import GenerationError, QuiverError
+from quiver.formats.section import SectionFile
 from quiver.lora.create import fill_slot, table_module
 from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.runtime.bound_run import BoundRun
 from quiver.runtime.context import Context
+from quiver.runtime.sections import SECTION_CACHE_BYTES
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import BATCH_GRAPH, DialogConfig, adapter_use_cases, cpu_backend_for, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
@@ -61,6 +63,23 @@ def _row_shape(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
     if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]):
         return ()
     return tuple(int(d) for d in shape[1:])  # type: ignore[arg-type]
+
+
+def _resident(shape: tuple[int, ...]) -> np.ndarray:
+    """Zeros in memory written now: the KV rows, logits and adapter tables are all mapped at start (as vLLM
+    and llama-server allocate their caches), so no step waits for the kernel to map a row's pages the
+    first time a sequence lands there (measured here: ~100 ms for one row of SmolLM2's cache at 1024
+    positions, a prefill's time again)."""
+    try:
+        array = np.empty(shape, np.float32)
+    except MemoryError:
+        gib = np.prod(shape, dtype=np.float64) * 4 / 2**30
+        raise GenerationError(
+            f"the batch's buffers need {gib:.1f} GiB more than this machine gives; serve fewer sequences at once "
+            "(--max-batch) or adapters (--max-loras), or export with a smaller --context-size"
+        ) from None
+    array.fill(0)
+    return array
 
 
 class BatchDecoder:
@@ -126,8 +145,8 @@ class BatchDecoder:
                 f"{config.path}: context.size {config.context_size} exceeds the {self.capacity} positions of the "
                 "context's KV cache; lower it or export with a larger --context-size"
             )
-        self._cache = {name: np.zeros((self.max_batch, *row), np.float32) for name, row in rows.items()}
-        self._logits = np.zeros((self.max_batch, 1, config.n_vocab), np.float32)
+        self._cache = {name: _resident((self.max_batch, *row)) for name, row in rows.items()}
+        self._logits = _resident((self.max_batch, 1, config.n_vocab))
         # the adapter tables, each slot's and each row's [rank, width]: the rank is that of the prefill
         # graph's tensor of the same name, which the adapters' sections hold
         prefill = self._context.file.graphs.get(config.prefill_graph)
@@ -149,8 +168,8 @@ class BatchDecoder:
             # the prefill graph's tensor of that name: Aᵀ's stored [in, R], B's [R, out]
             rank, width = (stored[0], stored[1]) if name.endswith(".B") else (stored[1], stored[0])
             self._tables[name] = _Table(
-                np.zeros((adapter_slots, rank, width), np.float32),
-                np.zeros((self.max_batch, rank, width), np.float32),
+                _resident((adapter_slots, rank, width)),
+                _resident((self.max_batch, rank, width)),
                 np.zeros((1, 0, width), np.float32),
             )
         self._peft: dict[str, PeftAdapter] = {}  # adapters loaded from PEFT folders (no sections)
@@ -188,6 +207,30 @@ class BatchDecoder:
                     self.on_fill(time.perf_counter() - start)
             self._users[slot] += 1
             return slot
+
+    def warm_adapters(self, budget_bytes: int = SECTION_CACHE_BYTES // 2) -> list[str]:
+        """Reads and checks the sections of the adapters known now, in order, while their files fit
+        `budget_bytes` (a part of the verified-section cache, so they stay in it): a first request on one then
+        costs a slot fill, not a read and a check of its every tensor on the engine's thread, between two
+        decode steps of the others. One that cannot be read is left to its first request to report.
+        Returns the names warmed."""
+        warmed, spent = [], 0
+        for name in self.adapters.names:
+            try:
+                paths = self.adapters.get(name).bin_sections
+                size = sum(Path(p).stat().st_size for p in paths)
+                if not paths or spent + size > budget_bytes:
+                    continue
+                self._sections(paths)
+            except (QuiverError, OSError):
+                continue
+            warmed.append(name)
+            spent += size
+        return warmed
+
+    def _sections(self, paths: Sequence[Path]) -> list[SectionFile]:
+        """An adapter's sections, read and checked against the prefill graph (whose values fill slots)."""
+        return [self._context.check_binary_section(self.config.prefill_graph, path) for path in paths]
 
     def add_adapter(self, name: str, source: str | Path | Sequence[str | Path]) -> None:
         """One more adapter by name: a PEFT folder, or its sections (.qsec made for this context), checked
@@ -247,8 +290,7 @@ class BatchDecoder:
         if peft is not None:
             self._fill_from_peft(slot, peft, strengths)
             return
-        sections = [self._context.check_binary_section(None, path) for path in config.bin_sections]
-        state = self._context.state_with_sections(self.config.prefill_graph, sections)
+        state = self._context.state_with_sections(self.config.prefill_graph, self._sections(config.bin_sections))
         if state.lora is None:
             raise GenerationError(f"adapter {adapter!r}: its sections carry no LoRA strengths; export it again")
         alphas = np.array(state.lora.alphas, np.float32)
