@@ -339,6 +339,67 @@ def test_a_batch_beyond_the_machines_memory_is_refused_at_start(exported: Path) 
         BatchDecoder.from_config(exported, max_batch=10**9)
 
 
+def test_an_outbox_delivers_in_order_with_one_wake_up_for_what_arrives_together() -> None:
+    import asyncio
+
+    from quiver.serve.service import Outbox
+
+    async def main() -> tuple[list[int], list[int], int]:
+        outbox = Outbox(asyncio.get_running_loop())
+        wake_ups = [0]
+        deliver = outbox._deliver
+
+        def counted() -> None:
+            wake_ups[0] += 1
+            deliver()
+
+        outbox._deliver = counted  # type: ignore[method-assign]
+        first: asyncio.Queue[int] = asyncio.Queue()
+        second: asyncio.Queue[int] = asyncio.Queue()
+        put_first, put_second = outbox.sink(first), outbox.sink(second)
+
+        def engine_step() -> None:  # another thread, while the loop waits: 200 items at once
+            for i in range(100):
+                put_first(i)
+                put_second(-i)
+
+        await asyncio.to_thread(engine_step)
+        got_first = [await asyncio.wait_for(first.get(), 10) for _ in range(100)]
+        got_second = [await asyncio.wait_for(second.get(), 10) for _ in range(100)]
+        return got_first, got_second, wake_ups[0]
+
+    got_first, got_second, wake_ups = asyncio.run(main())
+    assert got_first == list(range(100)) and got_second == [-i for i in range(100)]
+    assert wake_ups == 1
+
+
+def test_a_sink_that_fails_loses_its_event_and_the_engine_serves_on(exported: Path) -> None:
+    from quiver.serve.engine import Done, Engine, Generation
+
+    decoder = BatchDecoder.from_config(exported, max_batch=2)
+    engine = Engine(decoder)
+    try:
+        ids = decoder.tokenizer.encode(PROMPT)
+        finished = threading.Event()
+        done: list[Done] = []
+
+        def failing(event: Any) -> None:
+            raise RuntimeError("a sink whose loop is gone")
+
+        def good(event: Any) -> None:
+            if isinstance(event, Done):
+                done.append(event)
+                finished.set()
+
+        engine.submit(Generation(ids, None, {}, 8, 0.0, 1.0, None, ()), failing)
+        engine.submit(Generation(ids, "all", {}, 8, 0.0, 1.0, None, ()), good)
+        assert finished.wait(60)
+        assert len(done[0].token_ids) == 8 and done[0].finish_reason == "length"
+    finally:
+        engine.close()
+        decoder.close()
+
+
 def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Path) -> None:
     """Six requests through a batch of four: they join as rows free up and leave at different steps (each
     that ends hands its row to the last), on three adapters and strengths; each gets what it gets alone."""

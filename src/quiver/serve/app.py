@@ -37,7 +37,7 @@ from quiver.serve.openai_api import (
     generation,
     new_id,
 )
-from quiver.serve.service import Service, ServiceUnavailableError, drained
+from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
 
 MAX_BODY_BYTES = 4 << 20
 MAX_MODEL_NAME = 256  # characters of an adapter name a client gives
@@ -79,6 +79,7 @@ class Server:
         adapter_loading: bool = False,
     ) -> None:
         self.service = service
+        self._outbox: Outbox | None = None  # the engine's tokens to the event loop
         self.base = base
         self.chat_template = chat_template
         self.adapter_loading = adapter_loading
@@ -208,7 +209,8 @@ class Server:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            job = self.service.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            self._outbox = outbox = Outbox.on(self._outbox, loop)
+            job = self.service.submit(request, outbox.sink(events))
         except QueueFullError as exc:
             raise ApiError(429, str(exc), None, "queue_full") from None
         request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])

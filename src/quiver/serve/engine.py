@@ -122,6 +122,7 @@ class Engine:
         self._prefilling: _Sequence | None = None  # in the row after them
         self._held: Job | None = None  # taken from the queue, waiting for an adapter slot to come free
         self._closing = False
+        self._decided: list[tuple[Callable[[Event], object], Event]] = []  # this step's events, sent after it
         self.on_step = on_step  # told the rows of every decode step
         self._thread = threading.Thread(target=self._work, name="quiver-serve-engine", daemon=True)
         self._thread.start()
@@ -181,9 +182,12 @@ class Engine:
                 batch, self._rows, self._prefilling = self._batch(), [], None
                 for sequence in batch:  # every row is free again: nothing to move
                     self.decoder.release_slot(sequence.slot)
-                    sequence.job.sink(Failed(failure))
+                    self._send(sequence.job, Failed(failure))
+            finally:
+                self._flush()
         for sequence in self._batch():
             self._leave(sequence, self._done(sequence, "cancelled"))
+        self._flush()
         if self._held is not None:
             self._held.sink(_unrun(self._held))
 
@@ -296,7 +300,7 @@ class Engine:
         """The sequence's next token from its logits: streamed, and the end of its reply when it ends."""
         piece = sequence.reply.step(logits)
         if piece:
-            sequence.job.sink(Token(piece, time.perf_counter()))
+            self._send(sequence.job, Token(piece, time.perf_counter()))
         reason = sequence.reply.reason
         if reason is not None:
             self._leave(sequence, self._done(sequence, _FINISH.get(reason, "stop")))
@@ -319,7 +323,22 @@ class Engine:
                 last.row = index
                 self._rows[index] = last
         self.decoder.release_slot(sequence.slot)
-        sequence.job.sink(event)
+        self._send(sequence.job, event)
+
+    def _send(self, job: Job, event: Event) -> None:
+        """Keeps an event of this step for `_flush`."""
+        self._decided.append((job.sink, event))
+
+    def _flush(self) -> None:
+        """Hands the step's events to their sinks, once its tokens are all decided: a sink may wake another
+        thread (the HTTP layer's event loop), which then takes the GIL while the next step runs in ORT, not
+        while this one's Python (whose numpy calls let it go) chooses the other streams' tokens."""
+        decided, self._decided = self._decided, []
+        for sink, event in decided:
+            try:
+                sink(event)
+            except Exception:  # noqa: BLE001  a sink that fails loses its own event; the worker goes on
+                pass
 
 
 def _unrun(job: Job) -> Done:

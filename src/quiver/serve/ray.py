@@ -37,7 +37,7 @@ from quiver.serve.app import Server, base_name
 from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.metrics import Metrics
-from quiver.serve.service import LocalService, ServiceUnavailableError, drained
+from quiver.serve.service import LocalService, Outbox, ServiceUnavailableError, drained
 from quiver.t2t.config import adapter_use_cases, read_dialog_config
 from quiver.t2t.model_source import ensure_model_folder
 from quiver.t2t.tokenizer import TextTokenizer
@@ -122,6 +122,7 @@ class QuiverReplica:
         self._decoder = self._service.decoder
         self._sources: dict[str, str] = {}  # adapters registered from a path given by the ingress
         self._loads: dict[str, int] = {}  # per adapter: how often Ray had to load it here
+        self._outbox: Outbox | None = None  # the engine's tokens to the replica's event loop
 
         async def hold(model_id: str) -> _HeldAdapter:  # called by Ray only for an adapter not held here
             self._loads[model_id] = self._loads.get(model_id, 0) + 1
@@ -164,7 +165,8 @@ class QuiverReplica:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            job = self._service.submit(generation, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            self._outbox = outbox = Outbox.on(self._outbox, loop)
+            job = self._service.submit(generation, outbox.sink(events))
         except QueueFullError as exc:
             yield [_event(Failed(exc))]
             return
