@@ -1,5 +1,6 @@
-"""What differs between operating systems, in one place: file locks and fork hooks (Windows has neither
-`fcntl` nor `fork`), each a portable equivalent or nothing to do where the OS lacks it."""
+"""What differs between operating systems, in one place: file locks, fork hooks and the machine's memory
+(Windows has neither `fcntl` nor `fork` nor `sysconf`), each a portable equivalent or nothing to do where
+the OS lacks it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ def _optional(name: str) -> ModuleType | None:
 fcntl: Any = _optional("fcntl")  # POSIX: flock, and Linux's leases (formats.file_guard)
 _msvcrt: Any = _optional("msvcrt")  # Windows: byte-range locks
 CAN_LOCK = fcntl is not None or _msvcrt is not None  # whether `lock_file` keeps processes apart here
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes, where the OS says (POSIX `sysconf`); None elsewhere."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def lock_file(fd: int, blocking: bool = True) -> None:

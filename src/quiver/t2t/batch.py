@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quiver import fork
+from quiver import fork, portable
 from quiver.errors import GenerationError, QuiverError
 from quiver.formats.section import SectionFile
 from quiver.lora.create import fill_slot, table_module
@@ -65,21 +65,34 @@ def _row_shape(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
     return tuple(int(d) for d in shape[1:])  # type: ignore[arg-type]
 
 
+_TOO_BIG = "serve fewer sequences at once (--max-batch), or export with a smaller --context-size"
+
+
 def _resident(shape: tuple[int, ...]) -> np.ndarray:
-    """Zeros in memory written now: the KV rows, logits and adapter tables are all mapped at start (as vLLM
-    and llama-server allocate their caches), so no step waits for the kernel to map a row's pages the
+    """Zeros in memory written now: the KV rows, logits and per-row adapter tables are mapped at start (as
+    vLLM and llama-server allocate their caches), so no step waits for the kernel to map a row's pages the
     first time a sequence lands there (measured here: ~100 ms for one row of SmolLM2's cache at 1024
-    positions, a prefill's time again)."""
+    positions, a prefill's time again). The slots' tables stay lazy: `--max-loras` may be large."""
     try:
         array = np.empty(shape, np.float32)
     except MemoryError:
         gib = np.prod(shape, dtype=np.float64) * 4 / 2**30
         raise GenerationError(
-            f"the batch's buffers need {gib:.1f} GiB more than this machine gives; serve fewer sequences at once "
-            "(--max-batch) or adapters (--max-loras), or export with a smaller --context-size"
+            f"the batch's buffers need {gib:.1f} GiB more than this machine gives; {_TOO_BIG}"
         ) from None
     array.fill(0)
     return array
+
+
+def _check_fits(needed: int) -> None:
+    """Refuses, before a byte is written, buffers larger than the machine's memory (which writing them
+    would not survive: the kernel kills a process that overcommits, it raises nothing)."""
+    memory = portable.physical_memory()
+    if memory is not None and needed > memory:
+        raise GenerationError(
+            f"the batch's KV cache and logits need {needed / 2**30:.1f} GiB; this machine has {memory / 2**30:.1f} "
+            f"GiB: {_TOO_BIG}"
+        )
 
 
 class BatchDecoder:
@@ -145,6 +158,7 @@ class BatchDecoder:
                 f"{config.path}: context.size {config.context_size} exceeds the {self.capacity} positions of the "
                 "context's KV cache; lower it or export with a larger --context-size"
             )
+        _check_fits(4 * self.max_batch * (sum(int(np.prod(row)) for row in rows.values()) + config.n_vocab))
         self._cache = {name: _resident((self.max_batch, *row)) for name, row in rows.items()}
         self._logits = _resident((self.max_batch, 1, config.n_vocab))
         # the adapter tables, each slot's and each row's [rank, width]: the rank is that of the prefill
@@ -168,7 +182,7 @@ class BatchDecoder:
             # the prefill graph's tensor of that name: Aᵀ's stored [in, R], B's [R, out]
             rank, width = (stored[0], stored[1]) if name.endswith(".B") else (stored[1], stored[0])
             self._tables[name] = _Table(
-                _resident((adapter_slots, rank, width)),
+                np.zeros((adapter_slots, rank, width), np.float32),  # mapped as slots are filled
                 _resident((self.max_batch, rank, width)),
                 np.zeros((1, 0, width), np.float32),
             )
