@@ -13,7 +13,8 @@ over the wall time of the burst), time to first token p50/p99, inter-token laten
 at 4 s: the longest gap between two tokens of any stream meanwhile (in ms and in decode steps), against
 one prefill window (128 tokens, in process). llama-server runs with `-np` = clients, continuous
 batching; for the adapter bursts every adapter given with `--lora` (scale 0 until a request names it),
-for the base bursts none. Rounds alternate the order of the three.
+for the base bursts none. Rounds alternate the order of the three. Every process (both servers, the
+in-process dialog) starts with glibc's malloc on huge pages, as `quiver serve` restarts itself with it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import openai
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.hf import read_config
 from quiver.tools.adapter_family import reseeded_adapters
+from timing import peers_on_huge_pages
 
 THREADS = 2
 PROMPT_TOKENS = 128
@@ -244,6 +246,11 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def measure_serve(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
+    with peers_on_huge_pages() as tunables:  # every side in the environment `quiver serve`/`quiver t2t` give themselves
+        return _measure_serve(folder, corpus, rounds) | {"glibc_tunables": tunables}
+
+
+def _measure_serve(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
     made = folder / "serve-adapters"
     adapters = {name: corpus / name for name in ("adapter_all", "adapter_qv")}
     adapters |= reseeded_adapters(corpus / "adapter_all", made, 7, "all")

@@ -5,7 +5,8 @@
 Every engine runs in fresh processes, alternated round by round: prefill and decode tok/s for prompts
 of 128 and 512 tokens with 128 new tokens (greedy, eos suppressed), 2 intra-op threads on every side;
 llama.cpp's `llama-server` on SmolLM2's own Q4_1 GGUF in the same rounds (a fresh server per round, its
-own timings; benchmarks/llama_completion.py), where it can be built.
+own timings; benchmarks/llama_completion.py), where it can be built. Every process starts with glibc's
+malloc on huge pages, as `quiver t2t` restarts itself with it: the same environment on every side.
 Also: 4-bit greedy agreement with transformers, RSS with both graphs vs one, adapter switch time, the
 decode cost of a rank-8 adapter on every projection, and Python's share of a decode step.
 """
@@ -27,6 +28,7 @@ import llama_completion  # a sibling script, not a package
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.quality import leading_equal
+from timing import peers_on_huge_pages
 
 THREADS = 2
 PROMPTS = (128, 512)
@@ -201,6 +203,11 @@ def _switch_ms(config: Path) -> dict[str, float]:
 
 
 def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
+    with peers_on_huge_pages() as tunables:  # every side in the environment `quiver serve`/`quiver t2t` give themselves
+        return _measure_t2t(folder, corpus, rounds) | {"glibc_tunables": tunables}
+
+
+def _measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
     expected = json.loads((corpus / "expected.json").read_text())
     adapters = {name: corpus / name for name in ("adapter_all", "adapter_qv")}
     base = ExportOptions(context_size=CONTEXT, n_threads=THREADS)

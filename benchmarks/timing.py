@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from quiver.portable import huge_page_environment
 
 
 def median_ms(fn: Callable[[], Any], iterations: int, warm_up: int = 0) -> float:
@@ -32,3 +36,21 @@ def alternating_medians(
         for name in names if round_ % 2 == 0 else names[::-1]:
             samples[name].append(median_ms(candidates[name], iterations, warm_up))
     return samples
+
+
+@contextlib.contextmanager
+def peers_on_huge_pages() -> Iterator[str]:
+    """Every process started meanwhile (Quiver's and its peers' alike) with glibc's malloc on huge pages, as
+    `quiver serve` and `quiver t2t` run themselves (`quiver.portable.huge_page_environment`): the same
+    environment on every side. Yields the GLIBC_TUNABLES they get ("" where this machine has nothing to ask)."""
+    before = os.environ.get("GLIBC_TUNABLES")
+    environ = huge_page_environment(os.environ)
+    if environ is not None:
+        os.environ["GLIBC_TUNABLES"] = environ["GLIBC_TUNABLES"]
+    try:
+        yield os.environ.get("GLIBC_TUNABLES", "")
+    finally:
+        if before is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = before

@@ -2,6 +2,6 @@
 
 import sys
 
-from quiver.cli.main import main
+from quiver.cli.entry import main
 
 sys.exit(main())

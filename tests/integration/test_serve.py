@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from quiver import portable
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.export import ExportOptions, export
 from tests.support.serving import KEY, Running, http, start_server, stop_server, t2t_greedy
@@ -225,6 +227,26 @@ def test_metrics_count_requests_and_tokens(server: Running) -> None:
                  "quiver_time_to_first_token_seconds_bucket", "quiver_adapter_loads_total"):  # fmt: skip
         assert name in text, name
     assert 'route="/v1/completions",status="200"' in text
+
+
+_HUGE_PAGE_MALLOC = "glibc.malloc.hugetlb=1"
+_ASKS_FOR_HUGE_PAGES = _HUGE_PAGE_MALLOC in os.environ.get("GLIBC_TUNABLES", "")  # the tests' own environment
+
+
+@pytest.mark.skipif(
+    portable.huge_page_environment(os.environ) is None and not _ASKS_FOR_HUGE_PAGES,
+    reason="this kernel or C library gives no huge pages on request (THP not in madvise mode, or not glibc 2.35+)",
+)
+def test_the_server_restarts_itself_with_malloc_on_huge_pages(server: Running) -> None:
+    """`quiver serve` execs itself once with glibc's malloc asking for huge pages: the same process (the pid
+    the test started), its environment says so, and the kernel gave it some."""
+    proc = Path(f"/proc/{server.process.pid}")
+    environ = proc.joinpath("environ").read_bytes().split(b"\0")
+    tunables = next(v for v in environ if v.startswith(b"GLIBC_TUNABLES=")).decode()
+    assert _HUGE_PAGE_MALLOC in tunables.split("=", 1)[1].split(":")
+    assert b"serve" in proc.joinpath("cmdline").read_bytes().split(b"\0")  # the same command line, run again
+    huge = next(line for line in proc.joinpath("smaps_rollup").read_text().splitlines() if line.startswith("AnonHuge"))
+    assert int(huge.split()[1]) > 0
 
 
 def test_a_server_beyond_loopback_needs_a_key(exported: Path) -> None:

@@ -77,3 +77,49 @@ def test_fork_hooks_are_registered_only_where_the_os_forks(monkeypatch: pytest.M
     monkeypatch.delattr(os, "register_at_fork")
     portable.at_fork(after_in_child=print)  # nothing to register, nothing raised
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("environ", "mode", "libc", "tunables"),
+    [
+        ({}, "madvise", ("glibc", "2.36"), "glibc.malloc.hugetlb=1"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise", ("glibc", "2.35"),
+         "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),  # the user's tunables kept
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", ("glibc", "2.36"), None),  # the user chose
+        ({"QUIVER_HUGE_PAGES": "0"}, "madvise", ("glibc", "2.36"), None),
+        ({"QUIVER_HUGE_PAGES": "1"}, "madvise", ("glibc", "2.36"), None),  # asked already
+        ({}, "always", ("glibc", "2.36"), None),  # huge pages anyway
+        ({}, "never", ("glibc", "2.36"), None),
+        ({}, None, ("glibc", "2.36"), None),  # no THP in this kernel (or not Linux)
+        ({}, "madvise", ("glibc", "2.34"), None),  # a glibc without the tunable
+        ({}, "madvise", ("", ""), None),  # musl, macOS, Windows
+    ],
+)  # fmt: skip
+def test_malloc_is_asked_for_huge_pages_only_where_that_changes_something(
+    environ: dict[str, str], mode: str | None, libc: tuple[str, str], tunables: str | None
+) -> None:
+    changed = portable.huge_page_environment(environ, mode=lambda: mode, libc=lambda: libc)
+    assert (changed and changed["GLIBC_TUNABLES"]) == tunables
+    if changed is not None:  # the rest kept; marked as asked, so a process started with it does not ask again
+        assert changed == environ | {"GLIBC_TUNABLES": tunables, "QUIVER_HUGE_PAGES": "1"}
+        assert portable.huge_page_environment(changed, mode=lambda: mode, libc=lambda: libc) is None
+
+
+_RESTARTS = r"""
+import os, sys
+from quiver.cli import entry
+calls = []
+entry.os.execve = lambda path, argv, environ: calls.append((path, argv, environ.get("GLIBC_TUNABLES")))
+entry.portable.huge_page_environment = lambda environ: dict(environ) | {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+for args in (["serve", "-c", "x"], ["--version"], ["t2t", "run"], ["info", "serve"], ["-h"]):
+    calls.clear()
+    entry.restart_with_huge_pages(args)
+    print(args[0], bool(calls) and calls[0][1] == sys.orig_argv and calls[0][0] == sys.executable)
+"""
+
+
+def test_only_decoding_commands_restart_with_the_same_command_line() -> None:
+    result = subprocess.run([sys.executable, "-c", _RESTARTS], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    restarted = dict(zip(*[iter(result.stdout.split())] * 2))
+    assert restarted == {"serve": "True", "--version": "False", "t2t": "True", "info": "False", "-h": "False"}
