@@ -104,8 +104,8 @@ def _libc() -> tuple[str, str]:
 
 def huge_page_environment(
     environ: Mapping[str, str],
-    mode: Callable[[], str | None] = transparent_huge_pages,
-    libc: Callable[[], tuple[str, str]] = _libc,
+    mode: Callable[[], str | None] | None = None,
+    libc: Callable[[], tuple[str, str]] | None = None,
 ) -> dict[str, str] | None:
     """`environ` with glibc's malloc set to back its memory with transparent huge pages, for a process that
     reads hundreds of MB of weights every step (ORT's packed copies of them live in malloc's memory: with
@@ -118,9 +118,9 @@ def huge_page_environment(
     tunables = environ.get("GLIBC_TUNABLES", "")
     if HUGE_PAGES_CHOSEN in environ or _MALLOC_HUGE_PAGES in tunables:
         return None
-    if mode() != "madvise":
+    if (mode or transparent_huge_pages)() != "madvise":  # `mode`, `libc`: what this machine says, unless given
         return None
-    name, version = libc()
+    name, version = (libc or _libc)()
     try:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
@@ -129,3 +129,17 @@ def huge_page_environment(
         return None
     tunables = ":".join(filter(None, [tunables, f"{_MALLOC_HUGE_PAGES}=1"]))
     return dict(environ) | {"GLIBC_TUNABLES": tunables, HUGE_PAGES_CHOSEN: "1"}
+
+
+def huge_page_tunables(environ: Mapping[str, str]) -> str | None:
+    """The GLIBC_TUNABLES a process started elsewhere on this one's behalf (a Ray replica, which does not
+    inherit its environment) should start with: this process's own choice of huge pages carried over (the
+    tunable set, by the user or by a restart), else what `huge_page_environment` would ask for; None for
+    none (QUIVER_HUGE_PAGES=0, or nothing to ask here)."""
+    if environ.get(HUGE_PAGES_CHOSEN) == "0":
+        return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if _MALLOC_HUGE_PAGES in tunables:
+        return tunables
+    asked = huge_page_environment(environ)
+    return asked["GLIBC_TUNABLES"] if asked is not None else None

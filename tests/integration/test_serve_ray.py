@@ -23,6 +23,7 @@ import openai
 import psutil
 import pytest
 
+from quiver import portable
 from quiver.backends.cpu_packed_file import FOLDER_ENV, WEIGHTS
 from quiver.t2t.export import ExportOptions, export
 from tests.support.serving import Running, http, start_server, stop_server, t2t_greedy
@@ -119,6 +120,16 @@ def test_the_replicas_of_a_node_map_one_packed_copy_of_its_weights(served: Runni
     assert len(replicas) == 2
     for replica in replicas:
         assert any(m.path == weights for m in replica.memory_maps(grouped=True)), replica.pid
+
+
+@pytest.mark.skipif(portable.huge_page_tunables(os.environ) is None, reason="no huge pages on request here")
+def test_the_replicas_start_with_malloc_on_huge_pages(served: Running) -> None:
+    """Ray starts replicas from its raylet, not from `quiver serve`: they get the restarted server's choice
+    of huge pages through their runtime environment."""
+    replicas = _replicas()
+    assert len(replicas) == 2
+    for replica in replicas:
+        assert "glibc.malloc.hugetlb=1" in replica.environ().get("GLIBC_TUNABLES", "").split(":"), replica.pid
 
 
 def test_a_peft_adapter_loaded_over_http_runs_on_the_replicas(served: Running, real_llms: Path) -> None:

@@ -123,3 +123,20 @@ def test_only_decoding_commands_restart_with_the_same_command_line() -> None:
     assert result.returncode == 0, result.stderr
     restarted = dict(zip(*[iter(result.stdout.split())] * 2))
     assert restarted == {"serve": "True", "--version": "False", "t2t": "True", "info": "False", "-h": "False"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "tunables"),
+    [
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "QUIVER_HUGE_PAGES": "1"}, "glibc.malloc.hugetlb=1"),  # restarted
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "glibc.malloc.hugetlb=0"),  # the user's choice, carried
+        ({"QUIVER_HUGE_PAGES": "0"}, None),
+        ({}, "glibc.malloc.hugetlb=1"),  # what this process would have asked for
+    ],
+)
+def test_a_replica_started_elsewhere_gets_this_process_choice_of_huge_pages(
+    environ: dict[str, str], tunables: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(portable, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(portable, "_libc", lambda: ("glibc", "2.36"))
+    assert portable.huge_page_tunables(environ) == tunables

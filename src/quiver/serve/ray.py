@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from quiver.backends.cpu_packed_file import folder_from
 from quiver.errors import QuiverError
-from quiver.portable import huge_page_environment
+from quiver.portable import huge_page_tunables
 from quiver.serve.app import Server, base_name
 from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
@@ -292,9 +292,9 @@ def application(options: RayOptions) -> serve.Application:
     else:
         scaling = {"num_replicas": options.replicas}
     actor: dict[str, Any] = {"num_cpus": options.replica_cpus}
-    environ = huge_page_environment(os.environ)
-    if environ is not None:  # a replica decodes all its life: its malloc on huge pages, as `quiver serve`'s
-        actor["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": environ["GLIBC_TUNABLES"]}}
+    tunables = huge_page_tunables(os.environ)
+    if tunables is not None:  # a replica decodes all its life: its malloc on huge pages, as `quiver serve`'s
+        actor["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": tunables}}
     replica = cast(Deployment, serve.deployment(QuiverReplica)).options(
         name="QuiverReplica",
         ray_actor_options=actor,
