@@ -246,7 +246,7 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def measure_serve(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
-    with peers_on_huge_pages() as tunables:  # every side in the environment `quiver serve`/`quiver t2t` give themselves
+    with peers_on_huge_pages() as tunables:  # every side as `quiver serve` and `t2t run` run themselves
         return _measure_serve(folder, corpus, rounds) | {"glibc_tunables": tunables}
 
 

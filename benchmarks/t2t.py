@@ -6,7 +6,7 @@ Every engine runs in fresh processes, alternated round by round: prefill and dec
 of 128 and 512 tokens with 128 new tokens (greedy, eos suppressed), 2 intra-op threads on every side;
 llama.cpp's `llama-server` on SmolLM2's own Q4_1 GGUF in the same rounds (a fresh server per round, its
 own timings; benchmarks/llama_completion.py), where it can be built. Every process starts with glibc's
-malloc on huge pages, as `quiver t2t` restarts itself with it: the same environment on every side.
+malloc on huge pages, as `quiver t2t run` restarts itself with it: the same environment on every side.
 Also: 4-bit greedy agreement with transformers, RSS with both graphs vs one, adapter switch time, the
 decode cost of a rank-8 adapter on every projection, and Python's share of a decode step.
 """
@@ -203,7 +203,7 @@ def _switch_ms(config: Path) -> dict[str, float]:
 
 
 def measure_t2t(folder: Path, corpus: Path, rounds: int = 3) -> dict[str, Any]:
-    with peers_on_huge_pages() as tunables:  # every side in the environment `quiver serve`/`quiver t2t` give themselves
+    with peers_on_huge_pages() as tunables:  # every side as `quiver serve` and `t2t run` run themselves
         return _measure_t2t(folder, corpus, rounds) | {"glibc_tunables": tunables}
 
 

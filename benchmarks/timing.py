@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from quiver.portable import huge_page_environment
+from quiver.portable import huge_page_tunables
 
 
 def median_ms(fn: Callable[[], Any], iterations: int, warm_up: int = 0) -> float:
@@ -41,12 +41,12 @@ def alternating_medians(
 @contextlib.contextmanager
 def peers_on_huge_pages() -> Iterator[str]:
     """Every process started meanwhile (Quiver's and its peers' alike) with glibc's malloc on huge pages, as
-    `quiver serve` and `quiver t2t` run themselves (`quiver.portable.huge_page_environment`): the same
+    `quiver serve` and `quiver t2t run` run themselves (`quiver.portable.huge_page_tunables`): the same
     environment on every side. Yields the GLIBC_TUNABLES they get ("" where this machine has nothing to ask)."""
     before = os.environ.get("GLIBC_TUNABLES")
-    environ = huge_page_environment(os.environ)
-    if environ is not None:
-        os.environ["GLIBC_TUNABLES"] = environ["GLIBC_TUNABLES"]
+    tunables = huge_page_tunables(os.environ)
+    if tunables is not None:
+        os.environ["GLIBC_TUNABLES"] = tunables
     try:
         yield os.environ.get("GLIBC_TUNABLES", "")
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -21,10 +20,9 @@ import numpy as np
 import openai
 import pytest
 
-from quiver import portable
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.export import ExportOptions, export
-from tests.support.serving import KEY, Running, http, start_server, stop_server, t2t_greedy
+from tests.support.serving import KEY, MALLOC_ON_HUGE_PAGES, Running, http, start_server, stop_server, t2t_greedy
 from tests.support.tiny_llm import tiny_adapter, tiny_decoder
 
 PROMPT = "the quick brown fox"
@@ -229,12 +227,8 @@ def test_metrics_count_requests_and_tokens(server: Running) -> None:
     assert 'route="/v1/completions",status="200"' in text
 
 
-_HUGE_PAGE_MALLOC = "glibc.malloc.hugetlb=1"
-_ASKS_FOR_HUGE_PAGES = _HUGE_PAGE_MALLOC in os.environ.get("GLIBC_TUNABLES", "")  # the tests' own environment
-
-
 @pytest.mark.skipif(
-    portable.huge_page_environment(os.environ) is None and not _ASKS_FOR_HUGE_PAGES,
+    not MALLOC_ON_HUGE_PAGES,
     reason="this kernel or C library gives no huge pages on request (THP not in madvise mode, or not glibc 2.35+)",
 )
 def test_the_server_restarts_itself_with_malloc_on_huge_pages(server: Running) -> None:
@@ -243,7 +237,7 @@ def test_the_server_restarts_itself_with_malloc_on_huge_pages(server: Running) -
     proc = Path(f"/proc/{server.process.pid}")
     environ = proc.joinpath("environ").read_bytes().split(b"\0")
     tunables = next(v for v in environ if v.startswith(b"GLIBC_TUNABLES=")).decode()
-    assert _HUGE_PAGE_MALLOC in tunables.split("=", 1)[1].split(":")
+    assert "glibc.malloc.hugetlb=1" in tunables.split("=", 1)[1].split(":")
     assert b"serve" in proc.joinpath("cmdline").read_bytes().split(b"\0")  # the same command line, run again
     huge = next(line for line in proc.joinpath("smaps_rollup").read_text().splitlines() if line.startswith("AnonHuge"))
     assert int(huge.split()[1]) > 0

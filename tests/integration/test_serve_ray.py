@@ -23,10 +23,9 @@ import openai
 import psutil
 import pytest
 
-from quiver import portable
 from quiver.backends.cpu_packed_file import FOLDER_ENV, WEIGHTS
 from quiver.t2t.export import ExportOptions, export
-from tests.support.serving import Running, http, start_server, stop_server, t2t_greedy
+from tests.support.serving import MALLOC_ON_HUGE_PAGES, Running, http, start_server, stop_server, t2t_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +121,7 @@ def test_the_replicas_of_a_node_map_one_packed_copy_of_its_weights(served: Runni
         assert any(m.path == weights for m in replica.memory_maps(grouped=True)), replica.pid
 
 
-@pytest.mark.skipif(portable.huge_page_tunables(os.environ) is None, reason="no huge pages on request here")
+@pytest.mark.skipif(not MALLOC_ON_HUGE_PAGES, reason="no huge pages on request here")
 def test_the_replicas_start_with_malloc_on_huge_pages(served: Running) -> None:
     """Ray starts replicas from its raylet, not from `quiver serve`: they get the restarted server's choice
     of huge pages through their runtime environment."""

@@ -4,6 +4,7 @@ plain HTTP, every wait bounded."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -14,7 +15,12 @@ from typing import Any
 
 import openai
 
+from quiver import portable
+
 KEY = "serve-test-key"
+# whether a server these tests start runs with glibc's malloc on huge pages (its restart's, or the tests'
+# own environment's choice): what the huge-page tests check, where this machine gives them on request
+MALLOC_ON_HUGE_PAGES = "glibc.malloc.hugetlb=1" in (portable.huge_page_tunables(os.environ) or "").split(":")
 
 
 @dataclass
