@@ -374,12 +374,16 @@ def test_an_outbox_delivers_in_order_with_one_wake_up_for_what_arrives_together(
         second: asyncio.Queue[int] = asyncio.Queue()
         put_first, put_second = outbox.sink(first), outbox.sink(second)
 
-        def engine_step() -> None:  # another thread, while the loop waits: 200 items at once
+        def engine_step() -> None:
             for i in range(100):
                 put_first(i)
                 put_second(-i)
 
-        await asyncio.to_thread(engine_step)
+        # another thread puts 200 items while the loop's thread is busy (joined, not awaited: an await
+        # would let the loop deliver what arrived so far, and the rest would ask for a wake-up of its own)
+        step = threading.Thread(target=engine_step)
+        step.start()
+        step.join(10)
         got_first = [await asyncio.wait_for(first.get(), 10) for _ in range(100)]
         got_second = [await asyncio.wait_for(second.get(), 10) for _ in range(100)]
         return got_first, got_second, wake_ups[0]
