@@ -233,6 +233,9 @@ def test_a_shortlist_head_takes_its_best_logits_from_the_float_rows() -> None:
     quantized = quantize_weights(model, 4, 32, head=LM_HEAD_NODE, head_rows="rows")
     assert {n.op_type for n in quantized.graph.node} >= {"TopK", "ScatterElements"}
     assert _bits(quantized)[LM_HEAD_NODE] == 4
+    # it ranks with blocks as long as its rows allow (up to RANKING_BLOCK), each with a zero point
+    ranking = next(n for n in quantized.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD_NODE))
+    assert next(a.i for a in ranking.attribute if a.name == "block_size") == 64 and len(ranking.input) == 4
     x = {"x": np.random.default_rng(6).standard_normal((1, 64)).astype(np.float32)}
 
     def run(m: Any) -> np.ndarray:
