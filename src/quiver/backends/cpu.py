@@ -640,6 +640,7 @@ class CpuBackend:
     packed weights are kept in a file (`cpu_packed_file`), made once and mapped by every process that
     opens the graph on this machine (a server's replicas), instead of packed privately by each; for graphs
     that share weights within one process (a dialog's prefill and decode), the container is the better way.
+    `spin_between_runs=False`: worker threads stop spinning when a run returns, for graphs that take turns.
     """
 
     name = "cpu"
@@ -655,10 +656,11 @@ class CpuBackend:
         accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
         dynamic_block_base: int = 0,
         packed_weights: str | Path | None = None,
+        spin_between_runs: bool = True,
     ) -> None:
         level = next((n for n in OPTIMIZATION_LEVELS if OPTIMIZATION_LEVELS[n] == graph_optimization_level), "all")
         self.settings = SessionSettings(
-            intra_op_num_threads, allow_spinning, dynamic_block_base, level, prepack, accuracy_level
+            intra_op_num_threads, allow_spinning, dynamic_block_base, level, prepack, accuracy_level, spin_between_runs
         )
         # A tuned context's configuration applies to the settings left at their defaults: the user's win.
         defaults = SessionSettings()

@@ -142,7 +142,7 @@ def export(
     on_step("reading weights and building the graph")
     weights = SafetensorsWeights(folder)
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding), and gate and up in another (~3 %
-    # more), unless adapters attach to them
+    # more before malloc used huge pages; level within the noise since), unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
     # the LM head its own MatMul where it is quantized; a float head multiplies by the tied embedding itself
     tied = config.tie_embeddings
