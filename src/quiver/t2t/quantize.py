@@ -168,7 +168,8 @@ def quantize_weights(
             if nodes[width]:
                 model = _ort_rtn(model, width, block_size, nodes[width], symmetric=quantizer == "rtn")
     if shortlist is not None:  # the approximate head ranks, whatever the quantizer
-        model = _ort_rtn(model, 4, _ranking_block(int(shortlist[2].dims[1]), block_size), shortlisted, symmetric=False)
+        hidden_size = int(shortlist[2].dims[1])  # the float rows' [vocab, hidden]
+        model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, symmetric=False)
         model = _shortlisted_head(model, *shortlist)
     return model
 
