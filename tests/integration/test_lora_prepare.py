@@ -28,9 +28,8 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def prepared(project: Path) -> Path:
     out = project / "out"
-    result = run_cli(
-        "lora", "prepare", "--lora-config", project / "lora.yaml", "-o", out, "--genie-config", out / "genie.json"
-    )
+    genie = project / "configs" / "genie.json"  # a folder not made yet: every output option makes its folder
+    result = run_cli("lora", "prepare", "--lora-config", project / "lora.yaml", "-o", out, "--genie-config", genie)
     assert result.returncode == 0, result.stderr
     assert "elementary_long" in result.stdout
     return out
@@ -47,13 +46,13 @@ def test_prepare_writes_context_sections_manifest_and_genie_config(prepared: Pat
     }
     for case in manifest["use_cases"].values():
         assert (prepared / case["section"]).is_file()
-    genie = json.loads((prepared / "genie.json").read_text())["lora"]
+    genie = json.loads((prepared.parent / "configs" / "genie.json").read_text())["lora"]
     assert genie["alpha-tensor-name"] == "lora_alpha"
     assert genie["adapters"][2] == {
         "version": 1,
         "name": "elementary_long",
         "alphas": ["elementary", "long"],
-        "bin-sections": ["elementary_long.qsec"],
+        "bin-sections": ["../out/elementary_long.qsec"],
     }
 
 
@@ -164,11 +163,12 @@ def test_broken_yaml_is_refused_with_what_to_do(tmp_path: Path, yaml_text: str, 
 
 
 def test_lora_map_reports_attach_points_and_writes_a_reusable_map(project: Path, tmp_path: Path) -> None:
-    result = run_cli("lora", "map", "--lora-config", project / "lora.yaml", "-o", tmp_path / "map.json", "--json")
+    out = tmp_path / "maps" / "map.json"  # a folder not made yet
+    result = run_cli("lora", "map", "--lora-config", project / "lora.yaml", "-o", out, "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["missing"] == [] and len(report["attach_points"]) == 4
-    assert json.loads((tmp_path / "map.json").read_text())["model.layers.1.self_attn.v_proj"] == "node_linear_3"
+    assert json.loads(out.read_text())["model.layers.1.self_attn.v_proj"] == "node_linear_3"
     # a module the graph does not have: listed, one-line error, non-zero exit
     extra = {"model.layers.9.mlp.up_proj": (16, 16)}
     write_adapter(project / "stray", {"r": 2, "lora_alpha": 2, "target_modules": ["up_proj"]}, modules=extra)
@@ -185,11 +185,12 @@ def test_lora_create_and_import_write_the_steps_of_prepare(project: Path, prepar
 
     from quiver.formats.section import SectionFile
 
-    created = run_cli("lora", "create", "--lora-config", project / "lora.yaml", "-o", tmp_path / "lora.onnx")
+    graph = tmp_path / "created" / "lora.onnx"  # a folder not made yet
+    created = run_cli("lora", "create", "--lora-config", project / "lora.yaml", "-o", graph)
     assert created.returncode == 0, created.stderr
-    model = onnx.load(str(tmp_path / "lora.onnx"))
+    model = onnx.load(str(graph))
     assert "lora_alpha" in [i.name for i in model.graph.input]
-    session = ort.InferenceSession(str(tmp_path / "lora.onnx"))  # plain ORT runs the created graph
+    session = ort.InferenceSession(str(graph))  # plain ORT runs the created graph
     zero = session.run(None, {"x": X, "lora_alpha": np.zeros(2, np.float32)})[0]
     np.testing.assert_allclose(zero, _expected(project, {}), atol=1e-5, rtol=1e-5)  # LoRA weights start at zero
     imported = run_cli("lora", "import", "--lora-config", project / "lora.yaml", "-o", tmp_path / "import")

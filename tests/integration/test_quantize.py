@@ -78,11 +78,12 @@ def a16w8(encoder: dict[str, Path]) -> dict[str, Path]:
     folder = encoder["folder"]
     result = run_quiver(
         "quantize", encoder["model"], "-o", folder / "a16w8.onnx", "--act-bitwidth", "16", "--input-list",
-        encoder["list"], "--input-shape", f"input_ids=1,{SEQ}", "--encodings-out", folder / "a16w8.encodings",
+        encoder["list"], "--input-shape", f"input_ids=1,{SEQ}", "--encodings-out", folder / "enc" / "a16w8.encodings",
         "--report", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    return {"model": folder / "a16w8.onnx", "encodings": folder / "a16w8.encodings", "summary": folder / "a16w8.json"}
+    encodings = folder / "enc" / "a16w8.encodings"  # a folder the command made
+    return {"model": folder / "a16w8.onnx", "encodings": encodings, "summary": folder / "a16w8.json"}
 
 
 def test_quantize_writes_a_qdq_model_and_aimet_100_encodings(encoder: dict[str, Path], a16w8: dict[str, Path]) -> None:

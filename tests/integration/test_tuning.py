@@ -674,7 +674,8 @@ def test_quiver_tune_prints_json_and_a_warm_run_measures_nothing(
     family_context: Path, tmp_path: Path, input_ids: np.ndarray
 ) -> None:
     listing = _input_list(tmp_path, input_ids)
-    args = ["tune", family_context, "--graph", "base", "--input-list", listing, "-o", tmp_path / "t.qctx"]
+    out = tmp_path / "tuned" / "t.qctx"  # a folder not made yet
+    args = ["tune", family_context, "--graph", "base", "--input-list", listing, "-o", out]
     config = tmp_path / "tuning.json"
     config.write_text(json.dumps({"tuning_mode": True, "performance_cache_dir": "perf"}))
     first = run_quiver(*args, "--config-file", config, "--json")
@@ -688,9 +689,9 @@ def test_quiver_tune_prints_json_and_a_warm_run_measures_nothing(
     assert json.loads(second.stdout)["graphs"]["base"]["measured"] == 0
     table = run_quiver(*args, "--performance-cache-dir", tmp_path / "perf")
     assert "0 (cache)" in table.stdout and "tuned for cpu-" in table.stdout
-    inspected = json.loads(run_quiver("inspect", tmp_path / "t.qctx", "--json").stdout)
+    inspected = json.loads(run_quiver("inspect", out, "--json").stdout)
     assert inspected["tuning"][0]["tier"] == report["tier"] and list(inspected["tuning"][0]["graphs"]) == ["base"]
-    assert report["tier"] in run_quiver("inspect", tmp_path / "t.qctx").stdout
+    assert report["tier"] in run_quiver("inspect", out).stdout
 
 
 def test_quiver_tune_errors_are_one_line(family_context: Path, tmp_path: Path, input_ids: np.ndarray) -> None:

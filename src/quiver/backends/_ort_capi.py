@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime
 
 from quiver import portable
 from quiver.backends.fork_gate import ForkGate
 from quiver.errors import BackendError, ConversionError
 from quiver.ir import dtypes
 from quiver.ir.nibbles import pack_nibbles, unpack_nibbles
+from quiver.ort_package import onnxruntime
 
 _API_VERSION = 20  # ORT >= 1.20; every function used here predates it
 

@@ -21,7 +21,6 @@ from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
-import onnxruntime as ort
 
 from quiver.backends import _ort_capi, cpu_packed_file, cpu_prepared
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, WeightFile
@@ -38,6 +37,7 @@ from quiver.backends.lora_strengths import StrengthFolding, fold_lora_strengths
 from quiver.errors import BackendError
 from quiver.ir import proto
 from quiver.ir.edit import iter_nodes
+from quiver.ort_package import onnxruntime as ort
 from quiver.ort_process import (
     GLOBAL_POOLS_MESSAGE,
     global_thread_pools_in_use,

@@ -28,13 +28,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnxruntime as ort
-
 from quiver import portable
 from quiver.backends.cpu_settings import machine_fingerprint
 from quiver.errors import BackendError
 from quiver.formats.checksums import crc32
 from quiver.formats.files import OFF_VALUES, cache_folder_setting
+from quiver.ort_package import onnxruntime as ort
 
 FOLDER_ENV = "QUIVER_PACKED_WEIGHTS"
 MODEL, WEIGHTS, MANIFEST = "model.onnx", "weights.bin", "manifest.json"

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-import onnxruntime as ort
 
 from quiver.backends._ort_capi import fork_waits
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes, proto
 from quiver.ir.edit import iter_nodes
+from quiver.ort_package import onnxruntime as ort
 
 RUNTIME = f"onnxruntime {ort.__version__}"
 # What a prepared form may add to the context (its skeleton and the new tensors of its fusions), as a

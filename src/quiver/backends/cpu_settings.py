@@ -10,10 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import onnxruntime as ort
-
 from quiver.backends.base import Knob, KnobValue
 from quiver.errors import BackendError
+from quiver.ort_package import onnxruntime as ort
 
 # Raised when the knobs below change (names, values or what they mean): cached tuning results made for
 # another knob space are measured again.

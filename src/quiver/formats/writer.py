@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 
 from quiver import portable
 from quiver._version import __version__
-from quiver.errors import ContextStateError, DuplicateGraphError
+from quiver.errors import ContextStateError, DuplicateGraphError, FileAccessError
 from quiver.formats import compression
 from quiver.formats.checksums import crc32
 from quiver.formats.layout import (
@@ -416,11 +416,17 @@ _STALE_AFTER_S = 1.0  # a file this young may be one a writer has created but no
 
 def temporary_file(label: str, directory: str | Path | None) -> tuple[int, str]:
     """A `.quiver-tmp-<label>-*.partial` file for an atomic write, locked while its writer lives, with
-    the mode a plain `open()` would give (mkstemp: 0600). Files left by writers that were killed (their
-    lock died with them) are removed first."""
+    the mode a plain `open()` would give (mkstemp: 0600), in `directory`, made first if missing. Files
+    left by writers that were killed (their lock died with them) are removed first."""
     folder = Path(directory) if directory is not None else Path(tempfile.gettempdir())
-    remove_stale_temporaries(folder)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{label}-", suffix=TEMPORARY_SUFFIX, dir=folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)  # every output option may name a folder not made yet
+        remove_stale_temporaries(folder)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{label}-", suffix=TEMPORARY_SUFFIX, dir=folder)
+    except OSError as exc:
+        raise FileAccessError(
+            f"cannot write into {folder}: {exc.strerror or exc}; name an output in a folder you can write to"
+        ) from None
     try:
         portable.lock_file(fd, blocking=False)  # released by the OS however the process ends
     except OSError:

@@ -14,7 +14,7 @@ from quiver.formats.writer import write_atomically
 
 def read_onnx_adapter(path: str | Path) -> dict[str, np.ndarray]:
     """The parameters of an `.onnx_adapter` file, as numpy arrays (read by ORT's own `AdapterFormat`)."""
-    import onnxruntime
+    from quiver.ort_package import onnxruntime
 
     try:
         adapter = onnxruntime.AdapterFormat.read_adapter(str(path))

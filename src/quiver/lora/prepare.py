@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -432,9 +433,9 @@ def genie_lora_block(manifest: dict[str, Any], out_dir: Path, relative_to: Path)
 
     def where(section: str) -> str:
         target = (out_dir / section).resolve()
-        try:
-            return str(target.relative_to(relative_to.resolve()))
-        except ValueError:
+        try:  # relative to the config wherever it lies (Genie reads them so): the pair moves together
+            return Path(os.path.relpath(target, relative_to.resolve())).as_posix()
+        except ValueError:  # another drive (Windows): no relative path exists
             return str(target)
 
     return {

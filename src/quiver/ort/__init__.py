@@ -5,10 +5,10 @@ options, adapters, I/O binding and errors run over Quiver; data types and proces
 ORT's own objects (delegated); what Quiver cannot do is refused with an ORT-typed error saying why.
 """
 
+import sys
 from typing import Any
 
-import onnxruntime as _onnxruntime
-
+from quiver import ort_package
 from quiver.ort import aliases
 from quiver.ort.binding import IOBinding, SessionIOBinding
 from quiver.ort.compiler import ModelCompiler
@@ -34,10 +34,24 @@ from quiver.ort.options import ExecutionMode, GraphOptimizationLevel, LoraAdapte
 from quiver.ort.provider import PROVIDER
 from quiver.ort.session import ExecutionPath, InferenceSession, ModelMetadata, NodeArg
 from quiver.ort.surface import DELEGATED, DELEGATED_MODULES
+from quiver.ort_package import onnxruntime as _onnxruntime
 from quiver.ort_process import set_ort_log_severity, use_global_thread_pools
 
 aliases.install(DELEGATED_MODULES)
 __version__ = _onnxruntime.__version__  # the API's version: what code that checks it expects
+
+
+def install() -> None:
+    """Makes `import onnxruntime` give `quiver.ort` from now on in this process, for code you do not edit
+    (a library that ships its own ONNX models and imports onnxruntime itself): call it before importing
+    that library. Quiver's own engines keep using ONNX Runtime itself; `uninstall()` undoes it."""
+    sys.modules[ort_package.NAME] = sys.modules[__name__]
+
+
+def uninstall() -> None:
+    """`import onnxruntime` gives ONNX Runtime itself again (modules that imported it meanwhile keep
+    `quiver.ort`)."""
+    sys.modules[ort_package.NAME] = _onnxruntime
 
 
 def get_available_providers() -> list[str]:
@@ -80,9 +94,11 @@ def __getattr__(name: str) -> Any:
     if name in DELEGATED and hasattr(_onnxruntime, name):
         return getattr(_onnxruntime, name)
     if name == "backend" or name in DELEGATED_MODULES:
-        import importlib
+        if name == "backend":
+            import importlib
 
-        return importlib.import_module("quiver.ort.backend" if name == "backend" else f"onnxruntime.{name}")
+            return importlib.import_module("quiver.ort.backend")
+        return ort_package.submodule(name)
     raise AttributeError(f"module 'quiver.ort' has no attribute {name!r}")
 
 
@@ -91,6 +107,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "install",
+    "uninstall",
     "InferenceSession",
     "ExecutionPath",
     "SessionOptions",

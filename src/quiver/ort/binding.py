@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-import onnxruntime
 
 from quiver.ir import dtypes
 from quiver.ort.errors import InvalidArgument
+from quiver.ort_package import onnxruntime
 
 
 class BindingTarget(Protocol):

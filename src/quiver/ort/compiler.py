@@ -11,13 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import onnxruntime
-
 from quiver import errors
 from quiver.ir import proto
 from quiver.ort.errors import Fail, InvalidArgument, NoSuchFile, ort_error
 from quiver.ort.errors import NotImplemented as UnsupportedByProvider
 from quiver.ort.options import config_entries
+from quiver.ort_package import onnxruntime
 
 if TYPE_CHECKING:
     from quiver.backends.base import Backend

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import onnxruntime
 
 from quiver import fork
 from quiver.backends._ort_capi import fork_waits
 from quiver.ort.binding import ortvalue_of
 from quiver.ort.errors import InvalidArgument
 from quiver.ort.metadata import ExecutionPath, NodeArg
+from quiver.ort_package import onnxruntime
 
 
 class PlainOrtSession:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import onnxruntime
 
 from quiver import errors, fork
 from quiver.backends import CpuBackend, get_backend
@@ -36,6 +35,7 @@ from quiver.ort.metadata import ExecutionPath, NodeArg, node_arg
 from quiver.ort.options import SessionOptions, config_entries
 from quiver.ort.provider import ProviderConfig
 from quiver.ort.session_config import copy_options
+from quiver.ort_package import onnxruntime
 from quiver.runtime.context import Context
 from quiver.runtime.graph import Graph
 from quiver.runtime.sections import fits_weight, load_section, write_section

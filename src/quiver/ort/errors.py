@@ -5,9 +5,10 @@ Each class derives from ORT's class of the same name, so code that catches ORT's
 
 from __future__ import annotations
 
-from onnxruntime.capi import onnxruntime_pybind11_state as _state
-
+from quiver import ort_package
 from quiver.errors import QuiverError
+
+_state = ort_package.submodule("capi.onnxruntime_pybind11_state")
 
 
 def _ort(name: str) -> type[Exception]:

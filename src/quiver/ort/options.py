@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnxruntime
 
 from quiver.errors import AdapterError
 from quiver.ort.errors import AdapterFileError, InvalidArgument, NoSuchFile
+from quiver.ort_package import onnxruntime
 
 if TYPE_CHECKING:
     from quiver.formats.section import SectionFile

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import onnxruntime
 
 from quiver import errors
 from quiver.ir import dtypes, proto
@@ -27,6 +26,7 @@ from quiver.ort.metadata import EpAssignedNode, EpAssignedSubgraph, ExecutionPat
 from quiver.ort.options import RunOptions, SessionOptions, config_entries
 from quiver.ort.provider import PROVIDER, select_provider
 from quiver.ort.session_config import profile_of, with_model_config, with_session_overrides, write_optimized_model
+from quiver.ort_package import onnxruntime
 from quiver.ort_process import global_thread_pools_in_use
 
 if TYPE_CHECKING:  # the engines are imported when a session is first made: `import quiver.ort` stays light

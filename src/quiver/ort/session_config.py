@@ -9,11 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import onnxruntime
-
 from quiver.ir import proto
 from quiver.ort.errors import InvalidArgument
 from quiver.ort.options import SessionOptions
+from quiver.ort_package import onnxruntime
 
 LOAD_CONFIG_VARIABLE = "ORT_LOAD_CONFIG_FROM_MODEL"
 # what ORT's parser of a model's "ort_config" reads (the rest it ignores)

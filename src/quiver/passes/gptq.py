@@ -148,7 +148,8 @@ def input_moments(
     """Σ xᵀx over every position of each named float tensor (its last axis), as ONNX Runtime computes the
     model on `samples`."""
     import onnx
-    import onnxruntime as ort
+
+    from quiver.ort_package import onnxruntime as ort
 
     names = sorted(set(tensors))
     if not names:

@@ -79,7 +79,7 @@ def _scores_reached(graph: onnx.GraphProto, start: str) -> list[tuple[str, str]]
 
 
 def _lowest(model: onnx.ModelProto, names: Sequence[str], samples: Sequence[Mapping[str, np.ndarray]]) -> float:
-    import onnxruntime as ort
+    from quiver.ort_package import onnxruntime as ort
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)

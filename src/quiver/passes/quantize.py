@@ -23,6 +23,7 @@ import onnx
 import onnx.version_converter
 from onnx import numpy_helper
 
+from quiver import ort_package
 from quiver.errors import QuantizationError
 from quiver.formats.encodings import Encoding, EncodingSet
 from quiver.passes.gptq import WEIGHT_QUANTIZERS, input_moments, moments_of, quantize_blocks
@@ -84,7 +85,7 @@ class QuantizeOptions:
 
 def quant_type_of(dtype: str) -> Any:
     """ORT's QuantType for an integer dtype name."""
-    from onnxruntime.quantization import QuantType
+    QuantType = ort_package.submodule("quantization").QuantType  # noqa: N806 (ORT's class)
 
     names = {"uint8": "QUInt8", "int8": "QInt8", "uint16": "QUInt16", "int16": "QInt16", "uint4": "QUInt4",
              "int4": "QInt4"}  # fmt: skip
@@ -136,7 +137,7 @@ def parse_ort_overrides(raw: Mapping[str, Any]) -> dict[str, list[dict[str, Any]
 
 
 def _ort_type_by_name(name: Any) -> Any:
-    from onnxruntime.quantization import QuantType
+    QuantType = ort_package.submodule("quantization").QuantType  # noqa: N806 (ORT's class)
 
     try:
         return QuantType[str(name)]
@@ -146,9 +147,8 @@ def _ort_type_by_name(name: Any) -> Any:
 
 
 def _numpy_dtype_of(quant_type: Any) -> np.dtype:
-    from onnxruntime.quantization.quant_utils import ONNX_TYPE_TO_NP_TYPE
-
-    return np.dtype(ONNX_TYPE_TO_NP_TYPE[quant_type.tensor_type])
+    types = ort_package.submodule("quantization.quant_utils").ONNX_TYPE_TO_NP_TYPE
+    return np.dtype(types[quant_type.tensor_type])
 
 
 def _encoding_overrides(model: onnx.ModelProto, encodings: EncodingSet) -> dict[str, list[dict[str, Any]]]:
@@ -285,7 +285,7 @@ def quantize(
     model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]], options: QuantizeOptions
 ) -> tuple[onnx.ModelProto, EncodingSet]:
     """A QDQ model runnable by plain ONNX Runtime, and the encodings it uses (AIMET model)."""
-    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+    ort_errors = ort_package.submodule("capi.onnxruntime_pybind11_state")
 
     failures = tuple(
         getattr(ort_errors, name)
@@ -304,9 +304,10 @@ def quantize(
 def _quantize(
     model: onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]], options: QuantizeOptions
 ) -> tuple[onnx.ModelProto, EncodingSet]:
-    from onnxruntime.quantization import CalibrationMethod
-    from onnxruntime.quantization import quantize as ort_quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config, qnn_preprocess_model
+    quantization = ort_package.submodule("quantization")
+    CalibrationMethod, ort_quantize = quantization.CalibrationMethod, quantization.quantize  # noqa: N806
+    qnn = ort_package.submodule("quantization.execution_providers.qnn")
+    get_qnn_qdq_config, qnn_preprocess_model = qnn.get_qnn_qdq_config, qnn.qnn_preprocess_model
 
     options.check()
     if not samples and not options.float_fallback:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from quiver import ort_package
 from quiver.errors import QuantizationError
 from quiver.ir.nibbles import pack_nibbles
 
@@ -263,7 +264,7 @@ def _ort_rtn(
     model: onnx.ModelProto, bits: int, block_size: int, include: Collection[str], symmetric: bool
 ) -> onnx.ModelProto:
     """ORT's round-to-nearest on the MatMul nodes named in `include`."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    MatMulNBitsQuantizer = ort_package.submodule("quantization.matmul_nbits_quantizer").MatMulNBitsQuantizer  # noqa: N806
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per-node INFO
     # its nodes_to_include adds to the op types it quantizes anyway: the others are excluded by name

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from quiver.errors import QuantizationError
+from quiver.ort_package import onnxruntime as ort
 from quiver.passes.mask_fills import apply_mask_fills, mask_fills_of
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
+from quiver.ort_package import onnxruntime as ort
 from quiver.runtime.context import Context
 from quiver.tools.family import TransformerShape, make_family, sample_input_ids
 
