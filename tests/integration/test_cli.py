@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import filecmp
 import json
 from pathlib import Path
 
@@ -194,6 +195,53 @@ def test_run_errors_are_one_line(built: Path, tmp_path: Path) -> None:
     )
 
 
+def test_run_reads_the_seeds_extensions_layout_and_warns_once_per_hardware_setting(built: Path, tmp_path: Path) -> None:
+    np.save(tmp_path / "ids.npy", np.arange(8, dtype=np.int64).reshape(1, 8))
+    (tmp_path / "list.txt").write_text("input_ids:=ids.npy\n")
+    # the seed's htp_backend_extensions.json: context_configs beside backend_extensions, HTP blocks in the named file
+    (tmp_path / "htp_config.json").write_text(json.dumps({
+        "graphs": [{"graph_names": ["base", "tuned"], "vtcm_mb": 8, "O": 3}],
+        "devices": [{"dsp_arch": "v73", "cores": [{"core_id": 0, "perf_profile": "burst"}]}],
+    }))  # fmt: skip
+    (tmp_path / "htp_backend_extensions.json").write_text(json.dumps({
+        "backend_extensions": {"shared_library_path": "libQnnHtpNetRunExtensions.so",
+                               "config_file_path": "htp_config.json"},
+        "context_configs": {"enable_graphs": ["base"], "memory_limit_hint": 500, "is_persistent_binary": True,
+                            "context_priority": "high"},
+    }))  # fmt: skip
+    config = tmp_path / "htp_backend_extensions.json"
+    lists = f"{tmp_path / 'list.txt'},{tmp_path / 'list.txt'}"
+    refused = quiver("run", built, "--graph", "base", "--graph", "tuned", "--input-list", lists,
+                     "--config-file", config, "--output-dir", tmp_path / "no")  # fmt: skip
+    assert refused.returncode == 1 and "enable_graphs allows ['base'], not ['tuned']" in refused.stderr
+    # no --graph: the enabled graph is the only one to run (the context holds two)
+    ran = quiver("run", built, "--input-list", tmp_path / "list.txt", "--config-file", config,
+                 "--output-dir", tmp_path / "ok")  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert (tmp_path / "ok" / "Result_0" / "last_hidden_state.raw").is_file()
+    warnings = [line for line in ran.stderr.splitlines() if line.startswith("quiver: warning:")]
+    for setting in ("graphs[0].vtcm_mb", "graphs[0].O", "devices[0].dsp_arch", "devices[0].cores[0].core_id",
+                    "devices[0].cores[0].perf_profile", "context context_priority"):  # fmt: skip
+        assert sum(setting + " tunes Snapdragon hardware" in line for line in warnings) == 1, (setting, warnings)
+    assert len(warnings) == 6
+    # the same setting in both places with two values is an error naming both files
+    (tmp_path / "htp_config.json").write_text(json.dumps({"context": {"enable_graphs": ["tuned"]}}))
+    assert_one_line_error(
+        quiver(
+            "run",
+            built,
+            "--input-list",
+            tmp_path / "list.txt",
+            "--config-file",
+            config,
+            "--output-dir",
+            tmp_path / "no",
+        ),  # fmt: skip
+        "enable_graphs",
+        "give one value",
+    )
+
+
 def test_run_takes_several_graphs_each_with_its_list_and_a_backend_extensions_config(
     built: Path, family_files: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -233,11 +281,13 @@ def test_run_takes_several_graphs_each_with_its_list_and_a_backend_extensions_co
         quiver(*by_pairs, "--config-file", tmp_path / "extensions.json", "--output-dir", tmp_path / "no"),
         "enable_graphs allows ['base'], not ['tuned']",
     )
+    # memory_limit_hint is QNN's graph-switching hint, not a size check: both graphs run under a tiny one
     (tmp_path / "small.json").write_text(json.dumps({"context": {"memory_limit_hint": 0.001}}))
-    assert_one_line_error(
-        quiver(*by_pairs[:4], "--config-file", tmp_path / "small.json", "--output-dir", tmp_path / "no"),
-        "exceed memory_limit_hint",
-    )
+    switched = quiver(*by_pairs, "--config-file", tmp_path / "small.json", "--output-dir", tmp_path / "small")
+    assert switched.returncode == 0, switched.stderr
+    for graph in models:
+        assert filecmp.cmp(tmp_path / "small" / graph / "Result_0" / "last_hidden_state.raw",
+                           tmp_path / "out0" / graph / "Result_0" / "last_hidden_state.raw", shallow=False)  # fmt: skip
     assert_one_line_error(
         quiver("run", built, "--graph", "base", "--graph", "tuned", "--input-list", lists["base"], "--output-dir",
                tmp_path / "no"),

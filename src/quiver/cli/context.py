@@ -346,9 +346,10 @@ def inspect(context_path: Path, as_json: bool, tensors: bool, export_weights: Pa
 @click.option(
     "--config-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="qnn-net-run's backend extensions JSON (or the backend config it names): context.enable_graphs "
-    "limits the graphs that may run, memory_limit_hint (MB) is checked against the context, "
-    "is_persistent_binary keeps it mapped (as it always is here).",
+    help="qnn-net-run's backend extensions JSON (context_configs beside backend_extensions, or the backend "
+    "config it names, or that config itself): enable_graphs limits the graphs that may run, in priority "
+    "order; memory_limit_hint (MB) releases the least recently used graphs past it; is_persistent_binary "
+    "false copies the context into memory. Hardware settings are warned about: they do nothing here.",
 )
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--backend", type=click.Choice(available_backends()), default="cpu", show_default=True)
@@ -380,13 +381,21 @@ def run(
 ) -> None:
     """Execute a graph for every line of an input list (qnn-net-run compatible outputs); several graphs, each
     with its list, write to a folder per graph."""
-    from quiver.runtime.netrun import read_backend_extensions, run_input_list
+    from quiver.runtime.backend_extensions import BackendExtensions, read_backend_extensions
+    from quiver.runtime.netrun import run_input_list
 
-    extensions = read_backend_extensions(config_file) if config_file is not None else None
-    with Context.from_binary(context_path, backend=backend) as context:
+    extensions = read_backend_extensions(config_file) if config_file is not None else BackendExtensions(Path())
+    for line in extensions.without_effect:
+        err_console.print(f"quiver: warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    with Context.from_binary(
+        context_path,
+        backend=backend,
+        enable_graphs=extensions.enable_graphs,
+        memory_limit_hint_mb=extensions.memory_limit_mb,
+        persistent=extensions.persistent,
+    ) as context:
+        extensions.check([graph.partition(":")[0] for graph in graphs])
         plan = _run_plan(context.graph_names, graphs, input_list)
-        if extensions is not None:
-            extensions.check(context_path, [graph for graph, _ in plan])
         shapes = parse_file_shapes(input_shapes)
         adapter_strengths = [_strength(given) for given in strengths]
         written: list[Path] = []

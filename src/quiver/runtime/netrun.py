@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import io
-import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from quiver.errors import BackendError, FileAccessError, InputListError
+from quiver.errors import FileAccessError, InputListError
 from quiver.formats.files import read_text
 from quiver.formats.writer import write_atomically
 from quiver.ir.tensors import TensorInfo
@@ -136,64 +134,3 @@ def run_input_list(
         if on_result is not None:
             on_result(index + 1, len(feeds))
     return written
-
-
-@dataclass(frozen=True)
-class BackendExtensions:
-    """What qnn-net-run's `--config_file` says about a context: the graphs it may run (`enable_graphs`) and
-    its peak memory hint in MB (`memory_limit_hint`); `is_persistent_binary` holds here always (the
-    context stays mapped while it runs)."""
-
-    source: Path
-    enable_graphs: tuple[str, ...] | None = None
-    memory_limit_mb: float | None = None
-
-    def check(self, context_path: Path, graphs: Sequence[str]) -> None:
-        if self.enable_graphs is not None:
-            refused = [g for g in graphs if g not in self.enable_graphs]
-            if refused:
-                raise BackendError(
-                    f"{self.source}: context.enable_graphs allows {list(self.enable_graphs)}, not {refused}"
-                )
-        size_mb = Path(context_path).stat().st_size / 2**20
-        if self.memory_limit_mb is not None and size_mb > self.memory_limit_mb:
-            raise BackendError(
-                f"{self.source}: the context's {size_mb:.1f} MB exceed memory_limit_hint {self.memory_limit_mb:g} MB"
-            )
-
-
-def read_backend_extensions(path: str | Path) -> BackendExtensions:
-    """qnn-net-run's backend extensions JSON (`{"backend_extensions": {"config_file_path": ...}}`, read from
-    beside it) or that backend config itself (`{"context": {...}, "graphs": [...], "devices": [...]}`)."""
-    source = Path(path)
-    document = _json_object(source)
-    extensions = document.get("backend_extensions")
-    if extensions is not None:
-        named = extensions.get("config_file_path") if isinstance(extensions, dict) else None
-        if not isinstance(named, str):
-            raise BackendError(f"{source}: backend_extensions.config_file_path must name the backend config file")
-        source = source.parent / named
-        document = _json_object(source)
-    context = document.get("context", {})
-    if not isinstance(context, dict):
-        raise BackendError(f"{source}: 'context' must be a JSON object")
-    graphs = context.get("enable_graphs")
-    if graphs is not None and (not isinstance(graphs, list) or not all(isinstance(g, str) for g in graphs)):
-        raise BackendError(f"{source}: context.enable_graphs must be a list of graph names")
-    limit = context.get("memory_limit_hint")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
-        raise BackendError(f"{source}: context.memory_limit_hint must be a positive number of MB")
-    persistent = context.get("is_persistent_binary", True)
-    if not isinstance(persistent, bool):
-        raise BackendError(f"{source}: context.is_persistent_binary must be true or false")
-    return BackendExtensions(source, tuple(graphs) if graphs is not None else None, limit)
-
-
-def _json_object(path: Path) -> dict[str, object]:
-    try:
-        document = json.loads(read_text(path, limit=1 << 20, what="the backend config"))
-    except json.JSONDecodeError as exc:
-        raise BackendError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(document, dict):
-        raise BackendError(f"{path}: a backend config is a JSON object")
-    return document
