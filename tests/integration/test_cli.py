@@ -60,6 +60,25 @@ def test_build_with_fixed_input_shapes(family_files: dict[str, Path], tmp_path: 
     assert report["graphs"][0]["inputs"][0]["shape"] == [1, 16]
 
 
+def test_build_gives_one_model_two_graphs_with_their_own_shapes_and_refuses_names_no_graph_has(
+    family_files: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "two.qctx"
+    base = family_files["base"]
+    shapes = ["--input-shape", "input_ids=1,8", "--input-shape", "long:input_ids=1,32"]  # shared, then long's own
+    result = quiver("build", "-q", "-o", out, f"{base}:short", f"{base}:long", *shapes)
+    assert result.returncode == 0, result.stderr
+    inputs = {g["name"]: g["inputs"][0]["shape"] for g in json.loads(quiver("inspect", out, "--json").stdout)["graphs"]}
+    assert inputs == {"short": [1, 8], "long": [1, 32]}
+    for typo in ("input_idz=1,8", "nope:input_ids=1,8", "long:input_idz=1,8"):
+        assert_one_line_error(
+            quiver("build", "-q", "-o", tmp_path / "no.qctx", f"{base}:short", f"{base}:long", "--input-shape", typo),
+            typo.partition("=")[0],
+            "no graph given has as an input",
+        )
+    assert not (tmp_path / "no.qctx").exists()
+
+
 def test_inspect_prints_tables(built: Path) -> None:
     result = quiver("inspect", built, "--tensors")
     assert result.returncode == 0

@@ -738,6 +738,11 @@ def test_quiver_build_with_a_tuning_config_tunes_the_context(
     assert result.returncode == 0, result.stderr
     with ContextFile.open(out) as file:
         assert list(file.tuning[0].graphs) == ["base"]
+    # without sample inputs: refused before anything is written (no untuned file left behind)
+    untuned = tmp_path / "untuned.qctx"
+    assert_one_line_error(run_quiver("build", family_files["base"], "-o", untuned, "--config-file", config),
+                          "--input-list")  # fmt: skip
+    assert not untuned.exists()
 
 
 def test_quiver_target_server_serves_until_interrupted(tmp_path: Path) -> None:

@@ -90,8 +90,9 @@ def demo(workdir: Path | None, as_json: bool) -> None:
     "--input-shape",
     "input_shapes",
     multiple=True,
-    metavar="NAME=D0,D1",
-    help="Fix an input's shape (every graph that has it); repeat for more inputs.",
+    metavar="[GRAPH:]NAME=D0,D1",
+    help="Fix an input's shape in every graph that has it, or with GRAPH: in that graph alone (one model "
+    "added twice under two names may take two shapes); repeat for more. A name no graph has is an error.",
 )
 @click.option(
     "--updateable",
@@ -129,11 +130,14 @@ def build(
     from quiver.tools.quantize import quantize_from_overrides, read_overrides, stored_names
     from quiver.tools.report import describe_context
 
-    shapes = parse_shape_args(input_shapes)
     parsed = [parse_model_arg(m) for m in models]
+    shapes = _graph_shapes(parse_shape_args(input_shapes), [name for _, name in parsed])
     wanted = _tensor_names(updateable) if updateable else []
     overrides = read_overrides(quantization_overrides) if quantization_overrides else None
+    if config_file is not None:
+        _check_tuning(config_file, input_lists)  # before anything is written: no untuned file left behind
     found: set[str] = set()
+    shaped: set[tuple[str | None, str]] = set()
     output.parent.mkdir(parents=True, exist_ok=True)
     context = Context.create("cpu", workdir=output.parent)
     with progress_bar(quiet) as progress:
@@ -144,7 +148,12 @@ def build(
             if shapes or wanted:  # fix only the inputs this model has (a family may differ in its inputs)
                 source = load_model(path)[0].graph
                 model_inputs = {i.name for i in source.input}
-                fixed = {k: v for k, v in shapes.items() if k in model_inputs} or None
+                fixed = {}
+                for (graph, input_name), dims in shapes.items():  # the graph's own shapes after the shared ones
+                    if graph in (None, name) and input_name in model_inputs:
+                        fixed[input_name] = dims
+                        shaped.add((graph, input_name))
+                fixed = fixed or None
                 weights = {t.name for t in source.initializer}
                 names = [n for n in wanted if n in weights]
                 found.update(names)
@@ -156,6 +165,13 @@ def build(
             else:
                 context.add_graph(name, path, fixed, updateable=names)
             progress.advance(task)
+        unshaped = [f"{g}:{n}" if g else n for g, n in shapes if (g, n) not in shaped]
+        if unshaped:
+            context.close()
+            raise QuiverError(
+                f"--input-shape names {unshaped}, which no graph given has as an input (GRAPH:NAME for one "
+                "graph); `quiver check MODEL.onnx` lists a model's inputs"
+            )
         missing = [n for n in wanted if n not in found]
         if missing:
             context.close()
@@ -177,6 +193,19 @@ def build(
     _print_summary(report)
 
 
+def _graph_shapes(
+    shapes: dict[str, list[int | str]], graphs: Sequence[str]
+) -> dict[tuple[str | None, str], list[int | str]]:
+    """`--input-shape` keyed by (graph or None for every graph, input): `GRAPH:NAME` when GRAPH is a graph
+    of this build (an input's own name may hold a colon, as TensorFlow's `input:0`), else the input name;
+    the shared shapes first, so that a graph's own shape is applied after them."""
+    keyed: dict[tuple[str | None, str], list[int | str]] = {}
+    for key, dims in shapes.items():
+        graph, sep, name = key.partition(":")
+        keyed[(graph, name) if sep and graph in graphs and name else (None, key)] = dims
+    return dict(sorted(keyed.items(), key=lambda item: item[0][0] is not None))
+
+
 def _tensor_names(spec: str) -> list[str]:
     """`--updateable`'s names: comma-separated, or @FILE with one per line."""
     if spec.startswith("@"):
@@ -187,6 +216,15 @@ def _tensor_names(spec: str) -> list[str]:
     if not names:
         raise TensorUpdateError("--updateable names no tensor: give names separated by commas, or @FILE")
     return names
+
+
+def _check_tuning(config_file: Path, input_lists: Sequence[tuple[str | None, Path]]) -> None:
+    """A tuning config that tunes needs sample inputs: refused before the build writes anything."""
+    from quiver.errors import TuningError
+    from quiver.tuning import read_tuning_config
+
+    if read_tuning_config(config_file).tuning_mode and not input_lists:
+        raise TuningError("tuning measures graphs on sample inputs: give --input-list (QNN's input list format)")
 
 
 def _tune_built(
