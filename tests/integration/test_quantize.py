@@ -204,6 +204,26 @@ def test_float_fallback_with_overrides_makes_a_mixed_precision_model(
     _runs_the_same(out, tmp_path, written)
 
 
+@pytest.mark.parametrize("act_bitwidth", ["16", "8"])
+def test_16_bit_and_mixed_encodings_quiver_wrote_read_back_exactly_with_calibration(
+    encoder: dict[str, Path], a16w8: dict[str, Path], tmp_path: Path, act_bitwidth: str
+) -> None:
+    """The a16w8 file mixes 8-bit (embedding tables, Gather outputs) and 16-bit tensors; read back with
+    an input list (as `quantize` and `lora prepare` do), every encoding is the one given, whatever the
+    default bit width, and the model computes the same."""
+    out = tmp_path / "again.onnx"
+    result = run_quiver("quantize", encoder["model"], "-o", out, "--act-bitwidth", act_bitwidth,
+                        "--quantization-overrides", a16w8["encodings"], "--input-list", encoder["list"],
+                        "--input-shape", f"input_ids=1,{SEQ}", "--encodings-out", tmp_path / "again.encodings")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    given, written = json.loads(a16w8["encodings"].read_text()), json.loads((tmp_path / "again.encodings").read_text())
+    assert {e["bw"] for e in given["activation_encodings"]} == {8, 16}
+    for kind in ("activation_encodings", "param_encodings"):
+        assert sorted(given[kind], key=lambda e: e["name"]) == sorted(written[kind], key=lambda e: e["name"])
+    ids = sample_input_ids(SHAPE, 1, SEQ, seed=5)
+    np.testing.assert_array_equal(_ort(out, ids), _ort(a16w8["model"], ids))
+
+
 def _runs_the_same(model_path: Path, tmp_path: Path, encodings: dict) -> None:
     context = quiver.Context.create("cpu", workdir=tmp_path)
     context.add_graph("q", model_path)

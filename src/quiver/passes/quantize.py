@@ -368,6 +368,11 @@ def _quantize(
                 weight_type=weight_type,
                 per_channel=options.per_channel,
                 init_overrides=overrides or None,
+                # An encodings file gives each tensor its own type, as QNN's converter reads it: ORT's fixer
+                # would turn a tensor of another type than the default into conversions (and refuse an 8-bit
+                # Gather output feeding a 16-bit Add, as Quiver's own 16-bit runs write). ORT's own overrides
+                # keep ORT's behaviour.
+                add_qtype_converts=encodings is None,
                 nodes_to_exclude=excluded or None,
             )
             with contextlib.redirect_stdout(io.StringIO()):  # ORT's calibrators print progress to stdout
