@@ -97,6 +97,10 @@ def test_inspect_exports_each_stored_weight_once_as_a_raw_file_with_an_index(
     report = json.loads(quiver("inspect", built, "--json").stdout)
     assert len(index["tensors"]) == report["weights"]["unique_count"] == len(list((tmp_path / "weights").glob("*.raw")))
     assert any(len(t["graphs"]) > 1 for t in index["tensors"])  # shared by graphs: written once, named by each
+    for tensor in index["tensors"]:  # each file is named after a tensor that reads it
+        first = min(name for names in tensor["graphs"].values() for name in names)
+        stem = tensor["file"].removesuffix(".raw")
+        assert stem == first or stem.endswith(f".{tensor['index']:05d}"), (stem, first)
     source = {t.name: numpy_helper.to_array(t) for t in onnx.load(family_files["base"]).graph.initializer}
     compared = 0
     for tensor in index["tensors"]:
@@ -188,6 +192,23 @@ def test_run_on_the_reference_backend_infers_one_dynamic_dim(family_files: dict[
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "o" / "Result_0" / "last_hidden_state.raw").stat().st_size == 6 * 128 * 4
+
+
+def test_run_takes_qnns_backend_libraries_as_quiver_ort_does(built: Path, tmp_path: Path) -> None:
+    np.arange(8, dtype=np.int64).reshape(1, 8).tofile(tmp_path / "ids.raw")
+    (tmp_path / "list.txt").write_text(f"{tmp_path / 'ids.raw'}\n")
+    outputs = {}
+    for backend in ("cpu", "libQnnHtp.so", "QnnHtp.dll", "htp"):
+        result = quiver("run", built, "--graph", "base", "--input-list", tmp_path / "list.txt",
+                        "--output-dir", tmp_path / backend, "--backend", backend, "--input-shape", "input_ids=1,8")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        warned = [line for line in result.stderr.splitlines() if line.startswith("quiver: warning:")]
+        assert len(warned) == (backend != "cpu") and all("running on Quiver's cpu backend" in w for w in warned)
+        outputs[backend] = (tmp_path / backend / "Result_0" / "last_hidden_state.raw").read_bytes()
+    assert len(set(outputs.values())) == 1
+    refused = quiver("run", built, "--graph", "base", "--input-list", tmp_path / "list.txt", "--output-dir",
+                     tmp_path / "no", "--backend", "libQnnTpu.so", "--input-shape", "input_ids=1,8")  # fmt: skip
+    assert refused.returncode == 2 and "no backend here" in refused.stderr
 
 
 def test_run_errors_are_one_line(built: Path, tmp_path: Path) -> None:

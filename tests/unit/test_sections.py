@@ -97,6 +97,10 @@ def test_applying_binds_the_mapped_section_without_copying(binary: Path, tmp_pat
     maker.graph("lora").update_tensors(_adapter(3))
     maker.finalize()
     (tmp_path / "s.qsec").write_bytes(maker.get_binary_section())
+    assert maker.get_binary_section_size() == (tmp_path / "s.qsec").stat().st_size  # QNN sizes its buffer first
+    assert maker.get_binary_section_size("lora", {"adapter": "a"}) == len(
+        maker.get_binary_section("lora", {"adapter": "a"})
+    )
     section = SectionFile.open(tmp_path / "s.qsec")
     context = quiver.Context.from_binary(binary)
     context.apply_binary_section("lora", section)

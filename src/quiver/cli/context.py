@@ -390,7 +390,14 @@ def inspect(context_path: Path, as_json: bool, tensors: bool, export_weights: Pa
     "false copies the context into memory. Hardware settings are warned about: they do nothing here.",
 )
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--backend", type=click.Choice(available_backends()), default="cpu", show_default=True)
+@click.option(
+    "--backend",
+    default="cpu",
+    show_default=True,
+    callback=lambda _, __, value: _backend_choice(value),
+    help=f"A Quiver backend ({', '.join(available_backends())}), or QNN's (htp, gpu, or a library such as "
+    "libQnnHtp.so / QnnHtp.dll: run on cpu here, with a warning, as quiver.ort runs them).",
+)
 @click.option("--npy", is_flag=True, help="Also write each output as .npy.")
 @input_shape_option
 @click.option(
@@ -460,6 +467,30 @@ def run(
         elapsed = time.perf_counter() - start
     results = len({p.parent for p in written})
     err_console.print(f"{results} result(s), {len(written)} output file(s) in {output_dir} ({elapsed:.2f} s)")
+
+
+def _backend_choice(given: str) -> str:
+    """`--backend`: a Quiver backend, or QNN's backend type or library as `quiver.ort` maps it (the
+    hardware ones to cpu, said once on stderr)."""
+    from quiver.ort.provider import QNN_HARDWARE, backend_from_path
+
+    if given in available_backends():
+        return given
+    backend = backend_from_path(given)
+    if backend in QNN_HARDWARE:
+        err_console.print(
+            f"quiver: warning: QNN backend {given!r} is {QNN_HARDWARE[backend]}, which this machine does not "
+            "have; running on Quiver's cpu backend",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return "cpu"
+    if backend in available_backends():
+        return backend
+    raise click.BadParameter(
+        f"{given!r} is no backend here; use one of {available_backends()} or QNN's htp, gpu (or their libraries)"
+    )
 
 
 def _strength(given: str) -> tuple[str, float]:

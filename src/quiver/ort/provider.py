@@ -92,7 +92,7 @@ class ProviderConfig:
         return PERFORMANCE_MODES[self.performance_mode][1] and self.priority != "low"
 
 
-def _backend_from_path(path: str) -> str:
+def backend_from_path(path: str) -> str:
     """QNN's backend libraries on any OS's spelling (libQnnHtp.so, QnnHtp.dll, a full path, QnnDsp for
     the older DSP) as their backend type, or a Quiver backend name as it is."""
     lowered = _file_name(path)
@@ -134,7 +134,7 @@ def parse_provider_options(options: Mapping[str, Any]) -> ProviderConfig:
     if given.get("backend_type") and given.get("backend_path"):
         raise Fail("Only one of 'backend_type' and 'backend_path' should be set.")  # ORT's QNN EP's words
     backend = given.get("backend_type") or (
-        _backend_from_path(given["backend_path"]) if "backend_path" in given else ""
+        backend_from_path(given["backend_path"]) if "backend_path" in given else ""
     )
     saver = given.get("qnn_saver_path")
     if backend == "saver" or saver:

@@ -476,6 +476,13 @@ class Context:
         current = {name: self._state(name).values for name in names}
         return sections.write_section(self.file, current, names, metadata)
 
+    def get_binary_section_size(
+        self, graph: str | Graph | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> int:
+        """The size in bytes of what `get_binary_section` returns for the same arguments now
+        (QnnContext_getBinarySectionSize: QNN callers size their buffer with it first)."""
+        return len(self.get_binary_section(graph, metadata))  # the section is written to know its size
+
     def _bind(
         self, section: SectionFile, targets: Sequence[str]
     ) -> tuple[dict[str, sections.Values], LoraStrengths | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,20 @@ def describe_section(section: SectionFile, source: str) -> dict[str, Any]:
     }
 
 
+_UNSAFE_IN_FILE_NAMES = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _raw_file_name(tensor: str, index: int, used: set[str]) -> str:
+    """`<tensor>.raw` after the tensor that reads the weight (as qnn-context-binary-utility names them),
+    made safe for any file system; the weight's index is added where the name alone would not do (no
+    name, characters replaced, cut short, or taken by another weight)."""
+    stem = _UNSAFE_IN_FILE_NAMES.sub("_", tensor).strip("._")[:120]
+    if not stem or stem != tensor or stem.lower() in used:
+        stem = f"{stem or 'weight'}.{index:05d}"
+    used.add(stem.lower())  # case-insensitive file systems (macOS, Windows): no two names that differ by case
+    return f"{stem}.raw"
+
+
 def export_weights(file: ContextFile, folder: Path) -> dict[str, Any]:
     """Every stored weight of a context as a raw file in `folder` (its bytes as stored: little-endian, 4-bit
     values two to a byte), and `weights.json` indexing them: file, dtype, shape, bytes, encoding, and the
@@ -132,8 +147,10 @@ def export_weights(file: ContextFile, folder: Path) -> dict[str, Any]:
         for tensor, index in entry.weights.items():
             names[index][graph].append(tensor)
     tensors = []
+    used: set[str] = set()
     for weight in file.weights:
-        raw = f"{weight.index:05d}.raw"
+        readers = sorted(t for tensor_names in names[weight.index].values() for t in tensor_names)
+        raw = _raw_file_name(readers[0] if readers else "", weight.index, used)
         write_atomically(folder / raw, file.buffer[weight.offset : weight.offset + weight.length])
         tensors.append({
             "file": raw, "index": weight.index, "dtype": weight.dtype, "shape": list(weight.shape),
