@@ -244,3 +244,16 @@ def test_float_fallback_quantizes_from_the_encodings_alone_and_names_every_float
 def test_float_fallback_needs_encodings_for_every_use_case(from_qat: Path, tmp_path: Path) -> None:
     result = _prepare(from_qat.parent, tmp_path / "fallback", "--float-fallback")  # base has none
     assert_one_line_error(result, "use case 'base' has no encodings", "quant_overrides")
+
+
+def test_a_calibration_list_carrying_lora_alpha_as_the_seeds_do_is_taken(project: Path, quantized: Path) -> None:
+    """The seed's lists for the LoRA graph give `lora_alpha` beside the model's inputs; each use case is
+    calibrated at its own adapter_alphas all the same, so the sections equal those of a list without it."""
+    plain = _calibration_list(project).read_text().split()
+    np.ones(2, np.float32).tofile(project / "alpha.raw")
+    (project / "calib_alpha.txt").write_text("".join(f"x:={line} lora_alpha:=alpha.raw\n" for line in plain))
+    result = _prepare(project, project / "with_alpha", "--input-list", project / "calib_alpha.txt")
+    assert result.returncode == 0, result.stderr
+    assert "lora_alpha is set per use case" in result.stderr
+    for section in sorted(quantized.glob("*.qsec")):
+        assert (project / "with_alpha" / section.name).read_bytes() == section.read_bytes(), section.name

@@ -22,7 +22,10 @@ from quiver.errors import QuiverError
 from quiver.formats.writer import write_atomically, write_text_atomically
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from quiver.formats.encodings import EncodingSet
+    from quiver.ir.tensors import TensorInfo
 
 _lora_config = click.option(
     "--lora-config",
@@ -207,7 +210,7 @@ def lora_prepare(
     if input_list is not None or float_fallback:
         base = load_float_model(load_lora_config(lora_config).base_model)
         quantization = LoraQuantization(
-            read_samples(base, input_list, parse_file_shapes(input_shapes)),
+            _calibration_samples(read_samples(base, input_list, parse_file_shapes(input_shapes), [_alpha_input()])),
             QuantizeOptions(
                 activation_bits=int(act_bitwidth),
                 weight_bits=int(weight_bitwidth),
@@ -237,6 +240,29 @@ def lora_prepare(
             size = (output_dir / file).stat().st_size
             table.add_row(name, ", ".join(case["adapters"]) or "-", str(case["alphas"]), file, f"{size:,}")
     console.print(table)
+
+
+def _alpha_input() -> TensorInfo:
+    from quiver.ir.tensors import LORA_ALPHA_INPUT, TensorInfo, TensorType
+
+    return TensorInfo(LORA_ALPHA_INPUT, "float32", ("adapters",), TensorType.APP_WRITE)
+
+
+def _calibration_samples(samples: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """The base model's feeds of a calibration list. A list may carry `lora_alpha`, as the seed's lists
+    for the LoRA graph do: each use case is calibrated at its own `adapter_alphas` (one list serves every
+    use case), so the list's values are set aside, and said to be."""
+    from quiver.ir.tensors import LORA_ALPHA_INPUT
+
+    if any(LORA_ALPHA_INPUT in sample for sample in samples):
+        err_console.print(
+            f"quiver: note: the input list's {LORA_ALPHA_INPUT} is set per use case from its adapter_alphas while "
+            "calibrating (one list serves every use case)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    return [{k: v for k, v in sample.items() if k != LORA_ALPHA_INPUT} for sample in samples]
 
 
 def _aimet_overrides(path: Path | None) -> EncodingSet | None:

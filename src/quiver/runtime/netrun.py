@@ -56,13 +56,16 @@ def _read_tensor(path: Path, info: TensorInfo, shape_hint: Sequence[int] | None 
 
 
 def parse_input_list(
-    list_path: str | Path, graph: Graph | Sequence[TensorInfo], shapes: Mapping[str, Sequence[int]] | None = None
+    list_path: str | Path,
+    graph: Graph | Sequence[TensorInfo],
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    optional: Sequence[TensorInfo] = (),
 ) -> list[dict[str, np.ndarray]]:
     """One feed dict per line: `name:=path name2:=path2` or, for one-input graphs, just `path`.
 
     `graph` is the graph the feeds are for, or just its inputs. Lines starting with `#` are comments
     (qnn-net-run's output-name line included). `shapes` gives the shape of raw files for inputs whose
-    shape is dynamic.
+    shape is dynamic. `optional` inputs may be named in a line and need not be.
     """
     shapes = shapes or {}
     list_path = Path(list_path)
@@ -71,7 +74,8 @@ def parse_input_list(
     except FileAccessError as exc:
         raise InputListError(f"cannot read the input list: {exc}") from None
     inputs = {i.name: i for i in (graph.inputs if isinstance(graph, Graph) else graph)}
-    unknown = sorted(set(shapes) - set(inputs))
+    accepted = {**{i.name: i for i in optional}, **inputs}  # `optional`: may be given, need not be (named)
+    unknown = sorted(set(shapes) - set(accepted))
     if unknown:
         raise InputListError(
             f"shapes given for {unknown} (--input-shape), which are not inputs; the inputs are {sorted(inputs)}"
@@ -90,9 +94,9 @@ def parse_input_list(
                         f"{list_path}:{number}: write `name:=path` for each of the inputs {sorted(inputs)}"
                     )
                 name, path_text = next(iter(inputs)), token
-            if name not in inputs:
-                raise InputListError(f"{list_path}:{number}: {name!r} is not an input; the inputs are {sorted(inputs)}")
-            feed[name] = _read_tensor(_resolve(path_text, list_path.parent), inputs[name], shapes.get(name))
+            if name not in accepted:
+                raise InputListError(f"{list_path}:{number}: {name!r} is not an input; the inputs are {sorted(accepted)}")
+            feed[name] = _read_tensor(_resolve(path_text, list_path.parent), accepted[name], shapes.get(name))
         feeds.append(feed)
     if not feeds:
         raise InputListError(f"{list_path} lists no inputs")

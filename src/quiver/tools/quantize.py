@@ -14,7 +14,7 @@ from onnx.external_data_helper import load_external_data_for_model
 from quiver.errors import ModelLoadError, QuantizationError
 from quiver.formats.encodings import EncodingSet, parse_encodings, read_json_file, save_encodings
 from quiver.formats.writer import write_atomically
-from quiver.ir.tensors import TensorType, info_of_value
+from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.convert import InputShapes, fix_input_shapes
 from quiver.passes.load import load_model
 from quiver.passes.quantize import QuantizeOptions, parse_ort_overrides, quantize
@@ -35,14 +35,19 @@ def load_float_model(path: Path) -> onnx.ModelProto:
 
 
 def read_samples(
-    model: onnx.ModelProto, input_list: Path | None, shapes: Mapping[str, Sequence[int]] | None = None
+    model: onnx.ModelProto,
+    input_list: Path | None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    extra_inputs: Sequence[TensorInfo] = (),
 ) -> list[dict[str, np.ndarray]]:
-    """The feeds of a QNN input list, checked against the model's inputs; none without a list."""
+    """The feeds of a QNN input list, checked against the model's inputs (and `extra_inputs`, inputs of
+    a graph made from the model, such as LoRA's `lora_alpha`); none without a list."""
     if input_list is None:
         return []
     initializers = {t.name for t in model.graph.initializer}
     inputs = [info_of_value(v, TensorType.APP_WRITE) for v in model.graph.input if v.name not in initializers]
-    return parse_input_list(input_list, inputs, shapes)
+    known = {i.name for i in inputs}
+    return parse_input_list(input_list, inputs, shapes, [i for i in extra_inputs if i.name not in known])
 
 
 def read_overrides(path: Path) -> tuple[EncodingSet | None, dict[str, list[dict[str, Any]]]]:
