@@ -190,6 +190,17 @@ def test_lora_create_and_import_write_the_steps_of_prepare(project: Path, prepar
     assert created.returncode == 0, created.stderr
     model = onnx.load(str(graph))
     assert "lora_alpha" in [i.name for i in model.graph.input]
+    # its tensor-name list (qairt-converter's --lora_weight_list) is what `build --updateable @FILE` takes
+    names = (tmp_path / "created" / "lora_lora_tensor_names.txt").read_text().split()
+    assert names and set(names) <= {t.name for t in model.graph.initializer}
+    assert any(n.endswith(".A") for n in names) and any(n.endswith(".B") for n in names)
+    built = run_cli("build", "-q", "-o", tmp_path / "lora.qctx", graph, "--updateable",
+                    f"@{tmp_path / 'created' / 'lora_lora_tensor_names.txt'}")  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    with quiver.Context.from_binary(tmp_path / "lora.qctx") as context:
+        updateable = {t.name for t in context.graph("lora").static_tensors
+                      if t.tensor_type is quiver.TensorType.UPDATEABLE_STATIC}  # fmt: skip
+    assert updateable == set(names)
     session = ort.InferenceSession(str(graph))  # plain ORT runs the created graph
     zero = session.run(None, {"x": X, "lora_alpha": np.zeros(2, np.float32)})[0]
     np.testing.assert_allclose(zero, _expected(project, {}), atol=1e-5, rtol=1e-5)  # LoRA weights start at zero

@@ -90,13 +90,24 @@ def lora_map(lora_config: Path, output: Path | None, as_json: bool) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The max-rank LoRA graph (.onnx), LoRA weights zero.",
 )
-def lora_create(lora_config: Path, output: Path) -> None:
-    """Write one ONNX graph with a LoRA branch at every attach point, serving every use case."""
+@click.option(
+    "--tensor-names",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write the LoRA tensor names, one a line (default: <output stem>_lora_tensor_names.txt), "
+    "for the converter step: `quiver build --updateable @FILE` (qairt-converter's --lora_weight_list).",
+)
+def lora_create(lora_config: Path, output: Path, tensor_names: Path | None) -> None:
+    """Write one ONNX graph with a LoRA branch at every attach point, serving every use case, and the
+    list of its LoRA tensors."""
+    from quiver.lora.create import updateable_tensors
     from quiver.lora.prepare import create_graph, load_adapters, load_lora_config
 
     project = load_lora_config(lora_config)
     graph = create_graph(project, load_adapters(project))
     write_atomically(output, graph.model.SerializeToString())  # weights zero-filled: far below protobuf's 2 GB
+    names = tensor_names or output.with_name(f"{output.stem}_lora_tensor_names.txt")
+    write_text_atomically(names, "".join(f"{name}\n" for name in updateable_tensors(graph.slots)))
+    err_console.print(f"wrote {output} and {names}")
     table = Table(title=f"{output}: {len(graph.slots)} LoRA branches, lora_alpha[{len(graph.adapter_order)}]")
     for column in ("module", "node", "rank"):
         table.add_column(column)

@@ -133,9 +133,7 @@ def parse_provider_options(options: Mapping[str, Any]) -> ProviderConfig:
     config = ProviderConfig(options=given)
     if given.get("backend_type") and given.get("backend_path"):
         raise Fail("Only one of 'backend_type' and 'backend_path' should be set.")  # ORT's QNN EP's words
-    backend = given.get("backend_type") or (
-        backend_from_path(given["backend_path"]) if "backend_path" in given else ""
-    )
+    backend = given.get("backend_type") or (backend_from_path(given["backend_path"]) if "backend_path" in given else "")
     saver = given.get("qnn_saver_path")
     if backend == "saver" or saver:
         # QNN EP's qnn_saver_path names the QnnSaver library (its log then goes to ./saver_output, as QNN

@@ -95,7 +95,9 @@ def parse_input_list(
                     )
                 name, path_text = next(iter(inputs)), token
             if name not in accepted:
-                raise InputListError(f"{list_path}:{number}: {name!r} is not an input; the inputs are {sorted(accepted)}")
+                raise InputListError(
+                    f"{list_path}:{number}: {name!r} is not an input; the inputs are {sorted(accepted)}"
+                )
             feed[name] = _read_tensor(_resolve(path_text, list_path.parent), accepted[name], shapes.get(name))
         feeds.append(feed)
     if not feeds:
