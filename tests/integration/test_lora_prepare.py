@@ -212,6 +212,36 @@ def test_lora_create_and_import_write_the_steps_of_prepare(project: Path, prepar
     section = SectionFile((prepared / "elementary_long.qsec").read_bytes())
     for name, index in section.graphs["model"].tensors.items():
         np.testing.assert_array_equal(values[name], section.weight_array(index))
+    # the generator's --adapter_weight_config step: sections from the import folder and the built context
+    sections = run_cli("lora", "sections", "--context", tmp_path / "lora.qctx", "--import-dir", tmp_path / "import",
+                       "-o", tmp_path / "sections")  # fmt: skip
+    assert sections.returncode == 0, sections.stderr
+    generated = SectionFile((tmp_path / "sections" / "elementary_long.qsec").read_bytes())
+    assert generated.metadata["lora"]["alphas"] == [1.0, 0.5]
+    assert generated.metadata["lora"]["active"] == ["elementary", "long"]
+    for name, index in generated.graphs["lora"].tensors.items():
+        np.testing.assert_array_equal(values[name], generated.weight_array(index))
+    with quiver.Context.from_binary(tmp_path / "lora.qctx") as context:
+        context.apply_binary_section("lora", tmp_path / "sections" / "elementary_long.qsec")
+        out = context.graph("lora").execute({"x": X, "lora_alpha": np.array([1.0, 0.5], np.float32)})
+    np.testing.assert_allclose(
+        next(iter(out.values())), _expected(project, {"elementary": 1.0, "long": 0.5}), atol=1e-4, rtol=1e-4
+    )
+    (tmp_path / "import" / "use_cases.json").write_text(json.dumps({"x": {"tensors": "../../etc/passwd",
+                                                                         "adapters": [], "alphas": []}}))  # fmt: skip
+    assert_one_line_error(
+        run_cli(
+            "lora",
+            "sections",
+            "--context",
+            tmp_path / "lora.qctx",
+            "--import-dir",
+            tmp_path / "import",
+            "-o",
+            tmp_path / "sections",
+        ),  # fmt: skip
+        "must be a file name in",
+    )
 
 
 def test_verify_checks_sections_and_inspect_lists_updateable_tensors(prepared: Path, tmp_path: Path) -> None:

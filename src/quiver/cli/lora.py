@@ -159,6 +159,37 @@ def lora_import(
     err_console.print(f"{len(summary)} use case(s) in {output}")
 
 
+@lora.command("sections")
+@click.option(
+    "--context",
+    "context_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The context built from `lora create`'s graph with `build --updateable @<its tensor names>`.",
+)
+@click.option(
+    "--import-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="`quiver lora import`'s folder: use_cases.json and each use case's tensors (and encodings).",
+)
+@click.option("--graph", "graphs", multiple=True, help="The graphs the sections update (default: all updateable).")
+@click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+def lora_sections(context_path: Path, import_dir: Path, graphs: tuple[str, ...], output_dir: Path) -> None:
+    """One binary section per imported use case (the context binary generator's --adapter_weight_config step)."""
+    from quiver.lora.generate import write_sections
+
+    with status_line("writing sections") as status:
+        written = write_sections(context_path, import_dir, output_dir, graphs, on_step=lambda s: status.update(s))
+    table = Table(title=f"sections of {context_path} in {output_dir}")
+    for column in ("use case", "section", "bytes"):
+        table.add_column(column)
+    for name, files in written.items():
+        for file in files:
+            table.add_row(name, file, f"{(output_dir / file).stat().st_size:,}")
+    console.print(table)
+
+
 @lora.command("prepare")
 @_lora_config
 @click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))

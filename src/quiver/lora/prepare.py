@@ -288,7 +288,12 @@ def write_use_cases(config: str | Path, output: Path, common: EncodingSet | None
     summary: dict[str, dict[str, Any]] = {}
     for name, (values, alphas) in import_use_cases(project, adapters, graph).items():
         write_atomically(output / f"{name}.safetensors", save(values))
-        summary[name] = {"tensors": f"{name}.safetensors", "adapters": graph.adapter_order, "alphas": alphas}
+        summary[name] = {
+            "tensors": f"{name}.safetensors",
+            "adapters": graph.adapter_order,
+            "alphas": alphas,
+            "active": next(u.adapters for u in project.use_cases if u.name == name),
+        }
         if name in encodings:
             found = encodings_in_graph(graph.model, encodings[name], f"use case {name!r}")
             save_encodings(found, output / f"{name}.encodings", found.version)
