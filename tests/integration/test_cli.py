@@ -199,8 +199,8 @@ def test_run_takes_qnns_backend_libraries_as_quiver_ort_does(built: Path, tmp_pa
     (tmp_path / "list.txt").write_text(f"{tmp_path / 'ids.raw'}\n")
     outputs = {}
     for backend in ("cpu", "libQnnHtp.so", "QnnHtp.dll", "htp"):
-        result = quiver("run", built, "--graph", "base", "--input-list", tmp_path / "list.txt",
-                        "--output-dir", tmp_path / backend, "--backend", backend, "--input-shape", "input_ids=1,8")  # fmt: skip
+        result = quiver("run", built, "--graph", "base", "--input-list", tmp_path / "list.txt", "--output-dir",
+                        tmp_path / backend, "--backend", backend, "--input-shape", "input_ids=1,8")  # fmt: skip
         assert result.returncode == 0, result.stderr
         warned = [line for line in result.stderr.splitlines() if line.startswith("quiver: warning:")]
         assert len(warned) == (backend != "cpu") and all("running on Quiver's cpu backend" in w for w in warned)

@@ -214,7 +214,8 @@ def test_16_bit_and_mixed_encodings_quiver_wrote_read_back_exactly_with_calibrat
     out = tmp_path / "again.onnx"
     result = run_quiver("quantize", encoder["model"], "-o", out, "--act-bitwidth", act_bitwidth,
                         "--quantization-overrides", a16w8["encodings"], "--input-list", encoder["list"],
-                        "--input-shape", f"input_ids=1,{SEQ}", "--encodings-out", tmp_path / "again.encodings")  # fmt: skip
+                        "--input-shape", f"input_ids=1,{SEQ}", "--encodings-out",
+                        tmp_path / "again.encodings")  # fmt: skip
     assert result.returncode == 0, result.stderr
     given, written = json.loads(a16w8["encodings"].read_text()), json.loads((tmp_path / "again.encodings").read_text())
     assert {e["bw"] for e in given["activation_encodings"]} == {8, 16}

@@ -4,6 +4,7 @@ architecture, against transformers' and PEFT's own greedy generations."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.quality import read_prompts
 from quiver.t2t.quantize import CALIBRATED, QUANTIZERS
 from tests.support import ROOT
+from tests.support.cli import assert_one_line_error, quiver
 
 TOKENS = 32  # transformers generated 32 tokens per prompt (eos suppressed, as min_new_tokens does)
 CALIBRATION = tuple(read_prompts(ROOT / "tests" / "data" / "calibration_prompts.txt"))  # not the evaluated ones
@@ -176,3 +178,57 @@ def test_the_decode_graph_packs_no_second_copy_of_the_weights(smollm2: Path) -> 
                              text=True, check=True)  # fmt: skip
         grown[graphs] = int(out.stdout.strip().splitlines()[-1]) / 1024
     assert grown["two"] - grown["one"] < 40, grown  # MB: the decode session's own buffers, no weights
+
+
+# --- decoders exported elsewhere (onnxruntime-genai's model builder), packed as they are -----------------
+def _genai_folder(real_llms: Path, name: str, tmp_path: Path, share_buffer: bool) -> Path:
+    """The builder's folder as it is, or a copy whose genai_config.json says past and present do not share a
+    buffer (the cache then grows by each step's present, as optimum's exports need)."""
+    source = real_llms / name
+    if share_buffer:
+        return source
+    folder = tmp_path / f"{name}_growing"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is True
+    config["search"]["past_present_share_buffer"] = False
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(("name", "share_buffer"), [("genai_fp32", True), ("genai_tiny", True), ("genai_tiny", False)])
+def test_an_onnxruntime_genai_export_runs_under_t2t_run_with_genais_own_greedy_tokens(
+    real_llms: Path, expected: dict[str, Any], tmp_path: Path, name: str, share_buffer: bool
+) -> None:
+    theirs = json.loads((real_llms / "genai_expected.json").read_text())[name]
+    folder = _genai_folder(real_llms, name, tmp_path, share_buffer)
+    packed = quiver("t2t", "export", "--model", folder, "-o", tmp_path / "packed", "--context-size", "256")
+    assert packed.returncode == 0, packed.stderr
+    config = json.loads((tmp_path / "packed" / "genie_config.json").read_text())
+    kv_cache = config["dialog"]["engine"]["model"]["binary"]["quiver"]["kv-cache"]
+    assert kv_cache == ("shared" if share_buffer else "growing")
+    eos = config["dialog"]["context"]["eos-token"]
+    for prompt, generated in zip(expected["prompts"], theirs):
+        (tmp_path / "prompt.txt").write_text(prompt)
+        run = quiver("t2t", "run", "-c", tmp_path / "packed" / "genie_config.json", "--prompt-file",
+                     tmp_path / "prompt.txt", "--greedy", "--max-new-tokens", str(TOKENS), "--json")  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        ours = json.loads(run.stdout)["new_ids"]
+        assert ours[: len(generated)] == generated  # genai stops at an eos and leaves it out
+        assert len(generated) == TOKENS or ours[len(generated)] in (eos if isinstance(eos, list) else [eos])
+    assert len({len(g) for g in theirs}) >= 1 and any(len(g) == TOKENS for g in theirs)
+
+
+def test_an_onnx_decoder_with_inputs_quiver_cannot_feed_is_refused_in_one_line(real_llms: Path, tmp_path: Path) -> None:
+    import onnx
+
+    folder = tmp_path / "odd"
+    shutil.copytree(real_llms / "genai_tiny", folder)
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    model.graph.input.append(onnx.helper.make_tensor_value_info("token_type_ids", onnx.TensorProto.INT64, [1, "s"]))
+    onnx.save(model, str(folder / "model.onnx"))
+    assert_one_line_error(quiver("t2t", "export", "--model", folder, "-o", tmp_path / "out"), "token_type_ids")
+    assert_one_line_error(
+        quiver("t2t", "export", "--model", real_llms / "genai_tiny", "-o", tmp_path / "out", "--weight-bitwidth", "4"),
+        "--weight-bitwidth",
+    )

@@ -14,6 +14,10 @@ Needs torch, transformers, gguf and peft (see `ci/real-models.txt`) and the weig
 * `qwen2/`: the Qwen2 architecture (q/k/v biases) with SmolLM2's first 8 layers and seeded biases;
 * `genai_fp32/`, `genai_int4/`: onnxruntime-genai's model builder run on `smollm2/` (for the benchmarks:
   the same weights, side by side);
+* `tiny_llama/`, `genai_tiny/`: a tiny Llama of random weights (2 layers, SmolLM2's tokenizer) and the
+  builder's fp32 export of it (`quiver t2t export` packs such exports as they are);
+* `genai_expected.json`: onnxruntime-genai's own greedy generation (its runtime, 32 new tokens) on
+  `genai_fp32/` and `genai_tiny/` for each prompt;
 * `expected.json`: per prompt, the prompt's ids and `generate(do_sample=False)`'s first 32 new tokens for
   the base, each adapter (PEFT's model), the adapter at half strength, and the Qwen2 model; and the base's
   first 128 (`base_long`: what a quantized model's agreement is measured against).
@@ -115,6 +119,49 @@ def _qwen2(smollm2: torch.nn.Module, out: Path) -> Qwen2ForCausalLM:
     return model
 
 
+def _tiny_llama(smollm2: Path, out: Path) -> None:
+    """A 2-layer Llama of seeded random weights with SmolLM2's tokenizer (real shapes of nothing: small)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    source = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).config
+    config = LlamaConfig(
+        vocab_size=source.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=source.bos_token_id, eos_token_id=source.eos_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():  # sharper logits than the default init: greedy choices far apart, no near-ties
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2).save_pretrained(out)
+
+
+def _genai_build(source: Path, out: Path, precision: str, cache: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(out), "-p", precision,
+         "-e", "cpu", "-c", str(cache)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _genai_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """onnxruntime-genai's own runtime, greedy, NEW_TOKENS new tokens (fewer where it meets an eos)."""
+    import onnxruntime_genai as og
+
+    model, generated = og.Model(str(folder)), []
+    for ids in prompts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + NEW_TOKENS)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        while not generator.is_done():
+            generator.generate_next_token()
+        generated.append([int(t) for t in generator.get_sequence(0)][len(ids) :])
+    return generated
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -138,25 +185,13 @@ def main() -> None:
         expected[f"{name}@0.5"] = [_greedy(model, ids) for ids in prompts]
     (out / "expected.json").write_text(json.dumps(expected))
     for precision in ("fp32", "int4"):  # onnxruntime-genai's own export of the same weights
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "onnxruntime_genai.models.builder",
-                "-i",
-                str(out / "smollm2"),
-                "-o",
-                str(out / f"genai_{precision}"),
-                "-p",
-                precision,
-                "-e",
-                "cpu",
-                "-c",
-                str(out / "genai_cache"),
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        _genai_build(out / "smollm2", out / f"genai_{precision}", precision, out / "genai_cache")
+    _tiny_llama(out / "smollm2", out / "tiny_llama")
+    _genai_build(out / "tiny_llama", out / "genai_tiny", "fp32", out / "genai_cache")
+    ids = expected["prompt_ids"]
+    assert isinstance(ids, list)
+    genai = {name: _genai_greedy(out / name, ids) for name in ("genai_fp32", "genai_tiny")}
+    (out / "genai_expected.json").write_text(json.dumps(genai))
     (out / "versions.json").write_text(json.dumps({"torch": torch.__version__}))
 
 

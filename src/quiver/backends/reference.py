@@ -64,6 +64,13 @@ def _ms_skip_simplified_layer_norm(
     return (total * inv * gamma).astype(x.dtype), inv * 0, inv, total.astype(x.dtype)
 
 
+def _simplified_layer_norm(self: OpRun, x: np.ndarray, gamma: np.ndarray, **attributes: Any) -> tuple[np.ndarray, ...]:
+    """ORT's SimplifiedLayerNormalization (ONNX domain, no schema): RMSNorm(x) · gamma over the last axis."""
+    eps = float(attributes.get("epsilon") or 1e-5)
+    inv = 1.0 / np.sqrt(np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True) + eps)
+    return ((x * inv * gamma).astype(x.dtype),)
+
+
 def _rotate(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotary positions, half-split (rotary_interleaved=0): x [heads, seq, dim] at `positions` [seq]."""
     half = x.shape[-1] // 2
@@ -161,6 +168,7 @@ _MS_OPS: list[Any] = [
     type(
         "SkipSimplifiedLayerNormalization", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_skip_simplified_layer_norm}
     ),
+    type("SimplifiedLayerNormalization", (OpRun,), {"op_domain": "", "_run": _simplified_layer_norm}),
 ]
 
 

@@ -144,16 +144,17 @@ def build(
         task = progress.add_task("building", total=len(parsed))
         for path, name in parsed:
             progress.update(task, description=f"adding {name}")
-            fixed, names = None, []
+            fixed: dict[str, list[int | str]] | None = None
+            names: list[str] = []
             if shapes or wanted:  # fix only the inputs this model has (a family may differ in its inputs)
                 source = load_model(path)[0].graph
                 model_inputs = {i.name for i in source.input}
-                fixed = {}
+                given: dict[str, list[int | str]] = {}
                 for (graph, input_name), dims in shapes.items():  # the graph's own shapes after the shared ones
                     if graph in (None, name) and input_name in model_inputs:
-                        fixed[input_name] = dims
+                        given[input_name] = dims
                         shaped.add((graph, input_name))
-                fixed = fixed or None
+                fixed = given or None
                 weights = {t.name for t in source.initializer}
                 names = [n for n in wanted if n in weights]
                 found.update(names)

@@ -16,6 +16,7 @@ from quiver.formats.files import read_text
 from quiver.t2t.quantize import DEFAULT_QUANTIZER, QUANTIZERS, parse_override
 
 if TYPE_CHECKING:
+    from quiver.t2t.config import DialogConfig
     from quiver.t2t.quality import QualityReport
 
 
@@ -37,7 +38,8 @@ def _named_path(value: str) -> tuple[str, Path]:
     "model_dir",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="A transformers causal-LM folder: config.json, *.safetensors, tokenizer.json.",
+    help="A transformers causal-LM folder (config.json, *.safetensors, tokenizer.json), or a decoder already "
+    "exported to ONNX with a KV cache (onnxruntime-genai's or optimum's folder), packed as it is.",
 )
 @click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--lora", "loras", multiple=True, metavar="NAME=PEFT_DIR", help="An adapter; one use case each.")
@@ -100,6 +102,27 @@ def t2t_export(
     """A prefill + decode context sharing every weight, a section per use case, and genie_config.json."""
     from quiver.lora.prepare import read_adapters_and_use_cases
     from quiver.t2t.export import ExportOptions, export
+    from quiver.t2t.onnx_decoder import import_decoder, is_onnx_decoder_folder
+
+    if is_onnx_decoder_folder(model_dir):
+        given = {
+            "--lora": loras,
+            "--lora-config": lora_config,
+            "--weight-bitwidth": weight_bitwidth,
+            "--calibration": calibration,
+            "--override": overrides,
+            "--report": report or report_prompts or report_text,
+        }
+        refused = [option for option, value in given.items() if value]
+        if refused:
+            raise click.BadParameter(
+                f"{model_dir} is a decoder exported to ONNX, packed as it is: {', '.join(refused)} need a "
+                "transformers folder (the weights Quiver builds its own graph from)"
+            )
+        with status_line("packing") as status:
+            dialog = import_decoder(model_dir, output_dir, context_size, prefill_window, lambda s: status.update(s))
+        _print_files(dialog, [dialog.ctx_bins[0], dialog.tokenizer, dialog.path], as_json, None)
+        return
 
     adapters: dict[str, Path] = dict(_named_path(v) for v in loras)
     use_cases = None
@@ -140,6 +163,11 @@ def t2t_export(
         if reporting
         else None
     )
+    _print_files(dialog, files, as_json, quality)
+
+
+def _print_files(dialog: DialogConfig, files: list[Path], as_json: bool, quality: QualityReport | None) -> None:
+    """What an export wrote: a table of its files (or JSON), and the quality report where one was made."""
     if as_json:
         emit_json(
             {"config": str(dialog.path), "files": {str(p): p.stat().st_size for p in files}}

@@ -25,12 +25,27 @@ MS_DOMAIN = "com.microsoft"
 # sequences included) and ONNX Runtime's contrib domain (its cpu backend refuses, when it prepares a
 # graph, an operator it has no kernel for).
 _ONNX_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+# ONNX Runtime's kernels registered in ONNX's own domain without an ONNX schema: its fusions write them,
+# and so do exporters built on it (onnxruntime-genai's model builder ends a decoder with one).
+ORT_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 
 
 def use_microsoft_domain(model: onnx.ModelProto) -> None:
     """Declares ONNX Runtime's contrib opset (com.microsoft, version 1) unless the model does already."""
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.add(domain=MS_DOMAIN, version=1)
+
+
+def schema_checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (changed in place: give a copy) with ORT's schema-less ONNX-domain operators moved to the
+    contrib domain, where ONNX's checker lets operators it has no schema for pass."""
+    moved = False
+    for node in iter_nodes(model.graph):
+        if node.domain in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_OPS:
+            node.domain, moved = MS_DOMAIN, True
+    if moved:
+        use_microsoft_domain(model)
+    return model
 
 
 def op_id(node: onnx.NodeProto) -> str:
@@ -42,6 +57,8 @@ def is_supported(node: onnx.NodeProto) -> bool:
     if node.domain == MS_DOMAIN:
         return True
     domain = "" if node.domain == "ai.onnx" else node.domain
+    if domain == "" and node.op_type in ORT_ONNX_DOMAIN_OPS:
+        return True
     return node.domain in _ONNX_DOMAINS and onnx.defs.has(node.op_type, domain)
 
 

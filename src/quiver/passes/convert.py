@@ -15,7 +15,7 @@ from onnx import numpy_helper
 from quiver.errors import ConversionError, UnsupportedOperatorError
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir.edit import initializers_as_inputs
-from quiver.ir.ops import iter_nodes, unsupported_operators
+from quiver.ir.ops import iter_nodes, schema_checkable, unsupported_operators
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.fold import fold_constants
 from quiver.passes.load import TensorSource, load_model, tensor_source
@@ -170,7 +170,14 @@ def _infer_shapes(model: onnx.ModelProto, label: str) -> onnx.ModelProto:
         try:
             inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
         except Exception:
-            raise ConversionError(f"{label}: shape inference failed: {str(exc).strip().splitlines()[-1]}") from None
+            # value_info is the producer's hint, not the graph: some exporters write one that contradicts
+            # what a node gives (onnxruntime-genai's builder: a rank-0 hint on a [1] Constant), which ORT
+            # ignores; inferred again without the hints
+            del probe.graph.value_info[:]
+            try:
+                inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False, data_prop=True)
+            except Exception:
+                raise ConversionError(f"{label}: shape inference failed: {str(exc).strip().splitlines()[-1]}") from None
     del inferred.graph.input[len(model.graph.input) :]
     del inferred.graph.initializer[:]
     inferred.graph.initializer.extend(model.graph.initializer)
@@ -283,7 +290,7 @@ def convert(
         model = _infer_shapes(model, label)
     try:
         onnx.checker.check_model(  # placeholders' data is not on disk: let the checker see them as inputs
-            initializers_as_inputs(model, _is_placeholder)
+            schema_checkable(initializers_as_inputs(model, _is_placeholder))
         )
     except onnx.checker.ValidationError as exc:
         raise ConversionError(f"{label} is not a valid ONNX model: {str(exc).strip().splitlines()[0]}") from None

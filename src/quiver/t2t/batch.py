@@ -142,6 +142,11 @@ class BatchDecoder:
 
     def _setup(self, adapter_slots: int) -> None:
         config = self.config
+        if config.kv_cache != "quiver":
+            raise GenerationError(
+                f"{config.path}: a decoder packed as it was exported elsewhere runs under `quiver t2t run`; serving "
+                "batches Quiver's own graphs: export the model's transformers folder with `quiver t2t export`"
+            )
         if BATCH_GRAPH not in self._context.graph_names:
             raise GenerationError(
                 f"{config.ctx_bins[0]} has no batched graph {BATCH_GRAPH!r} (serving needs it); export the model "

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 
 PREFILL_GRAPH, DECODE_GRAPH = "prefill", "decode"
 BATCH_GRAPH = "batch"  # many sequences per step, each row on its own adapter slot (`quiver serve`)
+# How the graphs take their KV cache and positions: "quiver" (`quiver t2t export`'s: seqlens_k and
+# total_sequence_length, one fixed buffer); for decoders exported elsewhere (`quiver.t2t.onnx_decoder`), an
+# attention mask with one fixed buffer that past and present share ("shared": onnxruntime-genai's
+# past_present_share_buffer), or a past that grows by each step's present ("growing": optimum's, genai's other).
+KV_CACHES = ("quiver", "shared", "growing")
 DEFAULT_PREFILL_WINDOW = 128
 _QNN_BACKENDS = {"QnnHtp", "QnnGpu", "QnnGenAiTransformer", "QnnCpu", "QnnDsp"}
 
@@ -65,6 +70,7 @@ class DialogConfig:
     prefill_window: int = DEFAULT_PREFILL_WINDOW
     # ORT's MatMulNBits compute for 4/8-bit weights (0: float activations; 4: int8); None: the backend's
     accuracy_level: int | None = None
+    kv_cache: str = "quiver"  # one of KV_CACHES
 
 
 def adapter_use_cases(config: DialogConfig) -> dict[str, LoraAdapterConfig]:
@@ -172,10 +178,18 @@ def read_dialog_config(path: str | Path, files_present: bool = True) -> DialogCo
         decode_graph=str(quiver.get("decode-graph", DECODE_GRAPH)),
         prefill_window=_number(quiver, "prefill-window", "quiver", source, int, DEFAULT_PREFILL_WINDOW),
         accuracy_level=_number(quiver, "accuracy-level", "quiver", source, int) if "accuracy-level" in quiver else None,
+        kv_cache=_choice(quiver, "kv-cache", KV_CACHES, source),
         **_lora(binary.get("lora"), base, source, files_present),
     )
     _check_ranges(config)
     return config
+
+
+def _choice(raw: dict[str, Any], key: str, choices: tuple[str, ...], source: Path) -> str:
+    value = raw.get(key, choices[0])
+    if value not in choices:
+        raise DialogConfigError(f"{source}: quiver.{key} must be one of {list(choices)}, not {str(value)[:80]!r}")
+    return str(value)
 
 
 def _flag(raw: dict[str, Any], key: str, where: str, source: Path) -> bool:
@@ -269,6 +283,8 @@ def dialog_config_document(config: DialogConfig, relative_to: Path) -> dict[str,
     }
     if config.accuracy_level is not None:
         binary["quiver"]["accuracy-level"] = config.accuracy_level
+    if config.kv_cache != KV_CACHES[0]:
+        binary["quiver"]["kv-cache"] = config.kv_cache
     if config.alpha_tensor is not None:
         binary["lora"] = {
             "version": 1,

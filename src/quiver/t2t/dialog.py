@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +25,7 @@ from quiver.runtime.context import Context
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import DialogConfig, cpu_backend_for, read_dialog_config
 from quiver.t2t.continuation import Continuation
+from quiver.t2t.external_cache import ExternalCache
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.sampling import Sampler, Sampling
 from quiver.t2t.tokenizer import TextTokenizer
@@ -74,6 +76,32 @@ class Dialog:
         except Exception:
             self._context.close()
             raise
+        self._history: list[int] = []  # tokens whose keys and values are in the cache
+        self._pending: list[int] = []  # generated, not yet fed (the next query starts with them)
+        self._adapter: str | None = None
+        self._lock = threading.Lock()  # one query at a time
+        self._abort = threading.Event()
+        fork.reset_after_fork(self)
+        self._external: ExternalCache | None = None
+        if config.kv_cache != "quiver":  # a decoder exported elsewhere: its cache through an attention mask
+            try:
+                self._external = ExternalCache(self._decode, config.kv_cache, config.context_size)
+            except Exception:
+                self._context.close()
+                raise
+            self.capacity = self._external.capacity
+            self._cache = self._external.cache
+            self._logits = np.zeros((1, 1, config.n_vocab), np.float32)
+        else:
+            self._bind_quiver_graphs(config)
+        # Prepare (and pack) both graphs now, as Genie does when a dialog is created: a query then
+        # measures generation, not session creation.
+        self._step(self._prefill, [0])
+        self._step(self._decode, [0])
+        self._history = []
+
+    def _bind_quiver_graphs(self, config: DialogConfig) -> None:
+        """`quiver t2t export`'s graphs: one fixed cache buffer per layer, a decode step bound once."""
         shapes = {i.name: _fixed(i.shape) for i in self._decode.inputs if i.name.startswith(_PAST)}
         logits_shape = next((_fixed(o.shape) for o in self._decode.outputs if o.name == LOGITS), ())
         if not shapes or not logits_shape or not all(len(s) == 4 for s in shapes.values()):
@@ -110,17 +138,6 @@ class Dialog:
                 f"{config.ctx_bins[0]}: graph {config.decode_graph!r} does not take a decode step's inputs ({exc}); "
                 "make the context with `quiver t2t export`"
             ) from None
-        self._history: list[int] = []  # tokens whose keys and values are in the cache
-        self._pending: list[int] = []  # generated, not yet fed (the next query starts with them)
-        self._adapter: str | None = None
-        self._lock = threading.Lock()  # one query at a time
-        self._abort = threading.Event()
-        fork.reset_after_fork(self)
-        # Prepare (and pack) both graphs now, as Genie does when a dialog is created: a query then
-        # measures generation, not session creation.
-        self._step(self._prefill, [0])
-        self._step(self._decode, [0])
-        self._history = []
 
     @classmethod
     def from_config(cls, path: str | Path) -> Dialog:
@@ -214,8 +231,8 @@ class Dialog:
             min_new_tokens,
             stop,
         )
-        history, views, logits = self._history, self._token_views, self._logits
-        with self._decode_run.repeating() as decode:  # the decode graph held for the loop: a step is its run
+        history, logits = self._history, self._logits
+        with self._decode_loop() as decode:
             while True:
                 piece = reply.step(logits)
                 if piece and on_token is not None:
@@ -226,8 +243,7 @@ class Dialog:
                     reply.reason, reply.pending = "aborted", reply.new_ids[-1:]
                     break
                 token = reply.new_ids[-1]  # fed at the next position: its keys and values join the cache
-                views[0][0], views[1][0], views[2][0] = token, len(history), len(history) + 1
-                decode()
+                decode(token)
                 history.append(token)
         self._pending = reply.pending
         new, text, reason = reply.new_ids, reply.text, reply.reason
@@ -242,8 +258,29 @@ class Dialog:
             decode_tok_s=decoded / (finished - prefilled) if decoded else 0.0,
         )
 
-    def _step(self, graph: object, ids: list[int]) -> None:
+    @contextmanager
+    def _decode_loop(self) -> Iterator[Callable[[int], object]]:
+        """A decode step as a call that feeds one token after the history (which the caller extends)."""
+        if self._external is not None:
+            yield lambda token: self._step(self._decode, [token], extend=False)
+            return
+        views, history = self._token_views, self._history
+        with self._decode_run.repeating() as run:  # the decode graph held for the loop: a step is its run
+
+            def decode(token: int) -> None:
+                views[0][0], views[1][0], views[2][0] = token, len(history), len(history) + 1
+                run()
+
+            yield decode
+
+    def _step(self, graph: object, ids: list[int], extend: bool = True) -> None:
         """Feeds tokens: their keys and values land in the cache, the logits of the last in `_logits`."""
+        if self._external is not None:
+            self._external.step(graph, ids, len(self._history), self._logits)  # type: ignore[arg-type]
+            self._cache = self._external.cache
+            if extend:
+                self._history.extend(ids)
+            return
         total = len(self._history) + len(ids)
         if len(ids) == 1:  # the same small arrays each time (the backend keeps their wrappers)
             token, seqlens, length = self._token_feeds
@@ -269,6 +306,8 @@ class Dialog:
     def sample_feeds(self, prompt_ids: Sequence[int]) -> dict[str, list[dict[str, np.ndarray]]]:
         """Inputs of real steps, for tuning: the prompt's first prefill window (on an empty cache) and the
         decode step that follows the whole prompt (its cache filled by it). Resets the conversation."""
+        if self._external is not None:
+            raise GenerationError("tuning measures `quiver t2t export`'s graphs; an imported decoder runs untuned")
         ids = [int(i) for i in prompt_ids]
         window = ids[: self.config.prefill_window]
         if len(ids) + 1 >= self.capacity or not ids:
@@ -351,8 +390,12 @@ class Dialog:
                 for name, value in state.strengths.items():
                     self._set_strength(name, value)
             used = len(state.history)
-            for name, array in state.cache.items():
-                self._cache[name][:, :, :used] = array
+            if self._external is not None:
+                self._external.keep(state.cache, used)
+                self._cache = self._external.cache
+            else:
+                for name, array in state.cache.items():
+                    self._cache[name][:, :, :used] = array
             self._history, self._pending = list(state.history), list(state.pending)
 
     # --- adapters -----------------------------------------------------------------------------------
