@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,12 @@ import onnxruntime as ort
 import pytest
 
 import quiver
+from quiver.formats.section import SectionFile
+from quiver.lora.peft import load_peft_adapter
 from quiver.lora.prepare import prepare
 from tests.support.cli import assert_one_line_error
 from tests.support.cli import quiver as run_cli
-from tests.support.peft_models import BASE_WEIGHTS, YAML, dynamo_like_model, make_project, write_adapter
+from tests.support.peft_models import BASE_WEIGHTS, YAML, dynamo_like_model, make_project, peft_export, write_adapter
 from tests.support.peft_models import LORA_X as X
 from tests.support.peft_models import expected_output as _expected
 
@@ -313,3 +316,46 @@ def test_only_the_base_use_case_names_several_models(project: Path, tmp_path: Pa
     (root / "lora.yaml").write_text(text)
     result = run_cli("lora", "prepare", "--lora-config", root / "lora.yaml", "-o", root / "out")
     assert_one_line_error(result, "only the base use case names several models")
+
+
+@pytest.mark.parametrize("names", ["dynamo", "torchscript"])
+def test_adapters_given_by_their_config_take_their_weights_from_the_use_cases_exports(
+    project: Path, prepared: Path, tmp_path: Path, names: str
+) -> None:
+    """QNN's flow: each adapter a config JSON alone, its weights in the graph exported for a use case."""
+    adapters = {n: load_peft_adapter(project / n, n) for n in ("elementary", "long")}
+    root = tmp_path / "qnn"
+    (root / "base").mkdir(parents=True)
+    shutil.copy(project / "base" / "model.onnx", root / "base" / "model.onnx")
+    for name in adapters:
+        (root / name).mkdir()
+        shutil.copy(project / name / "adapter_config.json", root / name / f"{name}.json")  # no safetensors
+    onnx.save(peft_export(adapters, ["elementary"], names), str(root / "elementary" / "model.onnx"))
+    onnx.save(peft_export(adapters, ["elementary", "long"], names), str(root / "elementary_long.onnx"))
+    yaml_text = YAML.replace("lora_config: elementary", "lora_config: elementary/elementary.json")
+    yaml_text = yaml_text.replace("lora_config: long", "lora_config: long/long.json")
+    yaml_text = yaml_text.replace(
+        "- name: elementary\n  adapter_names: [elementary]",
+        "- name: elementary\n  adapter_names: [elementary]\n  model_name: elementary/model.onnx",
+    )
+    yaml_text = yaml_text.replace(
+        "  adapter_alphas: [1.0, 0.5]", "  adapter_alphas: [1.0, 0.5]\n  model_name: elementary_long.onnx"
+    )
+    (root / "lora.yaml").write_text(yaml_text)
+    result = run_cli("lora", "prepare", "--lora-config", root / "lora.yaml", "-o", root / "out")
+    assert result.returncode == 0, result.stderr
+    for case in ("elementary", "elementary_long"):  # the same tensors as from the PEFT folders' safetensors
+        ours = SectionFile((root / "out" / f"{case}.qsec").read_bytes())
+        theirs = SectionFile((prepared / f"{case}.qsec").read_bytes())
+        assert ours.graphs["model"].tensors.keys() == theirs.graphs["model"].tensors.keys()
+        for tensor, index in theirs.graphs["model"].tensors.items():
+            np.testing.assert_allclose(ours.weight_array(ours.graphs["model"].tensors[tensor]),
+                                       theirs.weight_array(index), rtol=1e-6, atol=1e-7)  # fmt: skip
+    with quiver.Context.from_binary(root / "out" / "lora.qctx") as context:
+        context.apply_binary_section("model", root / "out" / "elementary_long.qsec")
+        got = context.graph("model").execute({"x": X})["y"]
+    np.testing.assert_allclose(got, _expected(project, {"elementary": 1.0, "long": 0.5}), rtol=1e-4, atol=1e-4)
+    # an adapter whose use cases name no export has nowhere to read its weights from: one line saying so
+    bare = YAML.replace("lora_config: long", "lora_config: long/long.json")
+    (root / "bare.yaml").write_text(bare.replace("lora_config: elementary", "lora_config: elementary/elementary.json"))
+    assert_one_line_error(run_cli("lora", "map", "--lora-config", root / "bare.yaml"), "has no weights", "model_name")

@@ -154,3 +154,37 @@ def lora_graph_of(adapters: dict[str, PeftAdapter], base: onnx.ModelProto) -> tu
     assert missing == []
     use_cases = {name: [name] for name in adapters} | {"all": list(adapters)}
     return create_lora_graph(base, points, slot_ranks(adapters, use_cases), len(adapters))
+
+
+def peft_export(adapters: dict[str, PeftAdapter], active: list[str], names: str = "dynamo") -> onnx.ModelProto:
+    """The CHAIN with PEFT's LoRA layers of the `active` adapters attached, as exporting a PEFT model gives
+    it: per adapted module and adapter, MatMul by Aᵀ, MatMul by Bᵀ, Mul by the scaling, Add to the base
+    output. `names`: "dynamo" renames weights and records `<module>.lora_A.<adapter>` in name scopes;
+    "torchscript" keeps PEFT's parameter names as the weights' names."""
+    nodes, initializers, x = [], [], "x"
+    for i, (module, _, _) in enumerate(CHAIN):
+        nodes.append(dynamo_linear(x, f"val_{10 + i}", f"base_{i}", module))
+        initializers.append(numpy_helper.from_array(BASE_WEIGHTS[module], f"val_{10 + i}"))
+        total = f"base_{i}"
+        for name in active:
+            lora = adapters[name].modules.get(module)
+            if lora is None:
+                continue
+            tag = f"{i}_{name}"
+            for which, weight in (("A", lora.lora_a.T), ("B", lora.lora_b.T)):
+                scope = f"{module}.lora_{which}.{name}"
+                stored = f"base_model.model.{scope}.weight" if names == "torchscript" else f"val_{which}_{tag}"
+                source = x if which == "A" else f"down_{tag}"
+                output = f"down_{tag}" if which == "A" else f"up_{tag}"
+                nodes.append(dynamo_linear(source, stored, output, scope))
+                initializers.append(numpy_helper.from_array(np.ascontiguousarray(weight), stored))
+            initializers.append(numpy_helper.from_array(np.array(lora.scaling, np.float32), f"scaling_{tag}"))
+            nodes.append(helper.make_node("Mul", [f"up_{tag}", f"scaling_{tag}"], [f"scaled_{tag}"]))
+            nodes.append(helper.make_node("Add", [total, f"scaled_{tag}"], [f"sum_{tag}"]))
+            total = f"sum_{tag}"
+        x = total
+        if i < len(CHAIN) - 1:
+            nodes.append(helper.make_node("Tanh", [x], [f"tanh_{i}"], name=f"tanh_{i}"))
+            x = f"tanh_{i}"
+    nodes.append(helper.make_node("Identity", [x], ["y"]))
+    return _chain_model("llama_like_lora", nodes, initializers, 8)

@@ -30,7 +30,7 @@ class AttachPoint:
     conv: tuple[tuple[str, Any], ...] = ()  # Conv: the attributes the branch's first conv copies
 
 
-def _scopes(node: onnx.NodeProto) -> list[str]:
+def scopes_of(node: onnx.NodeProto) -> list[str]:
     for prop in node.metadata_props:
         if prop.key == NAME_SCOPES:
             try:
@@ -85,7 +85,7 @@ def find_attach_points(
     initializers = {t.name: t for t in graph.initializer}
     nodes = {node.name or f"node_{i}": node for i, node in enumerate(graph.node)}
     linears = {name: (node, info) for name, node in nodes.items() if (info := _linear(node, initializers))}
-    scopes = {name: _scopes(node)[-2:] for name, (node, _) in linears.items()}  # parsed once, not per module
+    scopes = {name: scopes_of(node)[-2:] for name, (node, _) in linears.items()}  # parsed once, not per module
     found: dict[str, AttachPoint] = {}
     missing = []
     for module in modules:

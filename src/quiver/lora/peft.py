@@ -18,6 +18,7 @@ from quiver.formats.files import read_text
 
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
+PEFT_PREFIX = _PREFIX
 _DEFAULT_LAYER_PATTERNS = ("layers", "h", "block", "blocks", "layer")
 # Config options that change the math in ways Quiver does not implement.
 _UNSUPPORTED = {
@@ -242,15 +243,8 @@ def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapte
     Refuses what Quiver cannot apply exactly, saying why.
     """
     source = Path(source)
-    folder = source.parent if source.suffix == ".json" else source
     config_path, weights_path = _locate(source)
-    try:
-        raw = json.loads(read_text(config_path, limit=16 << 20, what="PEFT config"))
-    except (FileAccessError, ValueError, RecursionError) as exc:  # ValueError: JSON, or an integer too long
-        raise AdapterError(f"{config_path}: not readable JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise AdapterError(f"{config_path}: must hold a JSON object")
-    config = LoraConfig.from_json(raw, str(config_path))
+    config = read_lora_config(config_path)
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -264,6 +258,38 @@ def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapte
             raise AdapterError(f"{weights_path}: {key!r} is not a LoRA A/B weight; is this a LoRA adapter?")
         module = found.group("module").removeprefix(_PREFIX)
         pairs.setdefault(module, {})[found.group("which")] = np.asarray(array, dtype=np.float32)
+    name = name or (source.stem if source.suffix == ".json" else source.name)
+    return adapter_of(name, config, pairs, str(weights_path))
+
+
+def config_path_of(source: str | Path) -> Path:
+    """The adapter config of a PEFT folder, or a QNN adapter-config JSON itself."""
+    source = Path(source)
+    return source if source.is_file() and source.suffix == ".json" else source / "adapter_config.json"
+
+
+def has_weights(source: str | Path) -> bool:
+    """Whether the adapter's LoRA weights are in safetensors beside its config (else in an export)."""
+    source = Path(source)
+    if source.is_file() and source.suffix == ".json":
+        return source.with_suffix(".safetensors").is_file() or (source.parent / "adapter_model.safetensors").is_file()
+    return (source / "adapter_model.safetensors").is_file() or not (source / "adapter_config.json").is_file()
+
+
+def read_lora_config(config_path: Path) -> LoraConfig:
+    try:
+        raw = json.loads(read_text(config_path, limit=16 << 20, what="PEFT config"))
+    except (FileAccessError, ValueError, RecursionError) as exc:  # ValueError: JSON, or an integer too long
+        raise AdapterError(f"{config_path}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{config_path}: must hold a JSON object")
+    return LoraConfig.from_json(raw, str(config_path))
+
+
+def adapter_of(
+    name: str, config: LoraConfig, pairs: dict[str, dict[str, np.ndarray]], weights_path: str
+) -> PeftAdapter:
+    """The adapter of these (module -> {"A", "B"}) weights in PEFT's layout, checked against its config."""
     modules = {}
     for module, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
@@ -284,7 +310,7 @@ def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapte
     stray = [m for m in modules if not config.targets(m)]
     if stray:
         raise AdapterError(
-            f"{folder}: weights for {stray[:3]} but the config's target_modules/layers_to_transform do not "
+            f"{weights_path}: weights for {stray[:3]} but the config's target_modules/layers_to_transform do not "
             "select them; the config and the weights do not belong together"
         )
-    return PeftAdapter(name or (source.stem if source.suffix == ".json" else source.name), config, modules)
+    return PeftAdapter(name, config, modules)

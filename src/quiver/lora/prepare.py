@@ -27,7 +27,7 @@ from quiver.lora.create import (
     slot_ranks,
     use_case_values,
 )
-from quiver.lora.peft import PeftAdapter, load_peft_adapter
+from quiver.lora.peft import PeftAdapter, has_weights, load_peft_adapter
 from quiver.passes.compare import compare_models
 from quiver.passes.load import load_model
 from quiver.passes.quantize import QuantizeOptions
@@ -195,7 +195,26 @@ def map_attach_points(
 
 
 def load_adapters(project: LoraProject) -> dict[str, PeftAdapter]:
-    return {name: load_peft_adapter(path, name) for name, path in project.adapters.items()}
+    """Each adapter from its PEFT folder; one given by its config alone (QNN's flow) from the exported
+    graph of a use case it is in (the one with fewest adapters: its own, where exported)."""
+    from quiver.lora.exported import adapter_from_export
+
+    adapters = {}
+    for name, path in project.adapters.items():
+        if has_weights(path):
+            adapters[name] = load_peft_adapter(path, name)
+            continue
+        exports = sorted(
+            (u for u in project.use_cases if name in u.adapters and u.model is not None), key=lambda u: len(u.adapters)
+        )
+        if not exports:
+            raise AdapterError(
+                f"adapter {name!r}: {path} has no weights beside it (adapter_model.safetensors) and no use case "
+                "with it names an exported model (model_name) to read them from"
+            )
+        assert exports[0].model is not None
+        adapters[name] = adapter_from_export(path, name, exports[0].model)
+    return adapters
 
 
 def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter], model: Path | None = None) -> LoraGraph:
