@@ -116,7 +116,7 @@ def t2t_export(
         refused = [option for option, value in given.items() if value]
         if refused:
             raise click.BadParameter(
-                f"{model_dir} is a decoder exported to ONNX, packed as it is: {', '.join(refused)} need a "
+                f"{model_dir} is a decoder exported to ONNX, packed as it is; {', '.join(refused)} work on a "
                 "transformers folder (the weights Quiver builds its own graph from)"
             )
         with status_line("packing") as status:
