@@ -359,3 +359,67 @@ def test_adapters_given_by_their_config_take_their_weights_from_the_use_cases_ex
     bare = YAML.replace("lora_config: long", "lora_config: long/long.json")
     (root / "bare.yaml").write_text(bare.replace("lora_config: elementary", "lora_config: elementary/elementary.json"))
     assert_one_line_error(run_cli("lora", "map", "--lora-config", root / "bare.yaml"), "has no weights", "model_name")
+
+
+def _parts(weights: dict[str, np.ndarray], split: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The CHAIN split after its `split`-th linear in two models (as QNN's flow splits a decoder
+    `..._1_of_2`, `..._2_of_2`): the first gives `h`, the second takes it."""
+    whole = dynamo_like_model(weights)
+    cut = f"tanh_{split - 1}"
+    first_nodes = [
+        n for n in whole.graph.node if int(n.output[0].rsplit("_", 1)[-1] if n.output[0] != "y" else 99) < split
+    ]
+    second_nodes = [n for n in whole.graph.node if n not in first_nodes]
+    used = lambda nodes: {i for n in nodes for i in n.input}  # noqa: E731
+    parts = []
+    for nodes, source, sink in ((first_nodes, "x", cut), (second_nodes, cut, "y")):
+        graph = onnx.helper.make_graph(
+            nodes, f"part_{len(parts)}",
+            [onnx.helper.make_tensor_value_info(source, onnx.TensorProto.FLOAT, ["n", 16])],
+            [onnx.helper.make_tensor_value_info(sink, onnx.TensorProto.FLOAT, None)],
+            [t for t in whole.graph.initializer if t.name in used(nodes)],
+        )  # fmt: skip
+        parts.append(onnx.helper.make_model(graph, opset_imports=whole.opset_import))
+    return parts[0], parts[1]
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_model_split_in_parts_gives_each_part_the_adapters_of_its_modules(
+    project: Path, tmp_path: Path, share: bool
+) -> None:
+    root = tmp_path / "split"
+    root.mkdir()
+    for folder in ("elementary", "long"):
+        (root / folder).symlink_to(project / folder)
+    first, second = _parts(BASE_WEIGHTS, 2)  # layer 0's q/v in the first part, layer 1's in the second
+    onnx.save(first, str(root / "model_1_of_2.onnx"))
+    onnx.save(second, str(root / "model_2_of_2.onnx"))
+    yaml = YAML.replace("model_name: base/model.onnx", "model_name: [model_1_of_2.onnx, model_2_of_2.onnx]")
+    (root / "lora.yaml").write_text(("share_adapters_between_graphs: Yes\n" if share else "") + yaml)
+    result = run_cli("lora", "prepare", "--lora-config", root / "lora.yaml", "-o", root / "out", "--json")
+    assert result.returncode == 0, result.stderr
+    case = json.loads(result.stdout)["use_cases"]["elementary_long"]
+    with quiver.Context.from_binary(root / "out" / "lora.qctx") as context:
+        for file in [case["section"]] if share else case["sections"].values():
+            context.apply_binary_section(None, root / "out" / file)
+        h = next(iter(context.graph("model_1_of_2").execute({"x": X}).values()))
+        y = next(iter(context.graph("model_2_of_2").execute({"tanh_1": h}).values()))
+    np.testing.assert_allclose(y, _expected(project, {"elementary": 1.0, "long": 0.5}), rtol=1e-4, atol=1e-5)
+    if not share:
+        assert set(case["sections"]) == {"model_1_of_2", "model_2_of_2"}
+
+
+def test_an_export_whose_layer_found_no_attach_point_is_an_error_not_an_unadapted_graph(
+    project: Path, tmp_path: Path
+) -> None:
+    root = _two_graph_project(project, tmp_path)
+    second = onnx.load(str(root / "decode.onnx"))
+    for node in second.graph.node:  # its name scopes lost: layer 1's q_proj cannot be found in it
+        if node.output[0] == "linear_2":
+            del node.metadata_props[:]
+    onnx.save(second, str(root / "decode.onnx"))
+    assert_one_line_error(
+        run_cli("lora", "prepare", "--lora-config", root / "lora.yaml", "-o", root / "out"),
+        "model.layers.1.self_attn.q_proj",
+        "holds the same layer weight",
+    )

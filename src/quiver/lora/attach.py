@@ -74,12 +74,16 @@ def _linear(node: onnx.NodeProto, initializers: Mapping[str, onnx.TensorProto]) 
 
 
 def find_attach_points(
-    model: onnx.ModelProto, modules: Iterable[str], explicit: Mapping[str, str] | None = None
+    model: onnx.ModelProto,
+    modules: Iterable[str],
+    explicit: Mapping[str, str] | None = None,
+    part: bool = False,
 ) -> tuple[dict[str, AttachPoint], list[str]]:
     """The attach point of each module, and the modules that found none.
 
     `explicit` maps module paths to node names (QNN's pytorch2onnx map); otherwise the dynamo
     exporter's name scopes, then weight names (`<module>.weight`, as the TorchScript exporter keeps).
+    `part`: the model is one part of a split model, so a mapped node it lacks is another part's.
     """
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
@@ -91,6 +95,9 @@ def find_attach_points(
     for module in modules:
         candidates: list[tuple[str, str]] = []
         if explicit and module in explicit:
+            if explicit[module] not in linears and part and explicit[module] not in nodes:
+                missing.append(module)
+                continue
             if explicit[module] not in linears:
                 raise AdapterError(
                     f"the map sends {module!r} to {explicit[module]!r}, which is not a MatMul/Gemm/Conv "

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,52 @@ def load_adapters(project: LoraProject) -> dict[str, PeftAdapter]:
     return adapters
 
 
+def create_graphs(project: LoraProject, adapters: dict[str, PeftAdapter]) -> list[LoraGraph]:
+    """The LoRA graph of each of the project's base graphs. Several are exports of one model (each holds
+    every adapted module) or the parts of a split one (`..._1_of_3`: each holds the modules it has, and
+    every module must be in one); a module found in one graph but not in another holding the same layer
+    weight is an export whose mapping failed, an error rather than a graph silently left unadapted."""
+    if len(project.graph_models) <= 1:
+        return [create_graph(project, adapters)]
+    _check_use_case_models(project)
+    bases = {model: onnx.load(str(model)) for model in project.graph_models}
+    modules = sorted({m for adapter in adapters.values() for m in adapter.modules})
+    found = {
+        model: find_attach_points(base, modules, project.attach_map, part=True)[0] for model, base in bases.items()
+    }
+    nowhere = [m for m in modules if not any(m in points for points in found.values())]
+    if nowhere:
+        raise AdapterError(
+            f"no attach point for {len(nowhere)} adapted module(s) in any of {[m.name for m in bases]}, e.g. "
+            f"{nowhere[:3]}; export with torch.onnx (dynamo) or give attach_point_onnx_mapping (module -> node name)"
+        )
+    contents = {model: {_digest(t) for t in base.graph.initializer} for model, base in bases.items()}
+    for model, points in found.items():
+        weights = {t.name: t for t in bases[model].graph.initializer}
+        for module, point in points.items():
+            other = next(
+                (o for o in bases if module not in found[o] and _digest(weights[point.weight]) in contents[o]), None
+            )
+            if other is not None:
+                raise AdapterError(
+                    f"module {module!r} attaches in {model.name} but not in {other.name}, which holds the same layer "
+                    "weight; give attach_point_onnx_mapping (module -> node name) for that graph's export"
+                )
+    remedy = "export with torch.onnx (dynamo) or give attach_point_onnx_mapping (module -> node name)"
+    return [
+        lora_graph(base, adapters, project.use_cases, model.stem, project.attach_map, remedy, modules=found[model])
+        for model, base in bases.items()
+    ]
+
+
+def _digest(tensor: onnx.TensorProto) -> bytes:
+    """A weight's content (type, shape and bytes), whatever its name."""
+    from onnx import numpy_helper
+
+    array = numpy_helper.to_array(tensor)
+    return hashlib.sha256(f"{array.dtype}{array.shape}".encode() + array.tobytes()).digest()
+
+
 def create_graph(project: LoraProject, adapters: dict[str, PeftAdapter], model: Path | None = None) -> LoraGraph:
     """`quiver lora create`: map, then one max-rank LoRA graph for every use case, over the base model or
     `model` (another of the project's graphs)."""
@@ -242,11 +289,14 @@ def lora_graph(
     remedy: str = "",
     per_row: bool = False,
     share_down_projections: bool = True,
+    modules: Collection[str] | None = None,
 ) -> LoraGraph:
     """One max-rank LoRA graph for every use case over `base` (adapters in the order given); `remedy`
     ends the error when an adapted module has no attach point. `per_row` and `share_down_projections`:
-    `quiver.lora.create.create_lora_graph`'s."""
-    modules = sorted({m for adapter in adapters.values() for m in adapter.modules})
+    `quiver.lora.create.create_lora_graph`'s. `modules`: the adapted modules this graph holds (a part of a
+    split model), default all."""
+    adapted = {m for adapter in adapters.values() for m in adapter.modules}
+    modules = sorted(adapted if modules is None else adapted & set(modules))
     points, missing = find_attach_points(base, modules, attach_map)
     if missing:
         raise AdapterError(f"no attach point for {len(missing)} adapted module(s), e.g. {missing[:3]}; {remedy}")
@@ -352,8 +402,9 @@ def prepare(
     """The whole LoRA v3 flow: map, create, import, then the context, sections and manifest in `out_dir`.
 
     With `quantization`, the context holds one QDQ graph and each section also carries its use case's
-    adapter integers and encodings (`quiver.lora.quantize`). With several base exports (the base use
-    case's `model_name` a list), the context has a graph for each, and each use case one section per
+    adapter integers and encodings (`quiver.lora.quantize`). With several base graphs (the base use
+    case's `model_name` a list: exports of one model, or the parts of a split one, each adapted where it
+    holds the modules), the context has a graph for each, and each use case one section per adapted
     graph, or one for them all (a super adapter, each distinct tensor stored once) when sharing
     (`share_adapters_between_graphs`, else the YAML's key of that name).
     """
@@ -369,7 +420,7 @@ def prepare(
     on_step("reading adapters")
     adapters = load_adapters(project)
     on_step("mapping and creating the LoRA graph")
-    graphs = [create_graph(project, adapters, model) for model in project.graph_models]
+    graphs = create_graphs(project, adapters)
     if quantization is not None and len(graphs) > 1:
         raise AdapterError(
             f"{config}: quantizing names one base model; prepare each of {[g.name for g in graphs]} on its own"
@@ -420,18 +471,19 @@ def prepare(
     cases = {u.name: u for u in project.use_cases}
     if quantization is not None:
         manifest["quantized"] = {"updateable_tensors": len(models[graph.name][1])}
+    adapted = [g for g, (_, updateable) in models.items() if updateable]  # a split model's parts may hold none
     for name in imported:
         on_step(f"writing the section of use case {name}")
-        for graph_name in models:
+        for graph_name in adapted:
             context.graph(graph_name).update_tensors(values[graph_name][name])
         context.finalize()
         metadata = section_metadata(cases[name], graph.adapter_order)
         if name in encodings:
             metadata["encodings"] = encodings[name]  # its adapter weights' and the changed activations
-        if len(models) == 1 or share:
-            files = {f"{name}.qsec": None if len(models) > 1 else graph.name}
+        if len(adapted) == 1 or share:
+            files = {f"{name}.qsec": None if len(adapted) > 1 else adapted[0]}
         else:
-            files = {f"{name}.{graph_name}.qsec": graph_name for graph_name in models}
+            files = {f"{name}.{graph_name}.qsec": graph_name for graph_name in adapted}
         for file, covers in files.items():
             # replaced, never rewritten: a process that applied the old file keeps what it checked
             write_atomically(out / file, context.get_binary_section(covers, metadata))
