@@ -121,3 +121,31 @@ def test_a_peft_adapter_loaded_while_streams_run_serves_the_next_request(server:
     assert all(isinstance(s, str) and s for s in streamed)
     status, _, _ = http(f"{server.url}/v1/unload_lora_adapter", "POST", json.dumps({"lora_name": "late"}).encode())
     assert status == 200
+
+
+def test_an_onnxruntime_genai_export_is_served_with_genais_own_greedy_tokens(real_llms: Path, tmp_path: Path) -> None:
+    """A decoder packed as genai's builder exported it: three concurrent requests, each row stepped on its
+    own cache, give genai's own greedy tokens; loading an adapter is refused, saying why."""
+    from quiver.t2t.onnx_decoder import import_decoder
+
+    expected = json.loads((real_llms / "expected.json").read_text())
+    theirs = json.loads((real_llms / "genai_expected.json").read_text())["genai_tiny"]
+    config = import_decoder(real_llms / "genai_tiny", tmp_path / "packed", context_size=256).path
+    running = start_server(config, "--max-batch", "4", "--allow-adapter-loading")
+    try:
+        client = running.client()
+
+        def complete(prompt: str) -> list[int]:
+            reply = client.completions.create(model="packed", prompt=prompt, max_tokens=32, temperature=0)
+            assert reply.choices[0].model_extra is not None
+            return list(reply.choices[0].model_extra["token_ids"])
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(complete, expected["prompts"]))
+        for ours, generated in zip(got, theirs):
+            assert ours[: len(generated)] == generated
+        status, _, body = http(f"{running.url}/v1/load_lora_adapter", "POST",
+                               json.dumps({"lora_name": "x", "lora_path": str(real_llms / "adapter_qv")}).encode())  # fmt: skip
+        assert status == 400 and "runs without adapters" in str(body), body
+    finally:
+        stop_server(running)

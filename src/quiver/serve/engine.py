@@ -30,6 +30,7 @@ import numpy as np
 from quiver.errors import QuiverError
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.continuation import Continuation
+from quiver.t2t.external_batch import ExternalBatch
 from quiver.t2t.sampling import Sampler, Sampling
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -110,7 +111,7 @@ class Engine:
 
     def __init__(
         self,
-        decoder: BatchDecoder,
+        decoder: BatchDecoder | ExternalBatch,
         max_queue: int = 64,
         on_step: Callable[[int], object] | None = None,
         prefill_window: int | None = None,

@@ -12,6 +12,8 @@ from quiver.errors import QuiverError
 from quiver.serve.engine import Engine, Event, Generation, Job
 from quiver.serve.metrics import Metrics
 from quiver.t2t.batch import BatchDecoder
+from quiver.t2t.config import read_dialog_config
+from quiver.t2t.external_batch import ExternalBatch
 from quiver.t2t.tokenizer import TextTokenizer
 
 _T = TypeVar("_T")
@@ -125,7 +127,12 @@ class LocalService:
     ) -> LocalService:
         """The engine over a dialog config, with more adapters (NAME -> PEFT folder or .qsec) checked now;
         `packed_weights`: a folder where its packed weights are kept, shared by the processes that serve it."""
-        decoder = BatchDecoder.from_config(config, max_batch, max_loras, packed_weights)
+        dialog = read_dialog_config(config)
+        decoder: BatchDecoder | ExternalBatch
+        if dialog.kv_cache != "quiver":  # a decoder exported elsewhere: its rows stepped one by one
+            decoder = ExternalBatch(dialog, max_batch, packed_weights)
+        else:
+            decoder = BatchDecoder(dialog, max_batch, max_loras, packed_weights)
         try:
             for name, path in adapters.items():
                 decoder.add_adapter(name, Path(path))
@@ -135,7 +142,9 @@ class LocalService:
             raise
         return cls(decoder, max_queue, prefill_window)
 
-    def __init__(self, decoder: BatchDecoder, max_queue: int = 64, prefill_window: int | None = None) -> None:
+    def __init__(
+        self, decoder: BatchDecoder | ExternalBatch, max_queue: int = 64, prefill_window: int | None = None
+    ) -> None:
         self.decoder = decoder
         self.engine = Engine(decoder, max_queue, prefill_window=prefill_window)
         self.tokenizer = decoder.tokenizer

@@ -124,14 +124,14 @@ def read_decoder(folder: Path, genai: dict[str, Any], hf: dict[str, Any] | None 
         )
     if any(inputs[n].type.tensor_type.elem_type != _FLOAT for pair in pairs for n in pair):
         raise ModelFolderError(f"{model}: a float32 KV cache is what Quiver feeds; this model's is another type")
-    kv_heads, head_dim = next(iter(kv))
+    kv_heads, head_dim = (d if isinstance(d, int) else 0 for d in next(iter(kv)))  # ints: checked above
     search = genai.get("search", {}) if genai else {}
     length = genai.get("model", {}).get("context_length") if genai else None
     return OnnxDecoder(
         model=model,
         layers=layers,
-        kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab=int(logits[-1]),
         position_ids=POSITION_IDS in inputs,
         shared_buffer=bool(search.get("past_present_share_buffer", False)) if isinstance(search, dict) else False,
