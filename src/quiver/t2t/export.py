@@ -114,6 +114,17 @@ def _eos_tokens(folder: Path, config: DecoderConfig, generation: dict[str, Any])
     return ids
 
 
+def copy_tokenizer(folder: Path, out: Path) -> None:
+    """The model's tokenizer.json, and its chat template where it has one (`quiver serve` renders it),
+    into the export's folder."""
+    if (folder / TOKENIZER_FILE).resolve() != (out / TOKENIZER_FILE).resolve():
+        write_atomically(out / TOKENIZER_FILE, read_regular(folder / TOKENIZER_FILE))
+    for chat_file in CHAT_FILES:
+        source = folder / chat_file
+        if source.is_file() and source.resolve() != (out / chat_file).resolve():
+            write_atomically(out / chat_file, read_regular(source, limit=16 << 20, what=chat_file))
+
+
 def export(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -215,12 +226,7 @@ def export(
             write_atomically(sections[case.name], context.get_binary_section(None, metadata))
     finally:
         context.close()
-    if tokenizer.resolve() != (out / TOKENIZER_FILE).resolve():
-        write_atomically(out / TOKENIZER_FILE, read_regular(tokenizer))
-    for chat_file in CHAT_FILES:  # the chat template `quiver serve` renders, where the model has one
-        source = folder / chat_file
-        if source.is_file() and source.resolve() != (out / chat_file).resolve():
-            write_atomically(out / chat_file, read_regular(source, limit=16 << 20, what=chat_file))
+    copy_tokenizer(folder, out)
     dialog = DialogConfig(
         path=out / CONFIG_FILE,
         context_size=size,

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from quiver.errors import FileAccessError, ModelFolderError
-from quiver.formats.files import read_regular, read_text
-from quiver.formats.writer import write_atomically, write_text_atomically
+from quiver.formats.files import read_text
+from quiver.formats.writer import write_text_atomically
 from quiver.runtime.context import Context
 from quiver.t2t.config import (
     DECODE_GRAPH,
@@ -30,14 +30,13 @@ from quiver.t2t.config import (
     SamplerConfig,
     dialog_config_document,
 )
+from quiver.t2t.export import CONFIG_FILE, CONTEXT_FILE, TOKENIZER_FILE, copy_tokenizer
 from quiver.t2t.hf import token_ids
 
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 PAST, PRESENT = "past_key_values.", "present."
 GENAI_CONFIG = "genai_config.json"
 MODEL_FILES = ("model.onnx", "decoder_model_merged.onnx", "decoder_with_past_model.onnx")
-CONTEXT_FILE, TOKENIZER_FILE, CONFIG_FILE = "model.qctx", "tokenizer.json", "genie_config.json"
-CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja")
 _PAST_NAME = re.compile(r"past_key_values\.(\d+)\.(key|value)")
 _INT64, _FLOAT = 7, 1  # ONNX element types
 
@@ -197,12 +196,7 @@ def import_decoder(
         context.save(out / CONTEXT_FILE)
     finally:
         context.close()
-    if tokenizer.resolve() != (out / TOKENIZER_FILE).resolve():
-        write_atomically(out / TOKENIZER_FILE, read_regular(tokenizer))
-    for chat_file in CHAT_FILES:
-        source = folder / chat_file
-        if source.is_file() and source.resolve() != (out / chat_file).resolve():
-            write_atomically(out / chat_file, read_regular(source, limit=16 << 20, what=chat_file))
+    copy_tokenizer(folder, out)
     dialog = DialogConfig(
         path=out / CONFIG_FILE,
         context_size=size,
