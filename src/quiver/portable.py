@@ -4,8 +4,10 @@ glibc's), each a portable equivalent or nothing to do where the OS lacks it."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +27,14 @@ def _optional(name: str) -> ModuleType | None:
 fcntl: Any = _optional("fcntl")  # POSIX: flock, and Linux's leases (formats.file_guard)
 _msvcrt: Any = _optional("msvcrt")  # Windows: byte-range locks
 CAN_LOCK = fcntl is not None or _msvcrt is not None  # whether `lock_file` keeps processes apart here
+_C_LIBRARY = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def return_freed_memory() -> None:
+    """Hands the heap's free pages back to the OS (glibc's malloc_trim): memory a large allocation freed
+    may stay in the process's RSS without it. Nothing to do elsewhere."""
+    if _C_LIBRARY is not None and hasattr(_C_LIBRARY, "malloc_trim"):
+        _C_LIBRARY.malloc_trim(0)
 
 
 def physical_memory() -> int | None:

@@ -22,6 +22,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from quiver import portable
 from quiver.backends import _ort_capi, cpu_packed_file, cpu_prepared
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, WeightFile
 from quiver.backends.cpu_settings import (
@@ -157,8 +158,7 @@ def _shared_arena() -> bool:
 def _return_freed_memory() -> None:
     """Hands the heap's free pages back to the OS (glibc's malloc_trim) once a stand-in session is gone:
     without it, what that session freed stays in this process's RSS (~1.3 MB per MiniLM graph)."""
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
+    portable.return_freed_memory()
 
 
 def _drop_resident_pages(arrays: list[np.ndarray]) -> None:

@@ -53,6 +53,16 @@ class ServeError(QuiverError):
               help="Keep the model's packed weights in a file under FOLDER, made once and mapped by every server "
                    "process on this machine instead of packed by each ['default' ($QUIVER_PACKED_WEIGHTS, else "
                    "~/.cache/quiver/packed-weights) with --ray, else off].")  # fmt: skip
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Connections held at once; past it, the oldest one still without a request is closed.")  # fmt: skip
+@click.option("--max-connections-per-client", default=128, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Connections from one address; past it, its oldest without a request is closed.")  # fmt: skip
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds for a request head to arrive (from the connection or the last response).")  # fmt: skip
+@click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds for a request's body to arrive once its head has.")  # fmt: skip
+@click.option("--http", "parser", type=click.Choice(["auto", "h11", "httptools"]), default="auto", show_default=True,
+              help="uvicorn's HTTP parser (auto: httptools where installed); the limits hold with either.")  # fmt: skip
 @click.option("--model-source", metavar="FOLDER|URL",
               help="With --ray: where a node without the config's folder copies it from (a folder or a "
                    "file/http(s) URL of one); every context and section is checked before use.")  # fmt: skip
@@ -73,11 +83,17 @@ def serve_command(
     replica_cpus: float,
     model_source: str | None,
     packed_weights: str | None,
+    max_connections: int,
+    max_connections_per_client: int,
+    header_timeout: float,
+    body_timeout: float,
+    parser: str,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
         from quiver.serve.app import Server, base_name, serve
         from quiver.serve.chat import find_chat_template
+        from quiver.serve.guard import Limits
         from quiver.serve.service import LocalService
     except ImportError as exc:
         raise ServeError(
@@ -117,7 +133,10 @@ def serve_command(
         return
     service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window,
                                 folder_from(packed_weights))  # fmt: skip
-    server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading)
+    server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading,
+                    body_timeout_s=body_timeout)  # fmt: skip
+    limits = Limits(header_timeout=header_timeout, max_connections=max_connections,
+                    max_per_client=max_connections_per_client)  # fmt: skip
 
     # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: uvicorn shuts down on either, then
     # raises it again, which ends here as KeyboardInterrupt (a shell starts background jobs with SIGINT
@@ -125,7 +144,7 @@ def serve_command(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        serve(server, host, port, on_ready=lambda h, p: ready(h, p, server.served.model_ids()))
+        serve(server, host, port, lambda h, p: ready(h, p, server.served.model_ids()), limits, parser)
     except KeyboardInterrupt:
         pass
 

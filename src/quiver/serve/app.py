@@ -23,9 +23,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from quiver import portable
 from quiver.errors import QuiverError
 from quiver.serve.chat import ChatTemplate
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.guard import Guard, Limits, guarded
 from quiver.serve.metrics import Metrics
 from quiver.serve.openai_api import (
     ApiError,
@@ -40,6 +42,10 @@ from quiver.serve.openai_api import (
 from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
 
 MAX_BODY_BYTES = 4 << 20
+MAX_BODIES_BYTES = 32 << 20  # bodies being read at once, all clients together (8 of the largest)
+_TRIM_AFTER_BYTES = 256 << 10
+_TRIM_AFTER_S = 0.5
+BODY_TIMEOUT_S = 30.0  # a body must arrive whole within this, once its head has
 MAX_MODEL_NAME = 256  # characters of an adapter name a client gives
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions (chat runs until the context is full)
 
@@ -77,6 +83,8 @@ class Server:
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         adapter_loading: bool = False,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        max_bodies_bytes: int = MAX_BODIES_BYTES,
     ) -> None:
         self.service = service
         self._outbox: Outbox | None = None  # the engine's tokens to the event loop
@@ -84,6 +92,10 @@ class Server:
         self.chat_template = chat_template
         self.adapter_loading = adapter_loading
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.max_bodies_bytes = max_bodies_bytes
+        self._bodies_bytes = 0  # bytes of bodies being read now (the event loop's thread alone counts)
+        self._trim_due = False
         self.metrics = Metrics(lambda: service.waiting, lambda: service.batch_size)
         service.watch(self.metrics)
         routes = [
@@ -190,17 +202,53 @@ class Server:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"the body exceeds {self.max_body_bytes} bytes", None, "body_too_large")
         data = bytearray()
-        async for piece in request.stream():
-            data += piece
-            if len(data) > self.max_body_bytes:
-                raise ApiError(413, f"the body exceeds {self.max_body_bytes} bytes", None, "body_too_large")
+        try:
+            # the reader returns its refusal rather than raising it: an error raised in the task wait_for
+            # runs would sit in a reference cycle with that task (and the request's buffers with it) until
+            # the cyclic collector runs
+            refused = await asyncio.wait_for(self._read(request, data), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            refused = ApiError(408, f"the body did not arrive within {self.body_timeout_s:g} s", None,
+                               "body_timeout")  # fmt: skip
+        finally:
+            self._bodies_bytes -= len(data)
+        if refused is not None:
+            data.clear()
+            self._trim_soon()
+            raise refused
         try:
             body = json.loads(data)
         except (ValueError, RecursionError):
             raise ApiError(400, "the body is not valid JSON", None, "invalid_json") from None
+        finally:
+            if len(data) >= _TRIM_AFTER_BYTES:  # a large body's pages back to the OS once it is parsed
+                asyncio.get_running_loop().call_soon(portable.return_freed_memory)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
         return body
+
+    def _trim_soon(self) -> None:
+        """The heap's free pages back to the OS within a second of a refused body (once, however many are
+        refused meanwhile): what the refused bodies held is free then."""
+        if not self._trim_due:
+            self._trim_due = True
+            asyncio.get_running_loop().call_later(_TRIM_AFTER_S, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_due = False
+        portable.return_freed_memory()
+
+    async def _read(self, request: Request, data: bytearray) -> ApiError | None:
+        """The body into `data`, bounded by its size and by what all bodies being read may hold; why it
+        was refused, if it was."""
+        async for piece in request.stream():
+            data += piece
+            self._bodies_bytes += len(piece)
+            if len(data) > self.max_body_bytes:
+                return ApiError(413, f"the body exceeds {self.max_body_bytes} bytes", None, "body_too_large")
+            if self._bodies_bytes > self.max_bodies_bytes:
+                return ApiError(503, "the server is reading too many bodies at once; retry", None, "busy")
+        return None
 
     async def _generate(self, http: Request, body: dict[str, Any], request: Generation, chat: bool) -> Response:
         stream = body.get("stream", False)
@@ -295,11 +343,33 @@ def _sse(event: dict[str, Any]) -> str:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-def serve(server: Server, host: str, port: int, on_ready: Callable[[str, int], object] | None = None) -> None:
-    """Runs the server with uvicorn until interrupted (SIGINT, SIGTERM)."""
-    import uvicorn
+SHUTDOWN_TIMEOUT_S = 5  # how long a stop waits for requests in flight (an unfinished body included)
 
-    config = uvicorn.Config(server.app, host=host, port=port, log_level="warning", lifespan="off")
+
+def serve(
+    server: Server,
+    host: str,
+    port: int,
+    on_ready: Callable[[str, int], object] | None = None,
+    limits: Limits | None = None,
+    parser: str = "auto",
+) -> None:
+    """Runs the server with uvicorn until interrupted (SIGINT, SIGTERM), its connections behind `limits`
+    (`serve.guard`) whichever HTTP `parser` uvicorn runs ("auto": httptools where installed, else h11)."""
+    import uvicorn
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    protocol = guarded(import_from_string(HTTP_PROTOCOLS[parser]), Guard(limits or Limits()))
+    config = uvicorn.Config(
+        server.app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        http=protocol,
+        timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
+    )
     runner = uvicorn.Server(config)
 
     async def main() -> None:

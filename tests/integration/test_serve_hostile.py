@@ -1,0 +1,193 @@
+"""`quiver serve` against hostile clients: raw sockets on 127.0.0.1, the server in its own process (its
+memory read from /proc), with each of uvicorn's HTTP parsers. Every loop is bounded in count and time."""
+
+from __future__ import annotations
+
+import resource
+import selectors
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from quiver.t2t.export import ExportOptions, export
+from tests.support.serving import KEY, Running, http, start_server, stop_server
+from tests.support.tiny_llm import tiny_decoder
+
+PARSERS = ["h11", "httptools"]
+HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    tiny_decoder(root / "model", "LlamaForCausalLM")
+    return export(root / "model", root / "out", options=ExportOptions(context_size=64)).path
+
+
+@pytest.fixture(scope="module", params=PARSERS)
+def server(request: pytest.FixtureRequest, exported: Path) -> Iterator[Running]:
+    running = start_server(exported, "--api-key", KEY, "--http", request.param, "--header-timeout",
+                           str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT))  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+def _address(running: Running) -> tuple[str, int]:
+    host, port = running.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _reply(sock: socket.socket, limit_s: float = 10.0) -> bytes:
+    """What the server sends until it closes the connection (or `limit_s` passes)."""
+    sock.settimeout(limit_s)
+    data = b""
+    try:
+        while len(data) < 1 << 20:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+def _flood_head(running: Running, first: bytes, line: bytes, total: int) -> tuple[bytes, int]:
+    """Sends `first`, then `line` over and over up to `total` bytes, until the server stops reading;
+    returns its reply and the bytes it took."""
+    sent = 0
+    with socket.create_connection(_address(running), timeout=30) as sock:
+        sock.sendall(first)
+        chunk = line * max(1, (256 << 10) // len(line))
+        deadline = time.monotonic() + 30
+        try:
+            while sent < total and time.monotonic() < deadline:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        return _reply(sock), sent
+
+
+@pytest.mark.parametrize(
+    ("first", "line", "status"),
+    [
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n", b"X-A: b\r\n", 431),  # headers that never end
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: ", b"b" * 1024, 431),  # one endless header
+        (b"GET /", b"a" * 1024, 414),  # an endless URL
+    ],
+    ids=["many-headers", "one-header", "url"],
+)
+def test_64_mib_of_request_head_without_the_key_costs_under_16_mb(
+    server: Running, first: bytes, line: bytes, status: int
+) -> None:
+    before = _rss_mb(server.process.pid)
+    reply, sent = _flood_head(server, first, line, 64 << 20)
+    grown = _rss_mb(server.process.pid) - before
+    assert reply.startswith(f"HTTP/1.1 {status}".encode()), reply[:200]
+    assert sent < 64 << 20  # the server stopped reading long before
+    assert grown < 16, f"{grown:.1f} MB"
+    assert http(f"{server.url}/health", key=None)[0] == 200
+
+
+def test_connections_holding_unfinished_heads_are_closed_and_a_key_holder_is_served_meanwhile(
+    server: Running,
+) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4096)), hard))
+    held: list[socket.socket] = []
+    try:
+        for _ in range(2000):
+            sock = socket.create_connection(_address(server), timeout=10)
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: b\r\n")  # and never the end
+            held.append(sock)
+        start = time.monotonic()
+        status, _, body = http(f"{server.url}/v1/models", key=KEY)
+        assert status == 200 and body["data"], body
+        assert time.monotonic() - start < 1.0
+        # every held connection ends within the header timeout (most at once: over the caps, the oldest
+        # connections still without a request are closed first)
+        waiting = selectors.DefaultSelector()  # epoll: thousands of sockets
+        for sock in held:
+            waiting.register(sock, selectors.EVENT_READ)
+        open_ = len(held)
+        deadline = time.monotonic() + HEADER_TIMEOUT + 3
+        while open_ and time.monotonic() < deadline:
+            for key, _ in waiting.select(0.5):
+                try:
+                    key.fileobj.recv(65536)  # type: ignore[union-attr]
+                except OSError:
+                    pass
+                waiting.unregister(key.fileobj)  # closed (EOF or a 408): nothing more to wait for
+                open_ -= 1
+        waiting.close()
+        assert not open_, f"{open_} of {len(held)} still open after {HEADER_TIMEOUT + 3} s"
+    finally:
+        for sock in held:
+            sock.close()
+    assert http(f"{server.url}/health", key=None)[0] == 200
+
+
+def test_bodies_that_never_finish_are_bounded_in_memory_and_time(server: Running) -> None:
+    before = _rss_mb(server.process.pid)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {4 << 20}\r\n\r\n"
+    ).encode()
+    socks = []
+    try:
+        for _ in range(150):  # each sends 4 MiB - 1 byte of its body, then stops
+            sock = socket.create_connection(_address(server), timeout=30)
+            sock.sendall(head)
+            socks.append(sock)
+        payload = b" " * ((4 << 20) - 1)
+        for sock in socks:
+            sock.setblocking(False)
+            try:
+                sock.send(payload)  # what the server takes now; it may stop reading
+            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                pass
+        peak = _rss_mb(server.process.pid) - before
+        replies = []
+        for sock in socks:
+            sock.setblocking(True)
+            replies.append(_reply(sock, BODY_TIMEOUT + 5))
+    finally:
+        for sock in socks:
+            sock.close()
+    assert peak < 100, f"{peak:.0f} MB while 150 bodies were held"  # 32 MiB for all bodies, not 600
+    statuses = {r[9:12] for r in replies if r}
+    assert statuses <= {b"408", b"503"} and statuses, statuses
+    time.sleep(0.5)
+    after = _rss_mb(server.process.pid) - before
+    assert after < 40, f"{after:.0f} MB kept after the clients left"
+    assert http(f"{server.url}/health", key=None)[0] == 200
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_server_with_an_unfinished_body_stops_on_sigterm(exported: Path, parser: str) -> None:
+    running = start_server(exported, "--api-key", KEY, "--http", parser)
+    with socket.create_connection(_address(running), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())  # fmt: skip
+        time.sleep(0.3)
+        start = time.monotonic()
+        running.process.send_signal(signal.SIGTERM)
+        try:
+            code = running.process.wait(15)
+        except Exception:
+            running.process.kill()
+            raise
+    assert code == 0 and time.monotonic() - start < 10
