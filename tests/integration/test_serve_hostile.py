@@ -3,19 +3,23 @@ memory read from /proc), with each of uvicorn's HTTP parsers. Every loop is boun
 
 from __future__ import annotations
 
+import json
 import resource
 import selectors
 import signal
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from quiver.t2t.export import ExportOptions, export
 from tests.support.serving import KEY, Running, http, start_server, stop_server
-from tests.support.tiny_llm import tiny_decoder
+from tests.support.tiny_llm import tiny_adapter, tiny_decoder
 
 PARSERS = ["h11", "httptools"]
 HEADER_TIMEOUT = 2.0
@@ -23,16 +27,22 @@ BODY_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hostile")
-    tiny_decoder(root / "model", "LlamaForCausalLM")
-    return export(root / "model", root / "out", options=ExportOptions(context_size=64)).path
+def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    return tiny_decoder(tmp_path_factory.mktemp("hostile") / "model", "LlamaForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def exported(weights: dict[str, np.ndarray], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("exported")
+    tiny_adapter(root / "qv", weights, 2, ["q_proj", "v_proj"], seed=2)
+    model = next(iter(tmp_path_factory.getbasetemp().glob("hostile*/model")))
+    return export(model, root / "out", {"qv": root / "qv"}, options=ExportOptions(context_size=64)).path
 
 
 @pytest.fixture(scope="module", params=PARSERS)
 def server(request: pytest.FixtureRequest, exported: Path) -> Iterator[Running]:
-    running = start_server(exported, "--api-key", KEY, "--http", request.param, "--header-timeout",
-                           str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT))  # fmt: skip
+    running = start_server(exported, "--api-key", KEY, "--allow-adapter-loading", "--http", request.param,
+                           "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT))  # fmt: skip
     yield running
     stop_server(running)
 
@@ -191,3 +201,73 @@ def test_a_server_with_an_unfinished_body_stops_on_sigterm(exported: Path, parse
             running.process.kill()
             raise
     assert code == 0 and time.monotonic() - start < 10
+
+
+def _poisoned(folder: Path, weights: dict[str, np.ndarray], value: float, alpha: float = 4.0) -> Path:
+    """A PEFT adapter of the tiny model on q/v whose weights are all `value`."""
+    tiny_adapter(folder, weights, 2, ["q_proj", "v_proj"], seed=5)
+    tensors = {}
+    for name, weight in weights.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            module = name.removesuffix(".weight")
+            tensors[f"base_model.model.{module}.lora_A.weight"] = np.full((2, weight.shape[1]), value, np.float32)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = np.full((weight.shape[0], 2), value, np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": alpha}))
+    return folder
+
+
+def _greedy(running: Running, model: str, extra: dict[str, object] | None = None) -> list[int]:
+    reply = running.client().completions.create(
+        model=model, prompt="the quick brown fox", max_tokens=12, temperature=0, extra_body=extra or {}
+    )
+    assert reply.choices[0].model_extra is not None
+    return list(reply.choices[0].model_extra["token_ids"])
+
+
+def test_a_request_with_an_absurd_strength_or_a_poisoned_adapter_ends_alone(
+    exported: Path, weights: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    running = start_server(exported, "--api-key", KEY, "--allow-adapter-loading", "--max-batch", "4")
+    try:
+        solo = {model: _greedy(running, model) for model in ("out", "qv")}
+        for strength in (1e300, 3.5e38, 1e4):  # refused before they reach the engine
+            status, _, body = http(f"{running.url}/v1/completions", "POST", json.dumps(
+                {"model": "qv", "prompt": "a", "max_tokens": 2, "lora": {"qv": strength}}).encode())  # fmt: skip
+            assert status == 400 and body["error"]["param"] == "lora", body
+        for value, alpha, says in ((float("nan"), 4.0, "NaN or infinite"), (0.1, 1e308, "lora_alpha")):
+            folder = _poisoned(tmp_path / f"bad{alpha}", weights, value, alpha)
+            status, _, body = http(f"{running.url}/v1/load_lora_adapter", "POST",
+                                   json.dumps({"lora_name": "bad", "lora_path": str(folder)}).encode())  # fmt: skip
+            assert status == 400 and says in str(body), body
+        # weights finite but overflowing the step: that request ends alone (the engine's fault, 500); three
+        # greedy streams decoded beside it keep exactly their solo tokens
+        huge = _poisoned(tmp_path / "huge", weights, 1e30)
+        assert http(f"{running.url}/v1/load_lora_adapter", "POST",
+                    json.dumps({"lora_name": "huge", "lora_path": str(huge)}).encode())[0] == 200  # fmt: skip
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(_greedy, running, model) for model in ("out", "qv", "out")]
+            poisoned = pool.submit(http, f"{running.url}/v1/completions", "POST",
+                                   json.dumps({"model": "huge", "prompt": "a", "max_tokens": 8}).encode())  # fmt: skip
+            assert [f.result() for f in streams] == [solo["out"], solo["qv"], solo["out"]]
+            status, _, body = poisoned.result()
+        assert status == 500 and body["error"]["code"] == "engine_fault", body
+    finally:
+        stop_server(running)
+
+
+def test_an_adapter_file_is_checked_from_its_header_before_its_data_is_read(
+    server: Running, weights: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    """A lone 256 MiB lora_A (no lora_B): refused from the safetensors header, nothing of it read."""
+    folder = tmp_path / "lopsided"
+    tiny_adapter(folder, weights, 2, ["q_proj"], seed=3)
+    module = next(n for n in weights if n.endswith("q_proj.weight")).removesuffix(".weight")
+    save_file({f"base_model.model.{module}.lora_A.weight": np.zeros((2, 32 << 20), np.float32)},
+              str(folder / "adapter_model.safetensors"))  # fmt: skip
+    before = _rss_mb(server.process.pid)
+    status, _, body = http(f"{server.url}/v1/load_lora_adapter", "POST",
+                           json.dumps({"lora_name": "lopsided", "lora_path": str(folder)}).encode())  # fmt: skip
+    assert status == 400 and "not both A and B" in body["error"]["message"], body
+    assert _rss_mb(server.process.pid) - before < 32

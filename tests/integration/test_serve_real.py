@@ -144,8 +144,8 @@ def test_an_onnxruntime_genai_export_is_served_with_genais_own_greedy_tokens(rea
             got = list(pool.map(complete, expected["prompts"]))
         for ours, generated in zip(got, theirs):
             assert ours[: len(generated)] == generated
-        status, _, body = http(f"{running.url}/v1/load_lora_adapter", "POST",
-                               json.dumps({"lora_name": "x", "lora_path": str(real_llms / "adapter_qv")}).encode())  # fmt: skip
+        load = {"lora_name": "x", "lora_path": str(real_llms / "adapter_qv")}
+        status, _, body = http(f"{running.url}/v1/load_lora_adapter", "POST", json.dumps(load).encode())
         assert status == 400 and "runs without adapters" in str(body), body
     finally:
         stop_server(running)

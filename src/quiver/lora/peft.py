@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError  # type: ignore[attr-defined,unused-ignore]  # untyped before 0.5
-from safetensors.numpy import load_file
+from safetensors import (
+    SafetensorError,  # type: ignore[attr-defined,unused-ignore]  # untyped before 0.5
+    safe_open,
+)
 
 from quiver.errors import AdapterError, FileAccessError
 from quiver.formats.files import read_text
@@ -20,6 +22,7 @@ _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
 PEFT_PREFIX = _PREFIX
 _DEFAULT_LAYER_PATTERNS = ("layers", "h", "block", "blocks", "layer")
+MAX_SCALING = 1000.0  # |lora_alpha / r| (or / sqrt(r)): trained adapters are near 1 (PEFT's default: 1 to 2)
 # Config options that change the math in ways Quiver does not implement.
 _UNSUPPORTED = {
     "use_dora": "DoRA (weight-decomposed LoRA)",
@@ -245,21 +248,54 @@ def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapte
     source = Path(source)
     config_path, weights_path = _locate(source)
     config = read_lora_config(config_path)
-    try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(f"{weights_path}: not a readable safetensors file ({exc})") from None
     pairs: dict[str, dict[str, np.ndarray]] = {}
-    for key, array in tensors.items():
-        if "lora_embedding" in key or "lora_magnitude_vector" in key:
-            raise AdapterError(f"{weights_path}: {key!r} is an embedding/DoRA adapter tensor; not supported")
-        found = _KEY.match(key)
-        if found is None:
-            raise AdapterError(f"{weights_path}: {key!r} is not a LoRA A/B weight; is this a LoRA adapter?")
-        module = found.group("module").removeprefix(_PREFIX)
-        pairs.setdefault(module, {})[found.group("which")] = np.asarray(array, dtype=np.float32)
+    try:
+        with safe_open(str(weights_path), framework="numpy") as weights:  # the header first: nothing read yet
+            keys = _checked_keys(weights, config, str(weights_path))
+            for key, (module, which) in keys.items():
+                pairs.setdefault(module, {})[which] = np.asarray(weights.get_tensor(key), dtype=np.float32)
+    except (SafetensorError, OSError, ValueError, TypeError) as exc:
+        raise AdapterError(f"{weights_path}: not a readable safetensors file ({exc})") from None
     name = name or (source.stem if source.suffix == ".json" else source.name)
     return adapter_of(name, config, pairs, str(weights_path))
+
+
+_FLOATS = {"F16", "BF16", "F32", "F64"}
+MAX_ADAPTER_BYTES = 8 << 30  # rank 64 on every projection of a 70B model is ~1.7 GB in fp16
+
+
+def _checked_keys(weights: Any, config: LoraConfig, source: str) -> dict[str, tuple[str, str]]:
+    """{key: (module, "A" | "B")} from the file's header alone: every name a LoRA weight, float, each
+    module's pair whole and of the config's rank, and the total within reason — before any data is read."""
+    found: dict[str, tuple[str, str]] = {}
+    shapes: dict[str, dict[str, list[int]]] = {}
+    total = 0
+    for key in weights.keys():
+        if "lora_embedding" in key or "lora_magnitude_vector" in key:
+            raise AdapterError(f"{source}: {key!r} is an embedding/DoRA adapter tensor; not supported")
+        match = _KEY.match(key)
+        if match is None:
+            raise AdapterError(f"{source}: {key!r} is not a LoRA A/B weight; is this a LoRA adapter?")
+        part = weights.get_slice(key)
+        dtype, shape = str(part.get_dtype()), [int(d) for d in part.get_shape()]
+        if dtype not in _FLOATS:
+            raise AdapterError(f"{source}: {key!r} holds {dtype} values; LoRA weights are floating point")
+        total += int(np.prod(shape, dtype=np.int64)) * (8 if dtype == "F64" else 4 if dtype == "F32" else 2)
+        module, which = match.group("module").removeprefix(_PREFIX), match.group("which")
+        found[key] = (module, which)
+        shapes.setdefault(module, {})[which] = shape
+    for module, pair in shapes.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{source}: module {module!r} has lora_{''.join(pair)} but not both A and B")
+        rank = config.rank(module)
+        if pair["A"][:1] != [rank] or pair["B"][1:2] != [rank]:
+            raise AdapterError(
+                f"{source}: module {module!r} has A {pair['A']} and B {pair['B']}; the config says rank {rank} "
+                "(A is [r, in] and B [out, r], or for a conv [r, in, kh, kw] and [out, r, 1, 1])"
+            )
+    if total > MAX_ADAPTER_BYTES:
+        raise AdapterError(f"{source}: {total / 2**30:.1f} GiB of LoRA weights is more than an adapter holds")
+    return found
 
 
 def config_path_of(source: str | Path) -> Path:
@@ -304,7 +340,15 @@ def adapter_of(
                 f"the config says rank {rank} (A is [r, in] and B [out, r], or for a conv [r, in, kh, kw] and "
                 "[out, r, 1, 1])"
             )
-        modules[module] = LoraModule(module, a, b, config.scaling(module))
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise AdapterError(f"{weights_path}: module {module!r} has NaN or infinite weights; train or save it again")
+        scaling = config.scaling(module)
+        if not math.isfinite(scaling) or abs(scaling) > MAX_SCALING:
+            raise AdapterError(
+                f"{weights_path}: module {module!r} scales its update by {scaling:g} (lora_alpha / r); more than "
+                f"{MAX_SCALING:g} overflows a model's activations: check lora_alpha and r"
+            )
+        modules[module] = LoraModule(module, a, b, scaling)
     if not modules:
         raise AdapterError(f"{weights_path}: holds no LoRA weights")
     stray = [m for m in modules if not config.targets(m)]

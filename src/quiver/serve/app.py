@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from quiver import portable
 from quiver.errors import QuiverError
 from quiver.serve.chat import ChatTemplate
-from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.engine import Done, EngineFaultError, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.guard import Guard, Limits, guarded
 from quiver.serve.metrics import Metrics
 from quiver.serve.openai_api import (
@@ -336,6 +336,8 @@ def _failure(error: QuiverError) -> ApiError:
         return ApiError(429, str(error), None, "queue_full")
     if isinstance(error, ServiceUnavailableError):
         return ApiError(503, str(error), None, "service_unavailable")
+    if isinstance(error, EngineFaultError):
+        return ApiError(500, str(error), None, "engine_fault")
     return ApiError(400, str(error), None, "generation_failed")
 
 

@@ -43,6 +43,11 @@ _FINISH: dict[str, FinishReason] = {
 }
 
 
+class EngineFaultError(QuiverError):
+    """The model's step gave this request something no token can be chosen from (logits not finite): the
+    server's fault, not the request's; the other requests in the batch go on (HTTP 500)."""
+
+
 class QueueFullError(QuiverError):
     """The engine has as many requests waiting as it may hold: try again later (HTTP 429)."""
 
@@ -298,7 +303,13 @@ class Engine:
             self._advance(sequence, logits[index])
 
     def _advance(self, sequence: _Sequence, logits: np.ndarray) -> None:
-        """The sequence's next token from its logits: streamed, and the end of its reply when it ends."""
+        """The sequence's next token from its logits: streamed, and the end of its reply when it ends. A row
+        whose logits hold NaN or +inf (an adapter or strength that overflowed it) ends alone."""
+        if not math.isfinite(float(logits.max())):  # NaN propagates into the max, and so does +inf
+            self._leave(sequence, Failed(EngineFaultError(
+                "the model's output for this request was not finite (an adapter's weights or strengths overflow "
+                "it); the request ended, the others go on")))  # fmt: skip
+            return
         piece = sequence.reply.step(logits)
         if piece:
             self._send(sequence.job, Token(piece, time.perf_counter()))

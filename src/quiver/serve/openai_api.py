@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.serve.engine import Done, Generation
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -108,8 +109,14 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
     if strengths and model == served.base:
         raise ApiError(400, "'lora' sets an adapter's strengths: name an adapter as the model", "lora", "invalid_value")
     for name, value in strengths.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise ApiError(400, f"'lora.{str(name)[:40]}' must be a finite number", "lora", "invalid_value")
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or abs(value) > MAX_LORA_STRENGTH
+        ):
+            raise ApiError(400, f"'lora.{str(name)[:40]}' must be a number from -{MAX_LORA_STRENGTH:g} to "
+                           f"{MAX_LORA_STRENGTH:g}", "lora", "invalid_value")  # fmt: skip
     return Generation(
         prompt_ids=prompt_ids,
         adapter=None if model == served.base else model,

@@ -18,6 +18,7 @@ after them, and a sequence that ends leaves its row to the last one (its cache e
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +36,7 @@ from quiver.lora.peft import PeftAdapter, load_peft_adapter
 from quiver.runtime.bound_run import BoundRun
 from quiver.runtime.context import Context
 from quiver.runtime.sections import SECTION_CACHE_BYTES
+from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import BATCH_GRAPH, DialogConfig, adapter_use_cases, cpu_backend_for, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
@@ -304,6 +306,12 @@ class BatchDecoder:
         return None if key is None else self._slots.pop(key)
 
     def _fill(self, slot: int, adapter: str, strengths: Mapping[str, float]) -> None:
+        for name, value in strengths.items():  # a strength beyond these overflows the step: NaN for every row
+            if not math.isfinite(value) or abs(value) > MAX_LORA_STRENGTH:
+                raise GenerationError(
+                    f"strength {value} for {name!r} is not a number from -{MAX_LORA_STRENGTH:g} to "
+                    f"{MAX_LORA_STRENGTH:g}"
+                )
         config = self.adapters.get(adapter)
         peft = self._peft.get(adapter)
         if peft is not None:
