@@ -271,3 +271,39 @@ def test_an_adapter_file_is_checked_from_its_header_before_its_data_is_read(
                            json.dumps({"lora_name": "lopsided", "lora_path": str(folder)}).encode())  # fmt: skip
     assert status == 400 and "not both A and B" in body["error"]["message"], body
     assert _rss_mb(server.process.pid) - before < 32
+
+
+def test_a_4_mib_prompt_or_a_huge_chat_is_refused_before_any_work_and_stalls_no_stream(server: Running) -> None:
+    gaps: list[float] = []
+
+    def stream() -> None:
+        pieces = server.client().completions.create(
+            model="out", prompt="the quick brown fox", max_tokens=48, temperature=0, stream=True,
+            extra_body={"min_tokens": 48},
+        )  # fmt: skip
+        last = time.monotonic()
+        for _ in pieces:
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream)
+        time.sleep(0.05)
+        for body in (
+            {"model": "out", "prompt": "x" * ((4 << 20) - 200), "max_tokens": 1},  # the body just under 4 MiB
+            {"model": "out", "prompt": [1] * 1_000_000, "max_tokens": 1},
+            {"model": "out", "messages": [{"role": "user", "content": "hi"}] * 118_000, "max_tokens": 1},
+        ):
+            route = "chat/completions" if "messages" in body else "completions"
+            status, _, reply = http(f"{server.url}/v1/{route}", "POST", json.dumps(body).encode())
+            assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+        running.result(timeout=60)
+    assert max(gaps[1:]) < 0.2, max(gaps[1:])
+
+
+@pytest.mark.parametrize("text", ["\ud800", "a\u0000b"], ids=["lone-surrogate", "nul"])
+def test_a_prompt_that_is_not_text_is_a_400_not_a_500(server: Running, text: str) -> None:
+    body = json.dumps({"model": "out", "prompt": text, "max_tokens": 1}).encode()  # JSON escapes them
+    status, _, reply = http(f"{server.url}/v1/completions", "POST", body)
+    assert status == 400 and reply["error"]["param"] == "prompt", reply

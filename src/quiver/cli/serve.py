@@ -134,7 +134,7 @@ def serve_command(
     service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window,
                                 folder_from(packed_weights))  # fmt: skip
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading,
-                    body_timeout_s=body_timeout)  # fmt: skip
+                    body_timeout_s=body_timeout, max_queue=max_queue)  # fmt: skip
     limits = Limits(header_timeout=header_timeout, max_connections=max_connections,
                     max_per_client=max_connections_per_client)  # fmt: skip
 

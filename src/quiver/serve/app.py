@@ -85,6 +85,7 @@ class Server:
         adapter_loading: bool = False,
         body_timeout_s: float = BODY_TIMEOUT_S,
         max_bodies_bytes: int = MAX_BODIES_BYTES,
+        max_queue: int = 64,
     ) -> None:
         self.service = service
         self._outbox: Outbox | None = None  # the engine's tokens to the event loop
@@ -96,6 +97,8 @@ class Server:
         self.max_bodies_bytes = max_bodies_bytes
         self._bodies_bytes = 0  # bytes of bodies being read now (the event loop's thread alone counts)
         self._trim_due = False
+        self.max_queue = max_queue  # requests being tokenized and waiting, together
+        self._preparing = 0  # requests being tokenized (off the loop) now
         self.metrics = Metrics(lambda: service.waiting, lambda: service.batch_size)
         service.watch(self.metrics)
         routes = [
@@ -146,23 +149,41 @@ class Server:
 
     async def _completions(self, request: Request) -> Response:
         body = await self._body(request)
-        prompt = completion_prompt(body, self.served.vocabulary)
-        ids = self.service.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        generation_ = generation(body, self.served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        served = self.served
+        prompt = completion_prompt(body, served.vocabulary, served.context_size)
+        ids = await self._prepared(self.service.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
+        generation_ = generation(body, served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await self._generate(request, body, generation_, False)
 
     async def _chat(self, request: Request) -> Response:
         body = await self._body(request)
-        messages = chat_messages(body)
-        if self.chat_template is None:
+        messages = chat_messages(body, self.served.context_size)
+        template = self.chat_template
+        if template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with "
                            "--chat-template", "messages", "no_chat_template")  # fmt: skip
-        try:
-            text = self.chat_template.render(messages)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "messages", "invalid_value") from None
-        ids = self.service.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+
+        def render_and_encode() -> list[int]:
+            try:
+                text = template.render(messages)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "messages", "invalid_value") from None
+            return self.service.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+
+        ids = await self._prepared(render_and_encode)
         return await self._generate(request, body, generation(body, self.served, ids, None), True)
+
+    async def _prepared(self, work: Callable[..., list[int]], *args: Any) -> list[int]:
+        """Tokenizing (and rendering) off the event loop, where a long prompt stalls no stream; requests being
+        prepared count against the queue's bound with those waiting in it (429 past it)."""
+        if self._preparing + self.service.waiting >= self.max_queue:
+            raise ApiError(429, f"{self.max_queue} requests are waiting already; try again shortly", None,
+                           "queue_full")  # fmt: skip
+        self._preparing += 1
+        try:
+            return await asyncio.to_thread(work, *args)
+        finally:
+            self._preparing -= 1
 
     async def _load(self, request: Request) -> Response:
         """vLLM's route: `{"lora_name", "lora_path"}`, a PEFT folder or a section (.qsec) made for this

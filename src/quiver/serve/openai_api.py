@@ -130,13 +130,37 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
     )
 
 
-def completion_prompt(body: Any, vocabulary: int) -> str | list[int]:
-    """`prompt`: text, or token ids (one prompt: lists of prompts would need `n` choices)."""
+# The most characters a token stands for in a prompt checked before it is tokenized: more than any
+# tokenizer's longest tokens on average (runs of spaces are the longest), so that only a prompt that could
+# never fit the context is refused on its length alone, before the work of tokenizing it.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def _text(value: str, param: str) -> str:
+    """A string from the body that is text: no lone surrogates (JSON's \\ud800 escapes) or NUL."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{param}' holds text that is not Unicode (a lone surrogate)", param,
+                       "invalid_value") from None  # fmt: skip
+    if "\0" in value:
+        raise ApiError(400, f"'{param}' holds a NUL character", param, "invalid_value")
+    return value
+
+
+def completion_prompt(body: Any, vocabulary: int, context_size: int) -> str | list[int]:
+    """`prompt`: text, or token ids (one prompt: lists of prompts would need `n` choices); one that could
+    not fit the context is refused before any work on it."""
     prompt = body.get("prompt") if isinstance(body, dict) else None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if isinstance(prompt, (str, list)) and len(prompt) > context_size * (
+        MAX_CHARS_PER_TOKEN if isinstance(prompt, str) else 1
+    ):
+        raise ApiError(400, f"'prompt' is longer than the model's context of {context_size} tokens could hold",
+                       "prompt", "context_length_exceeded")  # fmt: skip
     if isinstance(prompt, str) and prompt:
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         if not all(0 <= i < vocabulary for i in prompt):
             raise ApiError(400, f"token ids in 'prompt' must be 0 to {vocabulary - 1}", "prompt", "invalid_value")
@@ -144,11 +168,15 @@ def completion_prompt(body: Any, vocabulary: int) -> str | list[int]:
     raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt", "invalid_value")
 
 
-def chat_messages(body: Any) -> list[dict[str, str]]:
-    """`messages`: a list of {role, content} with text content (parts of type text are joined)."""
+def chat_messages(body: Any, context_size: int) -> list[dict[str, str]]:
+    """`messages`: a list of {role, content} with text content (parts of type text are joined); a chat that
+    could not fit the context is refused before it is rendered."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
+    if len(messages) > context_size:
+        raise ApiError(400, f"{len(messages)} messages cannot fit the model's context of {context_size} tokens",
+                       "messages", "context_length_exceeded")  # fmt: skip
     checked = []
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
@@ -159,7 +187,10 @@ def chat_messages(body: Any) -> list[dict[str, str]]:
         if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
             raise ApiError(400, f"messages[{index}] must have a role (system, user, assistant) and text content",
                            f"messages[{index}]", "invalid_value")  # fmt: skip
-        checked.append({"role": "system" if role == "developer" else role, "content": content})
+        checked.append({"role": "system" if role == "developer" else role, "content": _text(content, "messages")})
+    if sum(len(m["content"]) for m in checked) > context_size * MAX_CHARS_PER_TOKEN:
+        raise ApiError(400, f"the messages are longer than the model's context of {context_size} tokens could hold",
+                       "messages", "context_length_exceeded")  # fmt: skip
     return checked
 
 

@@ -200,11 +200,16 @@ class RayService:
         self._adapters |= dict.fromkeys(options.loras)  # the replicas load these at start
         self._running: dict[int, asyncio.Task[None]] = {}  # by id() of their job
         self._watch: Metrics | None = None
+        # what the replicas hold at once (rows and queue each): past it the ingress answers 429 itself, as
+        # one `quiver serve` does past --max-queue, rather than leaving requests waiting in Ray's proxy
+        self.capacity = _replica_count(options) * (options.max_batch + options.max_queue)
 
     def adapter_names(self) -> list[str]:
         return list(self._adapters)
 
     def submit(self, generation: Generation, sink: Callable[[Event], object]) -> Job:
+        if len(self._running) >= self.capacity:
+            raise QueueFullError(f"every replica's rows and queue are full ({self.capacity}); try again shortly")
         job = Job(generation, sink)
         task = asyncio.get_running_loop().create_task(self._run(job))
         self._running[id(job)] = task
@@ -284,6 +289,13 @@ class QuiverIngress:
         return self.server.app
 
 
+_REFUSING = 256  # requests past the replicas' capacity the ingress takes in to answer 429 (more: Ray's 503)
+
+
+def _replica_count(options: RayOptions) -> int:
+    return options.max_replicas if options.max_replicas is not None else options.replicas
+
+
 def application(options: RayOptions) -> serve.Application:
     """The two deployments, bound: what `serve.run` deploys."""
     scaling: dict[str, Any]
@@ -303,10 +315,11 @@ def application(options: RayOptions) -> serve.Application:
     )
     # one ingress (it holds the adapters loaded over HTTP), light enough to need no CPU of its own, taking
     # as many requests at once as every replica may hold (Ray's default, 5, would cap each batch at 5 rows)
-    most = options.max_replicas if options.max_replicas is not None else options.replicas
+    # and more, which it answers 429 at once (`RayService.capacity`); Ray's proxy queues few before it
+    capacity = _replica_count(options) * (options.max_batch + options.max_queue)
     ingress = cast(Deployment, serve.deployment(cast(Any, serve.ingress())(QuiverIngress)))
     ingress = ingress.options(name="QuiverIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                              max_ongoing_requests=most * (options.max_batch + options.max_queue))  # fmt: skip
+                              max_ongoing_requests=capacity + _REFUSING, max_queued_requests=_REFUSING)  # fmt: skip
     return ingress.bind(replica.bind(options), options)
 
 
