@@ -307,3 +307,10 @@ def test_a_prompt_that_is_not_text_is_a_400_not_a_500(server: Running, text: str
     body = json.dumps({"model": "out", "prompt": text, "max_tokens": 1}).encode()  # JSON escapes them
     status, _, reply = http(f"{server.url}/v1/completions", "POST", body)
     assert status == 400 and reply["error"]["param"] == "prompt", reply
+
+
+def test_a_null_field_is_an_absent_one(server: Running) -> None:
+    body = {"model": "out", "prompt": "the quick brown fox", "max_completion_tokens": None, "max_tokens": 3,
+            "temperature": None, "stop": None, "seed": None, "min_tokens": 3}  # fmt: skip
+    status, _, reply = http(f"{server.url}/v1/completions", "POST", json.dumps(body).encode())
+    assert status == 200 and reply["usage"]["completion_tokens"] == 3, reply  # max_tokens holds

@@ -89,7 +89,8 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         where = "messages" if "messages" in body else "prompt"
         raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room in the {served.context_size}-token "
                        "context; shorten it", where, "context_length_exceeded")  # fmt: skip
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    given = body.get("max_completion_tokens")
+    max_tokens = given if given is not None else body.get("max_tokens")  # a null field is an absent one
     if max_tokens is None:  # chat: until the context is full; completions: OpenAI's 16
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= room:
