@@ -146,6 +146,6 @@ def test_an_onnxruntime_genai_export_is_served_with_genais_own_greedy_tokens(rea
             assert ours[: len(generated)] == generated
         load = {"lora_name": "x", "lora_path": str(real_llms / "adapter_qv")}
         status, _, body = http(f"{running.url}/v1/load_lora_adapter", "POST", json.dumps(load).encode())
-        assert status == 400 and "runs without adapters" in str(body), body
+        assert status == 400 and body["error"]["code"] == "invalid_adapter", body
     finally:
         stop_server(running)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -47,12 +48,21 @@ _TRIM_AFTER_BYTES = 256 << 10
 _TRIM_AFTER_S = 0.5
 BODY_TIMEOUT_S = 30.0  # a body must arrive whole within this, once its head has
 MAX_MODEL_NAME = 256  # characters of an adapter name a client gives
+MAX_PATH = 4096  # characters of a path a client gives (Linux's PATH_MAX)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions (chat runs until the context is full)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote what a client sent, lone surrogates
+    included, which UTF-8 cannot encode (Starlette's own JSONResponse would fail into a plain-text 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def _error_response(error: ApiError) -> JSONResponse:
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return _AsciiJSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class _ApiKey:
@@ -196,12 +206,24 @@ class Server:
         if len(name) > MAX_MODEL_NAME or not name.isprintable():
             raise ApiError(400, f"'lora_name' must be up to {MAX_MODEL_NAME} printable characters", "lora_name",
                            "invalid_value")  # fmt: skip
+        if len(path) > MAX_PATH or "\0" in path or not _is_unicode(path) or not _is_unicode(name):
+            raise ApiError(400, f"'lora_path' must be a path of up to {MAX_PATH} characters and 'lora_name' text",
+                           "lora_path", "invalid_value")  # fmt: skip
         if name == self.base or name in self.service.adapter_names():
             raise ApiError(400, f"the model '{name[:100]}' exists already; unload it first", "lora_name", "exists")
         try:
             await asyncio.to_thread(self.service.add_adapter, name, path)
-        except QuiverError as exc:
-            raise ApiError(400, f"cannot load {path[:200]}: {exc}", "lora_path", "invalid_adapter") from None
+        except (QuiverError, OSError) as exc:
+            # the reason goes to the operator's log only: a client learns nothing of the server's files (whether
+            # a path exists, is a folder or a file, its size) beyond "not an adapter of this model"
+            print(f"quiver serve: adapter {name!r} not loaded from {path!r}: {exc}", file=sys.stderr, flush=True)
+            raise ApiError(
+                400,
+                "'lora_path' names no PEFT adapter folder or section (.qsec) of this model that the "
+                "server can read; the server's log says why",
+                "lora_path",
+                "invalid_adapter",
+            ) from None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     async def _unload(self, request: Request) -> Response:
@@ -348,6 +370,14 @@ class Server:
     def _count(self, done: Done) -> None:
         self.metrics.prompt_tokens.inc(done.prompt_tokens)
         self.metrics.generated_tokens.inc(len(done.token_ids))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, as JSON's \\ud800 escapes give
+        return False
+    return True
 
 
 def _failure(error: QuiverError) -> ApiError:
