@@ -336,3 +336,31 @@ def test_adapter_paths_get_one_answer_whatever_lies_there_and_bad_strings_are_40
     status, headers, reply = http(f"{server.url}/v1/completions", "POST",
                                   json.dumps({"model": "\ud800", "prompt": "a"}).encode())  # fmt: skip
     assert status == 404 and reply["error"]["param"] == "model", reply  # OpenAI's error object, not plain text
+
+
+def test_a_request_whose_client_hung_up_while_queued_gives_its_place_back(exported: Path) -> None:
+    from quiver.serve.engine import Done, Engine, Generation
+    from quiver.t2t.batch import BatchDecoder
+
+    decoder = BatchDecoder.from_config(exported, max_batch=1)  # one running, then a queue of one
+    try:
+        ids = decoder.tokenizer.encode("the quick brown fox")
+        long = Generation(ids, None, {}, 40, 0.0, 1.0, None, (), min_tokens=40)
+        engine = Engine(decoder, max_queue=1)
+        ended: list[Done] = []
+        sink = lambda event: ended.append(event) if isinstance(event, Done) else None  # noqa: E731
+        engine.submit(long, sink)
+        deadline = time.monotonic() + 10
+        while engine.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gone = engine.submit(long, sink)
+        engine.cancel(gone)  # its client hung up while it waited
+        engine.submit(long, sink)  # takes the place back: no 429
+        deadline = time.monotonic() + 60
+        while len(ended) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reasons = sorted(done.finish_reason for done in ended)
+        assert reasons == ["cancelled", "length", "length"], reasons
+        engine.close()
+    finally:
+        decoder.close()

@@ -148,8 +148,25 @@ class Engine:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise QueueFullError(f"{self._queue.maxsize} requests are waiting already; try again shortly") from None
+            if not self._drop_cancelled():  # places held by clients that hung up are given back first
+                raise QueueFullError(f"{self._queue.maxsize} requests are waiting already; try again shortly") from None
+            return self.submit(generation, sink)
         return job
+
+    def _drop_cancelled(self) -> bool:
+        """Takes the waiting requests whose clients went away out of the queue (they end cancelled); whether
+        any was."""
+        with self._queue.mutex:
+            waiting = self._queue.queue
+            dropped = [j for j in waiting if j is not None and j.cancelled.is_set()]
+            if dropped:
+                kept = [j for j in waiting if j is None or not j.cancelled.is_set()]
+                waiting.clear()
+                waiting.extend(kept)
+                self._queue.not_full.notify(len(dropped))
+        for job in dropped:
+            job.sink(_unrun(job))
+        return bool(dropped)
 
     def cancel(self, job: Job) -> None:
         """The client is gone: a waiting job is skipped, a running one leaves the batch at the next step."""
