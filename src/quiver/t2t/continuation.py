@@ -38,7 +38,7 @@ class Continuation:
         self._cached = cached  # tokens whose keys and values are in the cache
         self._context_size = context_size
         self._max, self._min = max_new_tokens, min_new_tokens
-        self._stop = [s for s in stop if s]
+        self._stop = [StopString(s) for s in stop if s]
         self._stream = tokenizer.stream()
         self.new_ids: list[int] = []
         self.text = ""
@@ -61,8 +61,9 @@ class Continuation:
         if token in self._eos:
             self.reason = "eos"
             return self._release(len(self.text))
-        self.text += self._stream.push(token)
-        hit = min((i for s in self._stop if (i := self.text.find(s)) >= 0), default=-1)
+        piece = self._stream.push(token)
+        hit = self._stop_hit(piece)
+        self.text += piece
         if hit >= 0:
             self.text, self.reason, self.pending = self.text[:hit], "stop-sequence", [token]
         elif len(self.new_ids) >= self._max:
@@ -74,14 +75,58 @@ class Continuation:
             return self._release(len(self.text) - self._stop_prefix())
         return self._release(len(self.text))
 
+    def _stop_hit(self, piece: str) -> int:
+        return first_stop(self._stop, len(self.text), piece) if self._stop else -1
+
     def _stop_prefix(self) -> int:
         """The length of the longest end of the text that begins a stop string (it may yet become one)."""
-        return max(
-            (n for s in self._stop for n in range(min(len(s) - 1, len(self.text)), 0, -1) if self.text.endswith(s[:n])),
-            default=0,
-        )
+        return max((stop.matched for stop in self._stop), default=0)
 
     def _release(self, end: int) -> str:
         piece = self.text[self._released : end]
         self._released = max(self._released, end)
         return piece
+
+
+def first_stop(stops: Sequence[StopString], length: int, piece: str) -> int:
+    """Where the first of `stops` begins in a text of `length` characters once `piece` joins it, or -1: each
+    stop string matched character by character as the text grows (the work of a step is its new
+    characters, not the whole text again)."""
+    hit = -1
+    for offset, character in enumerate(piece):
+        end = length + offset + 1
+        for stop in stops:
+            if stop.feed(character):
+                start = end - len(stop.text)
+                hit = start if hit < 0 else min(hit, start)
+    return hit
+
+
+class StopString:
+    """A stop string matched as text arrives (Knuth-Morris-Pratt): `matched` is the length of the
+    longest end of the text so far that begins it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.matched = 0
+        self._fallback = [0] * len(text)  # the longest proper prefix that is also a suffix of text[:i + 1]
+        length = 0
+        for i in range(1, len(text)):
+            while length and text[i] != text[length]:
+                length = self._fallback[length - 1]
+            if text[i] == text[length]:
+                length += 1
+            self._fallback[i] = length
+
+    def feed(self, character: str) -> bool:
+        """Whether the text now ends with the whole stop string."""
+        text, matched = self.text, self.matched
+        while matched and text[matched] != character:
+            matched = self._fallback[matched - 1]
+        if text[matched] == character:
+            matched += 1
+        if matched == len(text):
+            self.matched = self._fallback[matched - 1]
+            return True
+        self.matched = matched
+        return False
