@@ -537,7 +537,8 @@ def test_adapters_load_and_unload_while_serving_when_allowed(exported: Path, ser
     try:
         client = running.client(key=None)
         load = f"{running.url}/v1/load_lora_adapter"
-        assert urllib.request.urlopen(urllib.request.Request(load, data=body, method="POST"), timeout=60).status == 200
+        request = urllib.request.Request(load, data=body, method="POST", headers={"Content-Type": "application/json"})
+        assert urllib.request.urlopen(request, timeout=60).status == 200
         assert [m.id for m in client.models.list().data] == ["out", "all", "qv", "start", "copy"]
         started = [client.completions.create(model=m, prompt=PROMPT, max_tokens=8, temperature=0).choices[0]
                    .model_extra["token_ids"] for m in ("start", "qv")]  # type: ignore[index]  # fmt: skip

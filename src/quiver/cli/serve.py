@@ -61,6 +61,10 @@ class ServeError(QuiverError):
               help="Seconds for a request head to arrive (from the connection or the last response).")  # fmt: skip
 @click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="Seconds for a request's body to arrive once its head has.")  # fmt: skip
+@click.option("--allowed-hosts", "hosts", multiple=True, metavar="NAME[,NAME...]",
+              help="Host names requests may give besides the listening address (others: 400).")  # fmt: skip
+@click.option("--allowed-origins", "origins", multiple=True, metavar="ORIGIN[,ORIGIN...]",
+              help="Web origins whose pages may call the server (CORS); none by default.")  # fmt: skip
 @click.option("--http", "parser", type=click.Choice(["auto", "h11", "httptools"]), default="auto", show_default=True,
               help="uvicorn's HTTP parser (auto: httptools where installed); the limits hold with either.")  # fmt: skip
 @click.option("--model-source", metavar="FOLDER|URL",
@@ -88,10 +92,13 @@ def serve_command(
     header_timeout: float,
     body_timeout: float,
     parser: str,
+    hosts: tuple[str, ...],
+    origins: tuple[str, ...],
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
         from quiver.serve.app import Server, base_name, serve
+        from quiver.serve.browsers import allowed_hosts
         from quiver.serve.chat import find_chat_template
         from quiver.serve.guard import Limits
         from quiver.serve.service import LocalService
@@ -108,6 +115,8 @@ def serve_command(
                          f"{API_KEY_ENVIRONMENT}, or listen on 127.0.0.1")  # fmt: skip
     template = find_chat_template(config_path.resolve().parent, chat_template)
     added = [_named_path(entry) for entry in loras]
+    given_hosts = [name for entry in hosts for name in entry.split(",") if name.strip()]
+    given_origins = [origin.strip() for entry in origins for origin in entry.split(",") if origin.strip()]
 
     def ready(bound_host: str, bound_port: int, models: list[str]) -> None:
         where = f"on Ray Serve, {replicas} replica(s) " if on_ray else ""
@@ -128,13 +137,17 @@ def serve_command(
             "chat_template": str(chat_template.resolve()) if chat_template is not None else None,
             "model_source": model_source,
             "packed_weights": packed_weights or "default",
+            "host": host,
+            "allowed_hosts": given_hosts,
+            "allowed_origins": given_origins,
         }
         _serve_on_ray(config_path, host, port, args, ready)
         return
     service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window,
                                 folder_from(packed_weights))  # fmt: skip
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading,
-                    body_timeout_s=body_timeout, max_queue=max_queue)  # fmt: skip
+                    body_timeout_s=body_timeout, max_queue=max_queue, hosts=allowed_hosts(host, given_hosts),
+                    allowed_origins=given_origins)  # fmt: skip
     limits = Limits(header_timeout=header_timeout, max_connections=max_connections,
                     max_per_client=max_connections_per_client)  # fmt: skip
 

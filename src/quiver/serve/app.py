@@ -14,11 +14,12 @@ import hmac
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver import portable
 from quiver.errors import QuiverError
+from quiver.serve.browsers import BrowserGuard
 from quiver.serve.chat import ChatTemplate
 from quiver.serve.engine import Done, EngineFaultError, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.guard import Guard, Limits, guarded
@@ -96,6 +98,8 @@ class Server:
         body_timeout_s: float = BODY_TIMEOUT_S,
         max_bodies_bytes: int = MAX_BODIES_BYTES,
         max_queue: int = 64,
+        hosts: frozenset[str] | None = None,
+        allowed_origins: Sequence[str] = (),
     ) -> None:
         self.service = service
         self._outbox: Outbox | None = None  # the engine's tokens to the event loop
@@ -120,7 +124,13 @@ class Server:
             Route("/v1/load_lora_adapter", self._counted("/v1/load_lora_adapter", self._load), methods=["POST"]),
             Route("/v1/unload_lora_adapter", self._counted("/v1/unload_lora_adapter", self._unload), methods=["POST"]),
         ]
-        self.app: ASGIApp = _ApiKey(Starlette(routes=routes), api_key or None)
+        # the browser checks first, then CORS (its preflights carry no key) for the origins the operator names
+        # alone, then the key, then a route
+        app: ASGIApp = _ApiKey(Starlette(routes=routes), api_key or None)
+        if allowed_origins:
+            app = CORSMiddleware(app, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                                 allow_headers=["Authorization", "Content-Type"])  # fmt: skip
+        self.app: ASGIApp = BrowserGuard(app, hosts)
 
     @property
     def served(self) -> Served:

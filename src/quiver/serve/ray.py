@@ -20,7 +20,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,6 +35,7 @@ from quiver.backends.cpu_packed_file import folder_from
 from quiver.errors import QuiverError
 from quiver.portable import huge_page_tunables
 from quiver.serve.app import Server, base_name
+from quiver.serve.browsers import allowed_hosts
 from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.metrics import Metrics
@@ -72,6 +73,9 @@ class RayOptions:
     # where each node keeps the packed weights its replicas map ("default": $QUIVER_PACKED_WEIGHTS or the
     # user's cache; "off": each replica packs its own copy)
     packed_weights: str | None = "default"
+    host: str = "127.0.0.1"  # where Ray's proxy listens: the Host requests may give (with allowed_hosts)
+    allowed_hosts: Sequence[str] = ()
+    allowed_origins: Sequence[str] = ()
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> RayOptions:
@@ -282,7 +286,9 @@ class QuiverIngress:
         chosen = Path(options.chat_template) if options.chat_template else None
         template = find_chat_template(config.resolve().parent, chosen)
         self.server = Server(RayService(replicas, options), base_name(config), template, options.api_key,
-                             adapter_loading=options.allow_adapter_loading)  # fmt: skip
+                             adapter_loading=options.allow_adapter_loading, max_queue=options.max_queue,
+                             hosts=allowed_hosts(options.host, options.allowed_hosts),
+                             allowed_origins=options.allowed_origins)  # fmt: skip
 
     def __serve_build_asgi_app__(self) -> Any:
         """Ray Serve's hook for an ingress whose ASGI app is made per replica, after `__init__`."""
