@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -402,5 +403,32 @@ def test_a_web_page_can_neither_post_simple_requests_nor_rebind_a_name(exported:
             except urllib.error.HTTPError as error:
                 granted = error.headers.get("access-control-allow-origin")
             assert (granted == origin) is allowed, (origin, granted)
+    finally:
+        stop_server(running)
+
+
+def test_a_thousand_adapter_loads_and_unloads_leave_memory_as_it_was_and_loads_are_capped(exported: Path) -> None:
+    section = exported.parent / "qv.qsec"
+    running = start_server(exported, "--api-key", KEY, "--allow-adapter-loading", "--max-loaded-adapters", "4")
+    try:
+
+        def call(route: str, body: dict[str, str]) -> tuple[int, Any]:
+            status, _, reply = http(f"{running.url}/v1/{route}", "POST", json.dumps(body).encode())
+            return status, reply
+
+        for i in range(30):  # the allocator's own first growth, before the measured loads
+            assert call("load_lora_adapter", {"lora_name": f"w{i}", "lora_path": str(section)})[0] == 200
+            assert call("unload_lora_adapter", {"lora_name": f"w{i}"})[0] == 200
+        before = _rss_mb(running.process.pid)
+        for i in range(1000):
+            assert call("load_lora_adapter", {"lora_name": f"a{i}", "lora_path": str(section)})[0] == 200
+            assert call("unload_lora_adapter", {"lora_name": f"a{i}"})[0] == 200
+        grown = _rss_mb(running.process.pid) - before
+        assert grown < 10, f"{grown:.1f} MB"
+        # the config's adapter (qv) and three loaded make four: a fifth is refused, saying why
+        for i in range(3):
+            assert call("load_lora_adapter", {"lora_name": f"b{i}", "lora_path": str(section)})[0] == 200
+        status, reply = call("load_lora_adapter", {"lora_name": "b3", "lora_path": str(section)})
+        assert status == 400 and reply["error"]["code"] == "too_many_adapters", reply
     finally:
         stop_server(running)

@@ -61,6 +61,8 @@ class ServeError(QuiverError):
               help="Seconds for a request head to arrive (from the connection or the last response).")  # fmt: skip
 @click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="Seconds for a request's body to arrive once its head has.")  # fmt: skip
+@click.option("--max-loaded-adapters", default=256, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Adapters held by name at once (the config's included); loading past it is refused.")  # fmt: skip
 @click.option("--allowed-hosts", "hosts", multiple=True, metavar="NAME[,NAME...]",
               help="Host names requests may give besides the listening address (others: 400).")  # fmt: skip
 @click.option("--allowed-origins", "origins", multiple=True, metavar="ORIGIN[,ORIGIN...]",
@@ -94,6 +96,7 @@ def serve_command(
     parser: str,
     hosts: tuple[str, ...],
     origins: tuple[str, ...],
+    max_loaded_adapters: int,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
@@ -140,6 +143,7 @@ def serve_command(
             "host": host,
             "allowed_hosts": given_hosts,
             "allowed_origins": given_origins,
+            "max_loaded_adapters": max_loaded_adapters,
         }
         _serve_on_ray(config_path, host, port, args, ready)
         return
@@ -147,7 +151,7 @@ def serve_command(
                                 folder_from(packed_weights))  # fmt: skip
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading,
                     body_timeout_s=body_timeout, max_queue=max_queue, hosts=allowed_hosts(host, given_hosts),
-                    allowed_origins=given_origins)  # fmt: skip
+                    allowed_origins=given_origins, max_loaded_adapters=max_loaded_adapters)  # fmt: skip
     limits = Limits(header_timeout=header_timeout, max_connections=max_connections,
                     max_per_client=max_connections_per_client)  # fmt: skip
 

@@ -147,6 +147,13 @@ class _VerifiedSections:
                     self._sections.popitem(last=False)
         return section
 
+    def forget(self, path: Path) -> None:
+        """Drops what was kept of the file at `path` (an adapter unloaded: its memory goes back)."""
+        with self._lock:
+            for identity, section in list(self._sections.items()):
+                if os.path.abspath(section.source) == os.path.abspath(path):
+                    del self._sections[identity]
+
 
 _FROM_PATHS = _VerifiedSections()
 fork.reset_after_fork(_FROM_PATHS)
@@ -171,6 +178,11 @@ class _BoundSections:
     def put(self, file: ContextFile, section: SectionFile, graph: str, values: Values) -> None:
         with self._lock:
             self._bound.setdefault(section, {})[(file.identity, graph)] = values
+
+
+def forget_section(path: str | Path) -> None:
+    """What `load_section` kept of a section file read from `path`, dropped."""
+    _FROM_PATHS.forget(Path(path))
 
 
 _BOUND = _BoundSections()

@@ -51,6 +51,7 @@ _TRIM_AFTER_S = 0.5
 BODY_TIMEOUT_S = 30.0  # a body must arrive whole within this, once its head has
 MAX_MODEL_NAME = 256  # characters of an adapter name a client gives
 MAX_PATH = 4096  # characters of a path a client gives (Linux's PATH_MAX)
+MAX_LOADED_ADAPTERS = 256  # adapters a server holds by name at once, those of its config included
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's, for /v1/completions (chat runs until the context is full)
 
 
@@ -100,6 +101,7 @@ class Server:
         max_queue: int = 64,
         hosts: frozenset[str] | None = None,
         allowed_origins: Sequence[str] = (),
+        max_loaded_adapters: int = MAX_LOADED_ADAPTERS,
     ) -> None:
         self.service = service
         self._outbox: Outbox | None = None  # the engine's tokens to the event loop
@@ -112,6 +114,7 @@ class Server:
         self._bodies_bytes = 0  # bytes of bodies being read now (the event loop's thread alone counts)
         self._trim_due = False
         self.max_queue = max_queue  # requests being tokenized and waiting, together
+        self.max_loaded_adapters = max_loaded_adapters
         self._preparing = 0  # requests being tokenized (off the loop) now
         self.metrics = Metrics(lambda: service.waiting, lambda: service.batch_size)
         service.watch(self.metrics)
@@ -219,8 +222,12 @@ class Server:
         if len(path) > MAX_PATH or "\0" in path or not _is_unicode(path) or not _is_unicode(name):
             raise ApiError(400, f"'lora_path' must be a path of up to {MAX_PATH} characters and 'lora_name' text",
                            "lora_path", "invalid_value")  # fmt: skip
-        if name == self.base or name in self.service.adapter_names():
+        names = self.service.adapter_names()
+        if name == self.base or name in names:
             raise ApiError(400, f"the model '{name[:100]}' exists already; unload it first", "lora_name", "exists")
+        if len(names) >= self.max_loaded_adapters:
+            raise ApiError(400, f"{len(names)} adapters are loaded, the most this server holds "
+                           "(--max-loaded-adapters); unload one first", "lora_name", "too_many_adapters")  # fmt: skip
         try:
             await asyncio.to_thread(self.service.add_adapter, name, path)
         except (QuiverError, OSError) as exc:

@@ -76,6 +76,7 @@ class RayOptions:
     host: str = "127.0.0.1"  # where Ray's proxy listens: the Host requests may give (with allowed_hosts)
     allowed_hosts: Sequence[str] = ()
     allowed_origins: Sequence[str] = ()
+    max_loaded_adapters: int = 256
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> RayOptions:
@@ -288,7 +289,8 @@ class QuiverIngress:
         self.server = Server(RayService(replicas, options), base_name(config), template, options.api_key,
                              adapter_loading=options.allow_adapter_loading, max_queue=options.max_queue,
                              hosts=allowed_hosts(options.host, options.allowed_hosts),
-                             allowed_origins=options.allowed_origins)  # fmt: skip
+                             allowed_origins=options.allowed_origins,
+                             max_loaded_adapters=options.max_loaded_adapters)  # fmt: skip
 
     def __serve_build_asgi_app__(self) -> Any:
         """Ray Serve's hook for an ingress whose ASGI app is made per replica, after `__init__`."""

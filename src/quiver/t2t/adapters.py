@@ -8,6 +8,7 @@ from pathlib import Path
 
 from quiver.errors import GenerationError
 from quiver.runtime.context import Context
+from quiver.runtime.sections import forget_section
 from quiver.runtime.state import LoraStrengths
 from quiver.t2t.config import LoraAdapterConfig
 
@@ -58,5 +59,10 @@ class AdapterSet:
     def remove(self, name: str) -> None:
         """Forgets an adapter added or configured (requests for it are refused from now on)."""
         with self._lock:
-            if self._adapters.pop(name, None) is None:
+            removed = self._adapters.pop(name, None)
+            if removed is None:
                 raise GenerationError(f"no LoRA adapter {name!r}; it has {self.names or 'none'}")
+            still = {p for adapter in self._adapters.values() for p in adapter.bin_sections}
+        for path in removed.bin_sections:
+            if path not in still:  # the verified copy of its sections goes with it
+                forget_section(path)
