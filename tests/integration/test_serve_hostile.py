@@ -432,3 +432,36 @@ def test_a_thousand_adapter_loads_and_unloads_leave_memory_as_it_was_and_loads_a
         assert status == 400 and reply["error"]["code"] == "too_many_adapters", reply
     finally:
         stop_server(running)
+
+
+def test_a_request_waiting_for_an_adapter_slot_holds_back_no_base_model_request(
+    exported: Path, weights: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    from quiver.serve.engine import Done, Engine, Generation
+    from quiver.t2t.batch import BatchDecoder
+
+    tiny_adapter(tmp_path / "other", weights, 2, ["q_proj", "v_proj"], seed=9)
+    decoder = BatchDecoder.from_config(exported, max_batch=4, adapter_slots=1)  # one adapter slot
+    try:
+        decoder.add_adapter("other", tmp_path / "other")
+        ids = decoder.tokenizer.encode("the quick brown fox")
+        engine = Engine(decoder, max_queue=8)
+        order: list[str] = []
+
+        def request(adapter: str | None, tokens: int) -> None:
+            def sink(event: object) -> None:
+                if isinstance(event, Done):
+                    order.append(adapter or "base")
+
+            engine.submit(Generation(ids, adapter, {}, tokens, 0.0, 1.0, None, (), min_tokens=tokens), sink)
+
+        request("qv", 50)  # takes the one slot for 50 steps
+        request("other", 4)  # needs the slot: held until "qv" ends
+        request(None, 2)  # the base model needs no slot: it runs beside "qv" at once
+        deadline = time.monotonic() + 60
+        while len(order) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == ["base", "qv", "other"], order
+        engine.close()
+    finally:
+        decoder.close()

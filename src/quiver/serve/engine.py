@@ -17,6 +17,7 @@ wave waits for the wave's prompts once, between its first and second token.
 
 from __future__ import annotations
 
+import collections
 import math
 import queue
 import threading
@@ -126,7 +127,9 @@ class Engine:
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._rows: list[_Sequence] = []  # decoding: row i is self._rows[i]
         self._prefilling: _Sequence | None = None  # in the row after them
-        self._held: Job | None = None  # taken from the queue, waiting for an adapter slot to come free
+        # taken from the queue, waiting for an adapter slot to come free, oldest first; requests behind them
+        # that need no new slot (the base model, an adapter a slot holds) go ahead
+        self._held: collections.deque[Job] = collections.deque()
         self._closing = False
         self._decided: list[tuple[Callable[[Event], object], Event]] = []  # this step's events, sent after it
         self.on_step = on_step  # told the rows of every decode step
@@ -135,7 +138,7 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize() + (self._held is not None)
+        return self._queue.qsize() + len(self._held)
 
     @property
     def batch_size(self) -> int:
@@ -146,6 +149,8 @@ class Engine:
         """Queues a generation; its events go to `sink` (from the engine's thread). Raises `QueueFullError`."""
         job = Job(generation, sink)
         try:
+            if self.waiting >= self._queue.maxsize:  # queued and held for a slot, together
+                raise queue.Full
             self._queue.put_nowait(job)
         except queue.Full:
             if not self._drop_cancelled():  # places held by clients that hung up are given back first
@@ -211,38 +216,58 @@ class Engine:
         for sequence in self._batch():
             self._leave(sequence, self._done(sequence, "cancelled"))
         self._flush()
-        if self._held is not None:
-            self._held.sink(_unrun(self._held))
+        for job in self._held:
+            job.sink(_unrun(job))
 
     def _batch(self) -> list[_Sequence]:
         return [*self._rows, *([self._prefilling] if self._prefilling is not None else [])]
 
     def _admit(self) -> None:
         """Takes the next request into the batch when a row is free and no prompt is being prefilled
-        (waits for one when nothing runs)."""
+        (waits for one when nothing runs): the oldest held for a slot that can have one now, else the
+        queue's next; one that must wait for a slot is held, and those behind it go ahead."""
         while self._prefilling is None and len(self._rows) < self.decoder.max_batch and not self._closing:
-            job = self._held
-            self._held = None
-            if job is None:
-                try:
-                    job = self._queue.get(block=not self._rows)
-                except queue.Empty:
-                    return
-                if job is None:
-                    return
-            if job.cancelled.is_set():
-                job.sink(_unrun(job))
+            if self._admit_held():
                 continue
-            request = job.generation
-            try:
-                slot = self.decoder.acquire_slot(request.adapter, request.strengths)
-            except QuiverError as exc:
-                job.sink(Failed(exc))
-                continue
-            if slot is None:  # every slot holds an adapter in use: wait for a sequence to end
-                self._held = job
+            if len(self._held) >= self._queue.maxsize:  # held ones count as waiting: the queue's bound holds
                 return
-            self._prefilling = _Sequence(job, len(self._rows), slot, self._reply(request))
+            try:
+                job = self._queue.get(block=not self._rows and not self._held)
+            except queue.Empty:
+                return
+            if job is None:
+                return
+            if not self._start(job):
+                self._held.append(job)
+
+    def _admit_held(self) -> bool:
+        """Starts the oldest held request that can have a slot now (those whose clients went away end);
+        whether one started."""
+        for job in list(self._held):
+            if job.cancelled.is_set():
+                self._held.remove(job)
+                job.sink(_unrun(job))
+            elif self._start(job):
+                self._held.remove(job)
+                return True
+        return False
+
+    def _start(self, job: Job) -> bool:
+        """Begins prefilling `job` on a slot of its adapter; False when it must wait for a slot (a job whose
+        client went away, or that asks for what cannot be, ends here, and counts as started)."""
+        if job.cancelled.is_set():
+            job.sink(_unrun(job))
+            return True
+        request = job.generation
+        try:
+            slot = self.decoder.acquire_slot(request.adapter, request.strengths)
+        except QuiverError as exc:
+            job.sink(Failed(exc))
+            return True
+        if slot is None:  # every slot holds an adapter in use: wait for a sequence to end
+            return False
+        self._prefilling = _Sequence(job, len(self._rows), slot, self._reply(request))
+        return True
 
     def _reply(self, request: Generation) -> Continuation:
         sampled = request.temperature > 0
@@ -277,7 +302,7 @@ class Engine:
         if self._prefilling is not None:
             return self._prefilling.job.submitted < began
         with self._queue.mutex:  # the next request to join: held for a slot, else the queue's first
-            waiting = self._held or next((j for j in self._queue.queue if j is not None), None)
+            waiting = self._held[0] if self._held else next((j for j in self._queue.queue if j is not None), None)
         return waiting is not None and waiting.submitted < began
 
     def _prefill(self) -> None:
