@@ -161,6 +161,7 @@ def guarded(protocol: type, guard: Guard) -> type:
             self._requests += 1
             self._cancel_deadline()
             self._body_left = _body_length(bytes(self._head[: end + 4]))
+            self._head = bytearray()  # the parser has it: nothing kept while the request runs
             return end + 4 - start, None
 
         def on_response_complete(self) -> None:
