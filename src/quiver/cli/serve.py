@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -176,6 +177,11 @@ def _named_path(entry: str) -> tuple[str, Path]:
 def _serve_on_ray(
     config_path: Path, host: str, port: int, args: dict[str, Any], ready: Callable[[str, int, list[str]], None]
 ) -> None:
+    if not os.environ.get("RAY_ADDRESS") and "RAY_AUTH_MODE" not in os.environ:
+        # Ray's own servers (GCS, raylet, object store) listen on every interface whatever host its HTTP proxy
+        # takes: the local cluster started here admits only processes holding a token made now (Ray's token
+        # authentication; read when Ray is imported, so set first), which its workers inherit
+        os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     try:
         from quiver.serve.ray import RayOptions, run
     except ImportError as exc:

@@ -102,7 +102,7 @@ def _inside(folder: Path, name: str, use_case: str) -> Path:
 
 
 def _tensors(folder: Path, name: str, use_case: str) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError  # type: ignore[attr-defined,unused-ignore]  # untyped before 0.5
     from safetensors.numpy import load
 
     data = read_regular(_inside(folder, name, use_case), _SAFETENSORS_LIMIT, "a use case's tensors")

@@ -10,10 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import (
-    SafetensorError,  # type: ignore[attr-defined,unused-ignore]  # untyped before 0.5
-    safe_open,
-)
+from safetensors import SafetensorError  # type: ignore[attr-defined,unused-ignore]  # untyped before 0.5
 
 from quiver.errors import AdapterError, FileAccessError
 from quiver.formats.files import read_text
@@ -250,7 +247,10 @@ def load_peft_adapter(source: str | Path, name: str | None = None) -> PeftAdapte
     config = read_lora_config(config_path)
     pairs: dict[str, dict[str, np.ndarray]] = {}
     try:
-        with safe_open(str(weights_path), framework="numpy") as weights:  # the header first: nothing read yet
+        from safetensors import safe_open  # here: beside the import above, sorting would merge them
+
+        opened: Any = safe_open(str(weights_path), framework="numpy")  # typed as a context manager from 0.5 on
+        with opened as weights:  # the header first: nothing read yet
             keys = _checked_keys(weights, config, str(weights_path))
             for key, (module, which) in keys.items():
                 pairs.setdefault(module, {})[which] = np.asarray(weights.get_tensor(key), dtype=np.float32)

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
@@ -430,7 +430,8 @@ def serve(
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
-    protocol = guarded(import_from_string(HTTP_PROTOCOLS[parser]), Guard(limits or Limits()))
+    protocols = cast("dict[str, str]", HTTP_PROTOCOLS)  # keyed by a Literal in some uvicorn versions' hints
+    protocol = guarded(import_from_string(protocols[parser]), Guard(limits or Limits()))
     config = uvicorn.Config(
         server.app,
         host=host,

@@ -350,6 +350,7 @@ def run(options: RayOptions, host: str, port: int, on_ready: Callable[[str, int]
     address = os.environ.get("RAY_ADDRESS") or None
     # a local cluster gets the logical CPUs the replicas ask for, even beyond this machine's cores
     cpus = None if address else max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_cpus))
+
     ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     signals: list[int] = []  # a flag, not an Event: a handler may run again inside the first one's call
     for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
