@@ -43,6 +43,7 @@ from quiver.serve.openai_api import (
     new_id,
 )
 from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
+from quiver.t2t.tokenizer import is_utf8
 
 MAX_BODY_BYTES = 4 << 20
 MAX_BODIES_BYTES = 32 << 20  # bodies being read at once, all clients together (8 of the largest)
@@ -219,7 +220,7 @@ class Server:
         if len(name) > MAX_MODEL_NAME or not name.isprintable():
             raise ApiError(400, f"'lora_name' must be up to {MAX_MODEL_NAME} printable characters", "lora_name",
                            "invalid_value")  # fmt: skip
-        if len(path) > MAX_PATH or "\0" in path or not _is_unicode(path) or not _is_unicode(name):
+        if len(path) > MAX_PATH or "\0" in path or not is_utf8(path) or not is_utf8(name):
             raise ApiError(400, f"'lora_path' must be a path of up to {MAX_PATH} characters and 'lora_name' text",
                            "lora_path", "invalid_value")  # fmt: skip
         names = self.service.adapter_names()
@@ -387,14 +388,6 @@ class Server:
     def _count(self, done: Done) -> None:
         self.metrics.prompt_tokens.inc(done.prompt_tokens)
         self.metrics.generated_tokens.inc(len(done.token_ids))
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate, as JSON's \\ud800 escapes give
-        return False
-    return True
 
 
 def _failure(error: QuiverError) -> ApiError:

@@ -12,10 +12,12 @@ before the API key check and before any route reads a byte of the body:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from quiver.serve.openai_api import ApiError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -50,20 +52,17 @@ class BrowserGuard:
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])
             if self.hosts is not None and _host_name(headers.get(b"host", b"")) not in self.hosts:
-                await _refuse(send, 400, "the Host header names no address this server answers to (a page that "
-                              "rebound a name to it?); add the name with --allowed-hosts", "invalid_host")  # fmt: skip
+                message = ("the Host header names no address this server answers to (a page that rebound a name "
+                           "to it?); add the name with --allowed-hosts")  # fmt: skip
+                await _refuse(scope, receive, send, 400, message, "invalid_host")
                 return
             kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if scope.get("method") == "POST" and kind != b"application/json":
-                await _refuse(send, 415, "POST bodies are JSON: send 'Content-Type: application/json'",
-                              "unsupported_media_type")  # fmt: skip
+                message = "POST bodies are JSON: send 'Content-Type: application/json'"
+                await _refuse(scope, receive, send, 415, message, "unsupported_media_type")
                 return
         await self.app(scope, receive, send)
 
 
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()  # fmt: skip
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str) -> None:
+    await JSONResponse(ApiError(status, message, None, code).body(), status_code=status)(scope, receive, send)

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from quiver.serve.openai_api import ApiError
+
 _CRLF2 = b"\r\n\r\n"
 _REASONS = {408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large"}
 
@@ -194,8 +196,7 @@ def guarded(protocol: type, guard: Guard) -> type:
         def _refuse(self, status: int, message: str) -> None:
             self._refused = True
             self._cancel_deadline()
-            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                         "code": "request_head_refused"}}).encode()  # fmt: skip
+            body = json.dumps(ApiError(status, message, None, "request_head_refused").body()).encode()
             head = (
                 f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"

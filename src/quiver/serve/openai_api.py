@@ -17,6 +17,7 @@ from typing import Any
 
 from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.serve.engine import Done, Generation
+from quiver.t2t.tokenizer import is_utf8
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 _UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "functions", "suffix", "logit_bias")
@@ -139,11 +140,8 @@ MAX_CHARS_PER_TOKEN = 64
 
 def _text(value: str, param: str) -> str:
     """A string from the body that is text: no lone surrogates (JSON's \\ud800 escapes) or NUL."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"'{param}' holds text that is not Unicode (a lone surrogate)", param,
-                       "invalid_value") from None  # fmt: skip
+    if not is_utf8(value):
+        raise ApiError(400, f"'{param}' holds text that is not Unicode (a lone surrogate)", param, "invalid_value")
     if "\0" in value:
         raise ApiError(400, f"'{param}' holds a NUL character", param, "invalid_value")
     return value

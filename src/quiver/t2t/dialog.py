@@ -28,7 +28,7 @@ from quiver.t2t.continuation import Continuation
 from quiver.t2t.external_cache import ExternalCache
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.sampling import Sampler, Sampling
-from quiver.t2t.tokenizer import TextTokenizer
+from quiver.t2t.tokenizer import TextTokenizer, is_utf8
 
 _PAST, _PRESENT = "past_key_values.", "present."
 
@@ -169,7 +169,7 @@ class Dialog:
         or top-p without `greedy` samples. `min_new_tokens` keeps eos tokens out until that many were
         generated; `on_token` receives the text as it is decided.
         """
-        if isinstance(prompt, str) and not _is_utf8(prompt):
+        if isinstance(prompt, str) and not is_utf8(prompt):
             raise GenerationError("the prompt is not UTF-8 text (it holds undecodable bytes); give it as UTF-8")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         defaults = self.config.sampler
@@ -503,12 +503,3 @@ def _flat_view(array: np.ndarray) -> memoryview[int]:
     """The array's memory as a flat buffer of its integers (item writes change the array)."""
     flat: Any = array.reshape(-1).data.cast("B")
     return cast("memoryview[int]", flat.cast(array.dtype.char))
-
-
-def _is_utf8(text: str) -> bool:
-    """Whether `text` can be UTF-8 (Python keeps undecodable command-line bytes as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

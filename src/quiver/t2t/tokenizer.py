@@ -14,6 +14,16 @@ from tokenizers import Tokenizer
 from quiver.errors import DialogConfigError
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` can be UTF-8, as a tokenizer needs: no lone surrogates (Python keeps undecodable
+    command-line bytes as them; JSON's \\ud800 escapes give them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class TextTokenizer:
     def __init__(self, path: Path) -> None:
         try:
