@@ -4,8 +4,6 @@ memory read from /proc), with each of uvicorn's HTTP parsers. Every loop is boun
 from __future__ import annotations
 
 import json
-import resource
-import selectors
 import signal
 import socket
 import time
@@ -21,7 +19,18 @@ import pytest
 from safetensors.numpy import save_file
 
 from quiver.t2t.export import ExportOptions, export
-from tests.support.serving import KEY, Running, http, start_server, stop_server
+from tests.support.serving import (
+    KEY,
+    Running,
+    address,
+    flood_head,
+    hold_unfinished_heads,
+    http,
+    reply_of,
+    rss_mb,
+    start_server,
+    stop_server,
+)
 from tests.support.tiny_llm import tiny_adapter, tiny_decoder
 
 PARSERS = ["h11", "httptools"]
@@ -50,50 +59,6 @@ def server(request: pytest.FixtureRequest, exported: Path) -> Iterator[Running]:
     stop_server(running)
 
 
-def _address(running: Running) -> tuple[str, int]:
-    host, port = running.url.removeprefix("http://").split(":")
-    return host, int(port)
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def _reply(sock: socket.socket, limit_s: float = 10.0) -> bytes:
-    """What the server sends until it closes the connection (or `limit_s` passes)."""
-    sock.settimeout(limit_s)
-    data = b""
-    try:
-        while len(data) < 1 << 20:
-            piece = sock.recv(65536)
-            if not piece:
-                break
-            data += piece
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data
-
-
-def _flood_head(running: Running, first: bytes, line: bytes, total: int) -> tuple[bytes, int]:
-    """Sends `first`, then `line` over and over up to `total` bytes, until the server stops reading;
-    returns its reply and the bytes it took."""
-    sent = 0
-    with socket.create_connection(_address(running), timeout=30) as sock:
-        sock.sendall(first)
-        chunk = line * max(1, (256 << 10) // len(line))
-        deadline = time.monotonic() + 30
-        try:
-            while sent < total and time.monotonic() < deadline:
-                sock.sendall(chunk)
-                sent += len(chunk)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        return _reply(sock), sent
-
-
 @pytest.mark.parametrize(
     ("first", "line", "status"),
     [
@@ -106,9 +71,9 @@ def _flood_head(running: Running, first: bytes, line: bytes, total: int) -> tupl
 def test_64_mib_of_request_head_without_the_key_costs_under_16_mb(
     server: Running, first: bytes, line: bytes, status: int
 ) -> None:
-    before = _rss_mb(server.process.pid)
-    reply, sent = _flood_head(server, first, line, 64 << 20)
-    grown = _rss_mb(server.process.pid) - before
+    before = rss_mb(server.process.pid)
+    reply, sent = flood_head(server, first, line, 64 << 20)
+    grown = rss_mb(server.process.pid) - before
     assert reply.startswith(f"HTTP/1.1 {status}".encode()), reply[:200]
     assert sent < 64 << 20  # the server stopped reading long before
     assert grown < 16, f"{grown:.1f} MB"
@@ -118,43 +83,11 @@ def test_64_mib_of_request_head_without_the_key_costs_under_16_mb(
 def test_connections_holding_unfinished_heads_are_closed_and_a_key_holder_is_served_meanwhile(
     server: Running,
 ) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4096)), hard))
-    held: list[socket.socket] = []
-    try:
-        for _ in range(2000):
-            sock = socket.create_connection(_address(server), timeout=10)
-            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: b\r\n")  # and never the end
-            held.append(sock)
-        start = time.monotonic()
-        status, _, body = http(f"{server.url}/v1/models", key=KEY)
-        assert status == 200 and body["data"], body
-        assert time.monotonic() - start < 1.0
-        # every held connection ends within the header timeout (most at once: over the caps, the oldest
-        # connections still without a request are closed first)
-        waiting = selectors.DefaultSelector()  # epoll: thousands of sockets
-        for sock in held:
-            waiting.register(sock, selectors.EVENT_READ)
-        open_ = len(held)
-        deadline = time.monotonic() + HEADER_TIMEOUT + 3
-        while open_ and time.monotonic() < deadline:
-            for key, _ in waiting.select(0.5):
-                try:
-                    key.fileobj.recv(65536)  # type: ignore[union-attr]
-                except OSError:
-                    pass
-                waiting.unregister(key.fileobj)  # closed (EOF or a 408): nothing more to wait for
-                open_ -= 1
-        waiting.close()
-        assert not open_, f"{open_} of {len(held)} still open after {HEADER_TIMEOUT + 3} s"
-    finally:
-        for sock in held:
-            sock.close()
-    assert http(f"{server.url}/health", key=None)[0] == 200
+    hold_unfinished_heads(server, 2000, HEADER_TIMEOUT)
 
 
 def test_bodies_that_never_finish_are_bounded_in_memory_and_time(server: Running) -> None:
-    before = _rss_mb(server.process.pid)
+    before = rss_mb(server.process.pid)
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {4 << 20}\r\n\r\n"
@@ -162,7 +95,7 @@ def test_bodies_that_never_finish_are_bounded_in_memory_and_time(server: Running
     socks = []
     try:
         for _ in range(150):  # each sends 4 MiB - 1 byte of its body, then stops
-            sock = socket.create_connection(_address(server), timeout=30)
+            sock = socket.create_connection(address(server), timeout=30)
             sock.sendall(head)
             socks.append(sock)
         payload = b" " * ((4 << 20) - 1)
@@ -172,11 +105,11 @@ def test_bodies_that_never_finish_are_bounded_in_memory_and_time(server: Running
                 sock.send(payload)  # what the server takes now; it may stop reading
             except (BlockingIOError, BrokenPipeError, ConnectionResetError):
                 pass
-        peak = _rss_mb(server.process.pid) - before
+        peak = rss_mb(server.process.pid) - before
         replies = []
         for sock in socks:
             sock.setblocking(True)
-            replies.append(_reply(sock, BODY_TIMEOUT + 5))
+            replies.append(reply_of(sock, BODY_TIMEOUT + 5))
     finally:
         for sock in socks:
             sock.close()
@@ -186,7 +119,7 @@ def test_bodies_that_never_finish_are_bounded_in_memory_and_time(server: Running
     statuses = {r[9:12] for r in replies if r}
     assert statuses <= {b"408", b"503"} and statuses, statuses
     time.sleep(0.5)
-    after = _rss_mb(server.process.pid) - before
+    after = rss_mb(server.process.pid) - before
     assert after < 40, f"{after:.0f} MB kept after the clients left"
     assert http(f"{server.url}/health", key=None)[0] == 200
 
@@ -194,7 +127,7 @@ def test_bodies_that_never_finish_are_bounded_in_memory_and_time(server: Running
 @pytest.mark.parametrize("parser", PARSERS)
 def test_a_server_with_an_unfinished_body_stops_on_sigterm(exported: Path, parser: str) -> None:
     running = start_server(exported, "--api-key", KEY, "--http", parser)
-    with socket.create_connection(_address(running), timeout=30) as sock:
+    with socket.create_connection(address(running), timeout=30) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                      "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())  # fmt: skip
         time.sleep(0.3)
@@ -272,11 +205,11 @@ def test_an_adapter_file_is_checked_from_its_header_before_its_data_is_read(
     module = next(n for n in weights if n.endswith("q_proj.weight")).removesuffix(".weight")
     save_file({f"base_model.model.{module}.lora_A.weight": np.zeros((2, 32 << 20), np.float32)},
               str(folder / "adapter_model.safetensors"))  # fmt: skip
-    before = _rss_mb(server.process.pid)
+    before = rss_mb(server.process.pid)
     status, _, body = http(f"{server.url}/v1/load_lora_adapter", "POST",
                            json.dumps({"lora_name": "lopsided", "lora_path": str(folder)}).encode())  # fmt: skip
     assert status == 400 and body["error"]["code"] == "invalid_adapter", body
-    assert _rss_mb(server.process.pid) - before < 32
+    assert rss_mb(server.process.pid) - before < 32
 
 
 def test_a_4_mib_prompt_or_a_huge_chat_is_refused_before_any_work_and_stalls_no_stream(server: Running) -> None:
@@ -376,7 +309,7 @@ def test_a_web_page_can_neither_post_simple_requests_nor_rebind_a_name(exported:
     rebound Host a 400; CORS answers only the origins the operator names."""
     running = start_server(exported, "--allow-adapter-loading", "--allowed-origins", "https://app.example")
     try:
-        host, port = _address(running)
+        host, port = address(running)
         for headers, status in (
             ({"Content-Type": "text/plain"}, 415),  # what a page may send without a preflight
             ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
@@ -419,11 +352,11 @@ def test_a_thousand_adapter_loads_and_unloads_leave_memory_as_it_was_and_loads_a
         for i in range(30):  # the allocator's own first growth, before the measured loads
             assert call("load_lora_adapter", {"lora_name": f"w{i}", "lora_path": str(section)})[0] == 200
             assert call("unload_lora_adapter", {"lora_name": f"w{i}"})[0] == 200
-        before = _rss_mb(running.process.pid)
+        before = rss_mb(running.process.pid)
         for i in range(1000):
             assert call("load_lora_adapter", {"lora_name": f"a{i}", "lora_path": str(section)})[0] == 200
             assert call("unload_lora_adapter", {"lora_name": f"a{i}"})[0] == 200
-        grown = _rss_mb(running.process.pid) - before
+        grown = rss_mb(running.process.pid) - before
         assert grown < 10, f"{grown:.1f} MB"
         # the config's adapter (qv) and three loaded make four: a fifth is refused, saying why
         for i in range(3):

@@ -7,12 +7,15 @@ import secrets
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from quiver.cli.common import cli, console
 from quiver.errors import QuiverError
+
+if TYPE_CHECKING:
+    from quiver.serve.guard import Limits
 
 API_KEY_ENVIRONMENT = "QUIVER_API_KEY"
 
@@ -44,8 +47,8 @@ class ServeError(QuiverError):
 @click.option("--allow-adapter-loading", is_flag=True,
               help="Let clients load and unload adapters (.qsec paths on this machine) while it serves.")  # fmt: skip
 @click.option("--ray", "on_ray", is_flag=True,
-              help="Serve on Ray Serve: replicas of the engine behind Ray's HTTP proxy, adapters routed to the "
-                   "replicas that hold them (the cluster at $RAY_ADDRESS, else a local one).")  # fmt: skip
+              help="Serve on Ray Serve: replicas of the engine behind this process's HTTP front, adapters routed "
+                   "to the replicas that hold them (the cluster at $RAY_ADDRESS, else a local one).")  # fmt: skip
 @click.option("--replicas", default=1, show_default=True, type=click.IntRange(1, 1024),
               help="With --ray: engine replicas (each maps the same context).")  # fmt: skip
 @click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(0, 1024),
@@ -122,11 +125,19 @@ def serve_command(
     given_hosts = [name for entry in hosts for name in entry.split(",") if name.strip()]
     given_origins = [origin.strip() for entry in origins for origin in entry.split(",") if origin.strip()]
 
+    limits = Limits(header_timeout=header_timeout, max_connections=max_connections,
+                    max_per_client=max_connections_per_client)  # fmt: skip
+
     def ready(bound_host: str, bound_port: int, models: list[str]) -> None:
         where = f"on Ray Serve, {replicas} replica(s) " if on_ray else ""
         console.print(f"quiver serve {where}on http://{bound_host}:{bound_port}/v1 (models: {', '.join(models)}; "
                       "Ctrl-C stops it)")  # fmt: skip
 
+    # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: uvicorn shuts down on either, then
+    # raises it again, which ends here as KeyboardInterrupt (a shell starts background jobs with SIGINT
+    # ignored, and Python then leaves it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if on_ray:
         args = {
             "replicas": replicas,
@@ -146,21 +157,16 @@ def serve_command(
             "allowed_origins": given_origins,
             "max_loaded_adapters": max_loaded_adapters,
         }
-        _serve_on_ray(config_path, host, port, args, ready)
+        try:
+            _serve_on_ray(config_path, host, port, args, ready, limits, parser, body_timeout)
+        except KeyboardInterrupt:
+            pass
         return
     service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window,
                                 folder_from(packed_weights))  # fmt: skip
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading,
                     body_timeout_s=body_timeout, max_queue=max_queue, hosts=allowed_hosts(host, given_hosts),
                     allowed_origins=given_origins, max_loaded_adapters=max_loaded_adapters)  # fmt: skip
-    limits = Limits(header_timeout=header_timeout, max_connections=max_connections,
-                    max_per_client=max_connections_per_client)  # fmt: skip
-
-    # Ctrl-C (SIGINT) and SIGTERM stop it however it was started: uvicorn shuts down on either, then
-    # raises it again, which ends here as KeyboardInterrupt (a shell starts background jobs with SIGINT
-    # ignored, and Python then leaves it ignored)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve(server, host, port, lambda h, p: ready(h, p, server.served.model_ids()), limits, parser)
     except KeyboardInterrupt:
@@ -175,13 +181,24 @@ def _named_path(entry: str) -> tuple[str, Path]:
 
 
 def _serve_on_ray(
-    config_path: Path, host: str, port: int, args: dict[str, Any], ready: Callable[[str, int, list[str]], None]
+    config_path: Path,
+    host: str,
+    port: int,
+    args: dict[str, Any],
+    ready: Callable[[str, int, list[str]], None],
+    limits: Limits,
+    parser: str,
+    body_timeout: float,
 ) -> None:
-    if not os.environ.get("RAY_ADDRESS") and "RAY_AUTH_MODE" not in os.environ:
-        # Ray's own servers (GCS, raylet, object store) listen on every interface whatever host its HTTP proxy
-        # takes: the local cluster started here admits only processes holding a token made now (Ray's token
-        # authentication; read when Ray is imported, so set first), which its workers inherit
-        os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    if not os.environ.get("RAY_ADDRESS"):
+        # the local cluster started here is this machine's alone: Ray's single-machine mode puts its node on
+        # the loopback address (its GCS, raylet, agents and metrics listen there; read when Ray is imported,
+        # so set first), and it admits only processes holding a token made now (Ray's token authentication),
+        # which its workers inherit: that also guards the one port Ray binds on every interface whatever
+        # the node's address, each replica's gRPC server for calls between deployments
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     try:
         from quiver.serve.ray import RayOptions, run
     except ImportError as exc:
@@ -193,4 +210,4 @@ def _serve_on_ray(
     config = read_dialog_config(ensure_model_folder(config_path, args.get("model_source")))
     options = RayOptions.from_args({"config": str(config_path.resolve()), **args})
     models = [config_path.resolve().parent.name, *adapter_use_cases(config), *options.loras]
-    run(options, host, port, lambda h, p: ready(h, p, models))
+    run(options, host, port, lambda h, p: ready(h, p, models), limits, parser, body_timeout)

@@ -1,16 +1,19 @@
 """Quiver on Ray Serve: replicas of `quiver serve`'s engine over one context, adapters multiplexed to them.
 
-Two deployments make the application. `QuiverReplica` runs the continuous-batching engine of `quiver
-serve` over the dialog config's context (each replica maps the same `.qsec`/`.qctx` files, so replicas
-on one node share their pages). `QuiverIngress` serves OpenAI's routes (the very `Server` of `quiver
-serve`, through Ray Serve's HTTP proxy) and sends each generation to a replica with the adapter as Ray's
-multiplexed model id: Ray routes it to a replica that holds that adapter already (`serve.multiplexed`,
-least recently used adapters forgotten past `max_loras`), the base model to any replica. The ingress
-tokenizes and renders chat templates; replicas only decode.
+`QuiverReplica` runs the continuous-batching engine of `quiver serve` over the dialog config's context
+(each replica maps the same `.qsec`/`.qctx` files, so replicas on one node share their pages). In front of
+the replicas, `quiver serve`'s own `Server` (OpenAI's routes) sends each generation to a replica with the
+adapter as Ray's multiplexed model id: Ray routes it to a replica that holds that adapter already
+(`serve.multiplexed`, least recently used adapters forgotten past `max_loras`), the base model to any
+replica. The front tokenizes and renders chat templates; replicas only decode.
 
-Built by `quiver serve --ray` or by Ray Serve's own config (`serve run config.yaml`, import path
-`quiver.serve.ray:build`, `args` as in `RayOptions`). Adapters loaded over HTTP are checked by one
-replica, then named with their path in every request for them: the path must be readable on every node.
+Two fronts. `quiver serve --ray` (`run`) serves HTTP from its own process, through the guarded uvicorn of
+`quiver serve` (`serve.guard`: head, time and connection caps before the key), with Ray's HTTP proxy off:
+nothing of Ray's listens on the HTTP address. Ray Serve's own config (`serve run config.yaml`, import path
+`quiver.serve.ray:build`, `args` as in `RayOptions`) deploys the front as a deployment, `QuiverIngress`,
+behind Ray's HTTP proxy, whose limits on heads and connections are Ray's (put it behind a reverse proxy).
+Adapters loaded over HTTP are checked by one replica, then named with their path in every request for
+them: the path must be readable on every node.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,10 +38,12 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from quiver.backends.cpu_packed_file import folder_from
 from quiver.errors import QuiverError
 from quiver.portable import huge_page_tunables
-from quiver.serve.app import Server, base_name
+from quiver.serve.app import BODY_TIMEOUT_S, Server, base_name
+from quiver.serve.app import serve as serve_http
 from quiver.serve.browsers import allowed_hosts
 from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.guard import Limits
 from quiver.serve.metrics import Metrics
 from quiver.serve.service import LocalService, Outbox, ServiceUnavailableError, drained
 from quiver.t2t.config import adapter_use_cases, read_dialog_config
@@ -279,18 +285,22 @@ class RayService:
             task.cancel()
 
 
-class QuiverIngress:
+def ray_server(replicas: DeploymentHandle, options: RayOptions, body_timeout_s: float = BODY_TIMEOUT_S) -> Server:
     """OpenAI's routes (`quiver serve`'s own `Server`) in front of the replicas."""
+    config = Path(options.config)
+    chosen = Path(options.chat_template) if options.chat_template else None
+    template = find_chat_template(config.resolve().parent, chosen)
+    return Server(RayService(replicas, options), base_name(config), template, options.api_key,
+                  adapter_loading=options.allow_adapter_loading, max_queue=options.max_queue,
+                  hosts=allowed_hosts(options.host, options.allowed_hosts), allowed_origins=options.allowed_origins,
+                  max_loaded_adapters=options.max_loaded_adapters, body_timeout_s=body_timeout_s)  # fmt: skip
+
+
+class QuiverIngress:
+    """The front as a deployment, behind Ray's HTTP proxy (Ray Serve's own config)."""
 
     def __init__(self, replicas: DeploymentHandle, options: RayOptions) -> None:
-        config = Path(options.config)
-        chosen = Path(options.chat_template) if options.chat_template else None
-        template = find_chat_template(config.resolve().parent, chosen)
-        self.server = Server(RayService(replicas, options), base_name(config), template, options.api_key,
-                             adapter_loading=options.allow_adapter_loading, max_queue=options.max_queue,
-                             hosts=allowed_hosts(options.host, options.allowed_hosts),
-                             allowed_origins=options.allowed_origins,
-                             max_loaded_adapters=options.max_loaded_adapters)  # fmt: skip
+        self.server = ray_server(replicas, options)
 
     def __serve_build_asgi_app__(self) -> Any:
         """Ray Serve's hook for an ingress whose ASGI app is made per replica, after `__init__`."""
@@ -304,8 +314,7 @@ def _replica_count(options: RayOptions) -> int:
     return options.max_replicas if options.max_replicas is not None else options.replicas
 
 
-def application(options: RayOptions) -> serve.Application:
-    """The two deployments, bound: what `serve.run` deploys."""
+def _replica_deployment(options: RayOptions) -> Deployment:
     scaling: dict[str, Any]
     if options.min_replicas is not None and options.max_replicas is not None:
         scaling = {"autoscaling_config": {"min_replicas": options.min_replicas, "max_replicas": options.max_replicas}}
@@ -315,12 +324,16 @@ def application(options: RayOptions) -> serve.Application:
     tunables = huge_page_tunables(os.environ)
     if tunables is not None:  # a replica decodes all its life: its malloc on huge pages, as `quiver serve`'s
         actor["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": tunables}}
-    replica = cast(Deployment, serve.deployment(QuiverReplica)).options(
+    return cast(Deployment, serve.deployment(QuiverReplica)).options(
         name="QuiverReplica",
         ray_actor_options=actor,
         max_ongoing_requests=options.max_batch + options.max_queue,
         **scaling,
     )
+
+
+def application(options: RayOptions) -> serve.Application:
+    """The replicas behind the front as a deployment (`QuiverIngress`): what Ray Serve's config deploys."""
     # one ingress (it holds the adapters loaded over HTTP), light enough to need no CPU of its own, taking
     # as many requests at once as every replica may hold (Ray's default, 5, would cap each batch at 5 rows)
     # and more, which it answers 429 at once (`RayService.capacity`); Ray's proxy queues few before it
@@ -328,7 +341,7 @@ def application(options: RayOptions) -> serve.Application:
     ingress = cast(Deployment, serve.deployment(cast(Any, serve.ingress())(QuiverIngress)))
     ingress = ingress.options(name="QuiverIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                               max_ongoing_requests=capacity + _REFUSING, max_queued_requests=_REFUSING)  # fmt: skip
-    return ingress.bind(replica.bind(options), options)
+    return ingress.bind(_replica_deployment(options).bind(options), options)
 
 
 def build(args: dict[str, Any]) -> serve.Application:
@@ -336,31 +349,31 @@ def build(args: dict[str, Any]) -> serve.Application:
     return application(RayOptions.from_args(args))
 
 
-def run(options: RayOptions, host: str, port: int, on_ready: Callable[[str, int], object]) -> None:
-    """Deploys the application on the Ray cluster at `RAY_ADDRESS` (else on a local one started now, with
-    this machine's CPUs), its routes at http://host:port, until SIGINT or SIGTERM; then deletes it, and
-    stops Ray Serve and the cluster when it started them."""
-    import signal
-    import socket
-
-    if port == 0:  # Ray's proxy takes a port number: a free one, now
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = int(probe.getsockname()[1])
+def run(
+    options: RayOptions,
+    host: str,
+    port: int,
+    on_ready: Callable[[str, int], object],
+    limits: Limits | None = None,
+    parser: str = "auto",
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> None:
+    """Deploys the replicas on the Ray cluster at `RAY_ADDRESS` (else on a local one started now, with this
+    machine's CPUs) and serves OpenAI's routes at http://host:port from this process, behind `limits`, until
+    SIGINT or SIGTERM; then deletes the replicas, and stops Ray Serve and the cluster when it started them."""
     address = os.environ.get("RAY_ADDRESS") or None
     # a local cluster gets the logical CPUs the replicas ask for, even beyond this machine's cores
     cpus = None if address else max(os.cpu_count() or 1, math.ceil(options.replicas * options.replica_cpus))
 
+    stopping = signal.getsignal(signal.SIGTERM)
     ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    signals: list[int] = []  # a flag, not an Event: a handler may run again inside the first one's call
-    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
-        signal.signal(signum, lambda received, _: signals.append(received))
+    signal.signal(signal.SIGTERM, stopping)  # Ray's driver would exit at once, skipping the cleanup below
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(application(options), name=APP_NAME, route_prefix="/", blocking=False)
-        on_ready(host, port)
-        while not signals:
-            time.sleep(0.2)
+        # Ray's HTTP proxy off: its heads, connections and timeouts are not bounded as this front's are
+        serve.start(proxy_location="Disabled")
+        replicas = serve.run(_replica_deployment(options).bind(options), name=APP_NAME, route_prefix=None)
+        # uvicorn stops on SIGINT and SIGTERM (its handlers replace Ray's while it serves)
+        serve_http(ray_server(replicas, options, body_timeout_s), host, port, on_ready, limits, parser)
     finally:
         try:
             if address is None:
