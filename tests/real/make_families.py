@@ -147,7 +147,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo3": ("Olmo3ForCausalLM", {"head_dim": None, "sliding_window": WINDOW, "layer_types": ALTERNATING}),
     "smollm3": ("SmolLM3ForCausalLM", {"no_rope_layers": [1, 1, 1, 0]}),
     "stablelm": ("StableLmForCausalLM", {"hidden_size": 256, "head_dim": None, "num_key_value_heads": 4}),
-    "gpt_neox": ("GPTNeoXForCausalLM", {"head_dim": None, "num_key_value_heads": None, "rotary_pct": 0.25}),
+    "gpt_neox": (
+        "GPTNeoXForCausalLM",
+        {"hidden_size": 256, "head_dim": None, "num_key_value_heads": None, "rotary_pct": 0.25},
+    ),
     "starcoder2": ("Starcoder2ForCausalLM", {"head_dim": None, "sliding_window": None}),
     "cohere": ("CohereForCausalLM", {"head_dim": None, "tie_word_embeddings": True}),
     "cohere2": (

@@ -60,7 +60,7 @@ def test_a_field_quiver_does_not_know_is_refused_by_name_unless_it_is_off(folder
         ({"hidden_act": "relu2"}, ("hidden_act",)),
         ({"sliding_window": 4}, ("sliding_window",)),  # Llama has none: transformers ignores it, so must Quiver
         ({"quantization_config": {"quant_method": "gptq"}}, ("quantized", "gptq")),
-        ({"architectures": ["MixtralForCausalLM"]}, ("mixture-of-experts",)),
+        ({"architectures": ["GptOssForCausalLM"]}, ("mixture-of-experts", "attention sinks")),
         ({"architectures": ["Lfm2ForCausalLM"]}, ("short-convolution",)),
         ({"layer_types": ["full_attention", "linear_attention"]}, ("layer_types", "linear_attention")),
     ],

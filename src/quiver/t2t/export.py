@@ -32,7 +32,7 @@ from quiver.t2t.config import (
     dialog_config_document,
 )
 from quiver.t2t.families import DecoderConfig, read_config
-from quiver.t2t.graph import EMBEDDING, HEAD_ROWS, INPUT_IDS, LM_HEAD_NODE, build_decoder
+from quiver.t2t.graph import HEAD_ROWS, INPUT_IDS, LM_HEAD_NODE, build_decoder
 from quiver.t2t.hf import SafetensorsWeights, token_ids
 from quiver.t2t.quantize import (
     ACCURACY_LEVELS,
@@ -156,11 +156,14 @@ def export(
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding), and gate and up in another (~3 %
     # more before malloc used huge pages; level within the noise since), unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
+    if config.qkv_layout == "per_head" and config.qkv is not None and config.qkv.rsplit(".", 1)[-1] in adapted:
+        raise ModelFolderError(f"an adapter on {config.architecture}'s {config.qkv} (q, k and v fused head by head) "
+                               "is not supported; adapt the other projections")  # fmt: skip
     # the LM head its own MatMul where it is quantized; a float head multiplies by the tied embedding itself
     tied = config.tie_embeddings
     head = head_bits(options.quantizer, options.overrides, tied) if options.weight_bits is not None else None
     # a shortlist head rescores with float rows: a tied head's embedding, an untied one's kept copy
-    rows = EMBEDDING if tied else HEAD_ROWS if head == SHORTLIST else None
+    rows = f"{config.embedding}.weight" if tied else HEAD_ROWS if head == SHORTLIST else None
     fused = {
         "fuse_qkv": not adapted & {"q_proj", "k_proj", "v_proj"},
         "fuse_gate_up": not adapted & {"gate_proj", "up_proj"},

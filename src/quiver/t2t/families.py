@@ -120,6 +120,24 @@ class LayerKind:
 
 
 @dataclass(frozen=True)
+class Moe:
+    """Mixture-of-experts MLPs: a router's softmax picks `top_k` of `experts` SiLU-gated MLPs per token
+    (their weights renormalized to sum to 1 when `normalize`), on the layers in `layers`; an optional
+    shared expert, gated by a sigmoid, is added to every token's."""
+
+    experts: int
+    top_k: int
+    normalize: bool
+    intermediate: int
+    layers: frozenset[int]
+    router: str = "mlp.gate"
+    expert: str = "mlp.experts.{e}.{part}"  # part: gate, up or down, as `names` maps them
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str | None = None  # the shared expert's module ("mlp.shared_expert")
+    shared_gate: str | None = None
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
     """The decoder as parts the graph builder composes; module names relative to a layer
     (`model.layers.N.` + name), tensors `NAME.weight` / `NAME.bias` as the checkpoint holds them."""
@@ -179,6 +197,10 @@ class DecoderConfig:
     logit_scale: float = 1.0
     final_softcap: float = 0.0
     layer_prefix: str = "model.layers"
+    moe: Moe | None = None
+    qkv_layout: str = "stacked"  # a fused qkv's rows: q, k, v ("stacked") or per head q, k, v ("per_head")
+    conv1d: bool = False  # projections stored [in, out] (GPT-2's Conv1D), not [out, in]
+    positions: str | None = None  # a learned absolute position table (GPT-2's wpe), added to the embedding
 
     @property
     def attention_scale(self) -> float:
@@ -315,7 +337,7 @@ def _base(f: _Fields, architecture: str, **parts: Any) -> DecoderConfig:
         "heads": heads,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate": f.positive("intermediate_size"),
+        "intermediate": parts["intermediate"] if "intermediate" in parts else f.positive("intermediate_size"),
         "vocab": f.positive("vocab_size"),
         "max_positions": f.positive("max_position_embeddings", 4096),
         "tie_embeddings": f.flag("tie_word_embeddings", False),
@@ -350,8 +372,10 @@ def _window(f: _Fields, key: str = "sliding_window") -> int | None:
 
 def _qwen_window(f: _Fields) -> int | None:
     """Qwen's configs name a window they use only with `use_sliding_window` set."""
-    window = _window(f)
-    return window if f.flag("use_sliding_window") else None
+    if not f.flag("use_sliding_window"):
+        f.get("sliding_window")
+        return None
+    return _window(f)
 
 
 def _llama_like(f: _Fields, architecture: str, **parts: Any) -> DecoderConfig:
@@ -571,6 +595,115 @@ def _ernie(f: _Fields) -> DecoderConfig:
     return _with_layers(config, f, None, lambda _: _rope(f, config.head_dim, _rope_fields(f), interleaved=True))
 
 
+def _moe_layers(f: _Fields, layers: int) -> frozenset[int]:
+    """Qwen's MoE layers: every `decoder_sparse_step`-th, but those in `mlp_only_layers`."""
+    step = f.positive("decoder_sparse_step", 1)
+    dense = f.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise f.refuse("mlp_only_layers", " (a list of layer numbers)")
+    return frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
+def _qwen_moe(f: _Fields, architecture: str) -> DecoderConfig:
+    """Qwen2-MoE (a sigmoid-gated shared expert beside the routed ones) and Qwen3-MoE (q/k norms)."""
+    qwen3 = architecture == "Qwen3MoeForCausalLM"
+    if qwen3:
+        parts: dict[str, Any] = {"qk_norm": "head", **_biases(f)}
+    else:  # Qwen2-MoE: biases on q, k and v unless `qkv_bias` says otherwise
+        parts = {"biases": frozenset("qkv") if f.flag("qkv_bias", True) else frozenset()}
+    config = _llama_like(f, architecture, **parts)
+    shared_size = f.get("shared_expert_intermediate_size") if not qwen3 else None
+    moe = Moe(
+        experts=f.positive("num_local_experts" if "num_local_experts" in f.raw else "num_experts"),
+        top_k=f.positive("num_experts_per_tok"),
+        normalize=f.flag("norm_topk_prob", qwen3),
+        intermediate=f.positive("moe_intermediate_size"),
+        layers=_moe_layers(f, config.layers),
+        shared="mlp.shared_expert" if shared_size else None,
+        shared_gate="mlp.shared_expert_gate" if shared_size else None,
+    )
+    if moe.top_k > moe.experts:
+        raise f.refuse("num_experts_per_tok", " (more than num_experts)")
+    config = dataclasses.replace(config, moe=moe)
+    return _with_layers(config, f, _qwen_window(f), _single_rope(f, config))
+
+
+def _mixtral(f: _Fields) -> DecoderConfig:
+    config = _llama_like(f, "MixtralForCausalLM")
+    f.get("router_jitter_noise")  # training only
+    moe = Moe(experts=f.positive("num_local_experts"), top_k=f.positive("num_experts_per_tok"), normalize=True,
+              intermediate=config.intermediate, layers=frozenset(range(config.layers)),
+              router="block_sparse_moe.gate", expert="block_sparse_moe.experts.{e}.{part}",
+              names=("w1", "w3", "w2"))  # fmt: skip
+    if moe.top_k > moe.experts:
+        raise f.refuse("num_experts_per_tok", " (more than num_local_experts)")
+    config = dataclasses.replace(config, moe=moe)
+    window = _window(f)
+    return _with_layers(config, f, window, _single_rope(f, config), [SLIDING if window else FULL] * config.layers)
+
+
+def _gpt_neox(f: _Fields) -> DecoderConfig:
+    """GPT-NeoX (Pythia): layer norms with bias, q/k/v fused per head, partial rotary, parallel blocks."""
+    parallel = f.flag("use_parallel_residual", True)
+    bias = f.flag("attention_bias", True)
+    config = _base(f, "GPTNeoXForCausalLM", norm="layer", norm_bias=True, parallel=parallel,
+                   layer_prefix="gpt_neox.layers", qkv="attention.query_key_value", qkv_layout="per_head",
+                   o="attention.dense", biases=frozenset({"qkv", "o"}) if bias else frozenset(), gated=False,
+                   activation=_activation(f, "hidden_act", "gelu"), up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h",
+                   mlp_bias=True, embedding="gpt_neox.embed_in", final_norm="gpt_neox.final_layer_norm",
+                   head="embed_out")  # fmt: skip
+    partial = f.get("rotary_pct", f.get("partial_rotary_factor"))
+    theta = f.get("rotary_emb_base")
+    params = _rope_fields(f) or ({"rope_theta": theta} if theta else {})
+    rope = _rope(f, config.head_dim, params, partial=partial)
+    return _with_layers(config, f, None, lambda _: rope)
+
+
+def _falcon(f: _Fields) -> DecoderConfig:
+    """Falcon (7B's layout): one layer norm before parallel attention and MLP, multi-query attention,
+    q/k/v fused (q's heads, then one k, one v), GELU MLP."""
+    if f.flag("new_decoder_architecture") or f.flag("alibi"):
+        raise f.refuse("new_decoder_architecture" if f.raw.get("new_decoder_architecture") else "alibi")
+    if not f.flag("parallel_attn", True):
+        raise f.refuse("parallel_attn")
+    f.get("num_ln_in_parallel_attn"), f.get("num_kv_heads"), f.get("intermediate_size")
+    heads = f.positive("num_attention_heads")
+    kv_heads = 1 if f.flag("multi_query", True) else heads
+    bias = f.flag("bias")
+    hidden = f.positive("hidden_size")
+    f.raw.setdefault("num_key_value_heads", kv_heads)
+    config = _base(f, "FalconForCausalLM", kv_heads=kv_heads, intermediate=f.positive("ffn_hidden_size", 4 * hidden),
+                   norm="layer", norm_bias=True, norm_eps=f.number("layer_norm_epsilon", 1e-5), parallel=True,
+                   mlp_in_norm=None, layer_prefix="transformer.h", qkv="self_attention.query_key_value",
+                   o="self_attention.dense", biases=frozenset({"qkv", "o"}) if bias else frozenset(), gated=False,
+                   activation=_activation(f, "activation", "gelu"), up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h",
+                   mlp_bias=bias, embedding="transformer.word_embeddings", final_norm="transformer.ln_f")  # fmt: skip
+    return _with_layers(config, f, None, _single_rope(f, config))
+
+
+def _gpt2(f: _Fields) -> DecoderConfig:
+    """GPT-2: learned absolute positions, layer norms with bias, Conv1D projections, a GELU MLP."""
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if f.flag(key):
+            raise f.refuse(key)
+    if not f.flag("scale_attn_weights", True):
+        raise f.refuse("scale_attn_weights")
+    hidden, heads = f.positive("n_embd"), f.positive("n_head")
+    for name, value in (("hidden_size", hidden), ("num_attention_heads", heads),
+                        ("num_hidden_layers", f.positive("n_layer")),
+                        ("intermediate_size", f.get("n_inner") or 4 * hidden),
+                        ("max_position_embeddings", f.positive("n_positions", 1024))):  # fmt: skip
+        f.raw.setdefault(name, value)
+    f.raw.setdefault("tie_word_embeddings", True)
+    config = _base(f, "GPT2LMHeadModel", norm="layer", norm_bias=True, norm_eps=f.number("layer_norm_epsilon", 1e-5),
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2", layer_prefix="transformer.h", qkv="attn.c_attn",
+                   o="attn.c_proj", biases=frozenset({"qkv", "o"}), gated=False,
+                   activation=_activation(f, "activation_function", "gelu_new"), up="mlp.c_fc", down="mlp.c_proj",
+                   mlp_bias=True, embedding="transformer.wte", final_norm="transformer.ln_f", conv1d=True,
+                   positions="transformer.wpe")  # fmt: skip
+    return dataclasses.replace(config, layer_kinds=tuple(LayerKind(None, None) for _ in range(config.layers)))
+
+
 FAMILIES: dict[str, Callable[[_Fields], DecoderConfig]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
@@ -594,12 +727,15 @@ FAMILIES: dict[str, Callable[[_Fields], DecoderConfig]] = {
     "Glm4ForCausalLM": _glm4,
     "Exaone4ForCausalLM": _exaone4,
     "Ernie4_5ForCausalLM": _ernie,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": lambda f: _qwen_moe(f, "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": lambda f: _qwen_moe(f, "Qwen3MoeForCausalLM"),
+    "GPTNeoXForCausalLM": _gpt_neox,
+    "FalconForCausalLM": _falcon,
+    "GPT2LMHeadModel": _gpt2,
 }
 # families known and not built (yet): the one line says what they need
 NOT_YET = {
-    "MixtralForCausalLM": "mixture-of-experts layers",
-    "Qwen2MoeForCausalLM": "mixture-of-experts layers",
-    "Qwen3MoeForCausalLM": "mixture-of-experts layers",
     "GptOssForCausalLM": "mixture-of-experts layers and attention sinks",
     "DeepseekV3ForCausalLM": "multi-head latent attention and mixture-of-experts layers",
     "Qwen3NextForCausalLM": "gated delta-rule (linear attention) layers",
@@ -608,9 +744,6 @@ NOT_YET = {
     "GraniteMoeHybridForCausalLM": "Mamba-2 layers",
     "Gemma3nForCausalLM": "per-layer embeddings and AltUp",
     "Gemma4ForCausalLM": "per-layer embeddings",
-    "GPTNeoXForCausalLM": "per-head fused query_key_value projections",
-    "FalconForCausalLM": "fused query_key_value projections",
-    "GPT2LMHeadModel": "learned absolute positions and Conv1D projections",
 }
 
 

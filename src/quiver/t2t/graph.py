@@ -34,7 +34,6 @@ TOTAL_LENGTH = "total_sequence_length"  # [] int32: tokens in the cache after th
 LOGITS = "logits"
 BATCH = "batch"  # the rows (sequences) of a batched graph
 LM_HEAD, LM_HEAD_NODE = "lm_head.weight", "/lm_head/MatMul"
-EMBEDDING = "model.embed_tokens.weight"
 HEAD_ROWS = "lm_head.rows"  # an untied head's float [vocab, hidden] rows, kept beside its quantized copy
 OPSET = 21
 
@@ -113,12 +112,18 @@ class _Builder:
         return normed, total
 
     # --- blocks ---------------------------------------------------------------------------------------
-    def linear(self, x: str, module: str, bias: bool = False) -> str:
-        w = self.weight(f"{module}.weight", self.read(f"{module}.weight").T)
+    def linear(self, x: str, module: str, bias: bool = False, order: np.ndarray | None = None) -> str:
+        """x @ the module's weight [in, out] (+ its bias); `order`: the output columns taken in that order."""
+        weight = self.read(f"{module}.weight")
+        weight = weight if self.config.conv1d else weight.T  # GPT-2's Conv1D holds [in, out] already
+        if order is not None:
+            weight = weight[:, order]
         scope = "/" + module.replace(".", "/")
-        y = self.node("MatMul", [x, w], f"{scope}/MatMul")
+        y = self.node("MatMul", [x, self.weight(f"{module}.weight", weight)], f"{scope}/MatMul")
         if bias:
-            y = self.node("Add", [y, self.weight(f"{module}.bias", self.read(f"{module}.bias"))], f"{scope}/Add")
+            values = self.read(f"{module}.bias")
+            values = values[order] if order is not None else values
+            y = self.node("Add", [y, self.weight(f"{module}.bias", values)], f"{scope}/Add")
         return y
 
     def split(self, x: str, sizes: list[int], scope: str) -> list[str]:
@@ -184,6 +189,19 @@ def build_decoder(
     hidden = b.node("Gather", [embedding, INPUT_IDS], "/model/embed_tokens/Gather")
     if c.embed_scale != 1.0:
         hidden = b.node("Mul", [hidden, b.scalar(c.embed_scale)], "/model/embed_tokens/Scale")
+    if c.positions is not None:  # learned absolute positions: each row's tokens sit after its cached ones
+        table = b.weight(f"{c.positions}.weight", weight(f"{c.positions}.weight"))
+        one, zero = b.constant(np.array(1, np.int64)), b.constant(np.array(0, np.int64))
+        shape = b.node("Shape", [INPUT_IDS], "/model/positions/Shape")
+        count = b.node("Gather", [shape, one], "/model/positions/Count")
+        total = b.node("Add", [b.node("Cast", [SEQLENS_K], "/model/positions/Cast", to=TensorProto.INT64), one],
+                       "/model/positions/Total")  # fmt: skip
+        start = b.node("Sub", [total, count], "/model/positions/Start")
+        steps = b.node("Range", [zero, count, one], "/model/positions/Range")
+        column = b.node("Unsqueeze", [start, b.constant(np.array([1], np.int64))], "/model/positions/Column")
+        positions = b.node("Add", [column, steps], "/model/positions/Ids")
+        learned = b.node("Gather", [table, positions], "/model/positions/Gather")
+        hidden = b.node("Add", [hidden, learned], "/model/positions/Add")
     residual, delta = hidden, ""
 
     def enter(module: str | None, scope: str) -> str:
@@ -208,6 +226,9 @@ def build_decoder(
         return y
 
     q_size, kv_size = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    per_head_order = None  # GPT-NeoX's fused rows, head by head q, k, v: taken as all q, all k, all v
+    if c.qkv_layout == "per_head":
+        per_head_order = np.arange(3 * q_size).reshape(c.heads, 3, c.head_dim).transpose(1, 0, 2).reshape(-1)
     qkv_biased = {"q", "k", "v"} <= c.biases
     separable = c.qk_norm is None and c.clip_qkv is None  # q, k, v may reach attention packed
     fuse_qkv = fuse_qkv and separable and (qkv_biased or not {"q", "k", "v"} & c.biases)
@@ -216,7 +237,7 @@ def build_decoder(
         module = lambda name: c.module(layer, name)  # noqa: E731
         if c.qkv is not None or fuse_qkv:
             if c.qkv is not None:
-                packed = b.linear(x, module(c.qkv), "qkv" in c.biases or qkv_biased)
+                packed = b.linear(x, module(c.qkv), "qkv" in c.biases or qkv_biased, per_head_order)
             else:
                 names = [module(n) for n in (c.q, c.k, c.v)]
                 w = b.weight(module("self_attn.qkv_proj.weight"),
@@ -265,8 +286,43 @@ def build_decoder(
         ))  # fmt: skip
         return b.linear(f"{name}/output_0", module(c.o), "o" in c.biases)
 
+    def experts(x: str, layer: int, scope: str) -> str:
+        """ORT's MoE operator: the router's logits in, the experts' gate and up rows interleaved (the one
+        SwiGLU layout its CPU kernel takes), each expert's weights [out, in] as the checkpoint holds them."""
+        moe = c.moe
+        assert moe is not None
+        module = lambda name: c.module(layer, name)  # noqa: E731
+        # the operator takes tokens as rows: [tokens, hidden] and [tokens, experts], then the shape back
+        rows = b.node("Reshape", [x, b.constant(np.array([-1, c.hidden], np.int64))], f"{scope}/mlp/Rows")
+        router = b.linear(rows, module(moe.router))
+
+        def part(e: int, which: int) -> np.ndarray:
+            return weight(module(moe.expert.format(e=e, part=moe.names[which])) + ".weight")
+
+        fc1 = np.stack([np.stack([part(e, 0), part(e, 1)], axis=1).reshape(2 * moe.intermediate, c.hidden)
+                        for e in range(moe.experts)])  # fmt: skip
+        fc2 = np.stack([part(e, 2) for e in range(moe.experts)])
+        w1, w2 = b.weight(module("mlp.experts.fc1"), fc1), b.weight(module("mlp.experts.fc2"), fc2)
+        y = b.node("MoE", [rows, router, w1, "", w2], f"{scope}/mlp/MoE", domain=MS_DOMAIN, k=moe.top_k,
+                   activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                   swiglu_limit=float("inf"), normalize_routing_weights=int(moe.normalize))  # fmt: skip
+        y = b.node("Reshape", [y, b.node("Shape", [x], f"{scope}/mlp/Shape")], f"{scope}/mlp/Unrows")
+        if moe.shared is None or moe.shared_gate is None:
+            return y
+        shared = gated_mlp(x, module(f"{moe.shared}.gate_proj"), module(f"{moe.shared}.up_proj"),
+                           module(f"{moe.shared}.down_proj"), f"{scope}/mlp/shared_expert")  # fmt: skip
+        gate = b.node("Sigmoid", [b.linear(x, module(moe.shared_gate))], f"{scope}/mlp/shared_expert_gate/Sigmoid")
+        return b.node("Add", [y, b.node("Mul", [shared, gate], f"{scope}/mlp/shared/Mul")], f"{scope}/mlp/Add")
+
+    def gated_mlp(x: str, gate_module: str, up_module: str, down_module: str, scope: str) -> str:
+        gate, up = b.linear(x, gate_module, c.mlp_bias), b.linear(x, up_module, c.mlp_bias)
+        product = b.node("Mul", [b.activation(gate, f"{scope}/act"), up], f"{scope}/Mul")
+        return b.linear(product, down_module, c.mlp_bias)
+
     def mlp(x: str, layer: int, scope: str) -> str:
         module = lambda name: c.module(layer, name)  # noqa: E731
+        if c.moe is not None and layer in c.moe.layers:
+            return experts(x, layer, scope)
         if not c.gated:
             up = b.linear(x, module(c.up), c.mlp_bias)
             return b.linear(b.activation(up, f"{scope}/mlp/act"), module(c.down), c.mlp_bias)
@@ -279,7 +335,7 @@ def build_decoder(
             both = b.node("MatMul", [x, w], f"{scope}/mlp/gate_up_proj/MatMul")
             gate, up = b.split(both, [c.intermediate, c.intermediate], f"{scope}/mlp/Split")
         else:
-            gate, up = b.linear(x, module(c.gate), c.mlp_bias), b.linear(x, module(c.up), c.mlp_bias)
+            return gated_mlp(x, module(c.gate), module(c.up), module(c.down), f"{scope}/mlp")
         product = b.node("Mul", [b.activation(gate, f"{scope}/mlp/act"), up], f"{scope}/mlp/Mul")
         return b.linear(product, module(c.down), c.mlp_bias)
 

@@ -207,7 +207,9 @@ def _shortlisted_head(model: onnx.ModelProto, hidden: str, logits: str, rows: on
             numpy_helper.from_array(np.array([-2], np.int64), part("axis")),
         ]
     )
-    graph.node.extend(
+    # right after the head: nodes that read its logits (a bias, a scale, a soft-cap) come after these
+    at = next(i for i, node in enumerate(graph.node) if approx in node.output) + 1
+    shortlist_nodes = (
         [
             helper.make_node("TopK", [approx, part("k")], [part("values"), part("ids")], name=part("TopK"), axis=-1),
             helper.make_node("Gather", [rows.name, part("ids")], [part("rows")], name=part("Gather"), axis=0),
@@ -219,6 +221,8 @@ def _shortlisted_head(model: onnx.ModelProto, hidden: str, logits: str, rows: on
                              name=part("ScatterElements"), axis=-1),
         ]
     )  # fmt: skip
+    for offset, node in enumerate(shortlist_nodes):
+        graph.node.insert(at + offset, node)
     use_microsoft_domain(model)
     return model
 
