@@ -150,6 +150,7 @@ def export(
         tokenizer = folder / TOKENIZER_FILE
         if not tokenizer.is_file():
             raise ModelFolderError(f"{folder} has no tokenizer.json (save the tokenizer with a fast tokenizer)")
+        weights = SafetensorsWeights(folder)  # the headers only: each tensor is read when the graph needs it
     size = min(options.context_size, config.max_positions)
     if size < 2 or options.prefill_window < 1:
         raise ModelFolderError(
@@ -160,8 +161,6 @@ def export(
     out.mkdir(parents=True, exist_ok=True)
     loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
     on_step("reading weights and building the graph")
-    if not isinstance(weights, GgufModel):
-        weights = SafetensorsWeights(folder)
     # q, k and v in one MatMul (fewer, larger kernels: ~4 % faster decoding), and gate and up in another (~3 %
     # more before malloc used huge pages; level within the noise since), unless adapters attach to them
     adapted = {module.rsplit(".", 1)[-1] for adapter in loaded.values() for module in adapter.modules}
