@@ -671,7 +671,7 @@ def _falcon(f: _Fields) -> DecoderConfig:
     kv_heads = 1 if f.flag("multi_query", True) else heads
     bias = f.flag("bias")
     hidden = f.positive("hidden_size")
-    f.raw.setdefault("num_key_value_heads", kv_heads)
+    f.raw.setdefault("num_key_value_heads", kv_heads)  # under Llama's name, for `_base`'s check of the heads
     config = _base(f, "FalconForCausalLM", kv_heads=kv_heads, intermediate=f.positive("ffn_hidden_size", 4 * hidden),
                    norm="layer", norm_bias=True, norm_eps=f.number("layer_norm_epsilon", 1e-5), parallel=True,
                    mlp_in_norm=None, layer_prefix="transformer.h", qkv="self_attention.query_key_value",
@@ -689,6 +689,7 @@ def _gpt2(f: _Fields) -> DecoderConfig:
     if not f.flag("scale_attn_weights", True):
         raise f.refuse("scale_attn_weights")
     hidden, heads = f.positive("n_embd"), f.positive("n_head")
+    # GPT-2 names its sizes otherwise: written under Llama's names, which `_base` reads
     for name, value in (("hidden_size", hidden), ("num_attention_heads", heads),
                         ("num_hidden_layers", f.positive("n_layer")),
                         ("intermediate_size", f.get("n_inner") or 4 * hidden),
