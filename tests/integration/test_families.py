@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from quiver.errors import QuiverError
+from quiver.ort_package import onnxruntime
 from quiver.t2t.batch import BASE_SLOT, BatchDecoder
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
@@ -69,6 +70,10 @@ OUTCOMES: dict[str, str] = {
     "falcon": "equal",
     "gpt2": "equal",
 }
+
+# mixture-of-experts layers run on ORT's MoE operator, refused under onnxruntime 1.32 (1.24's gave other tokens)
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
+MOE_TRUSTED = tuple(int(p) for p in onnxruntime.__version__.split(".")[:2]) >= (1, 32)
 
 # cases whose adapter Quiver refuses in one line holding these words (the base model must still be equal)
 ADAPTER_REFUSED = {"gpt_neox": "query_key_value"}
@@ -135,6 +140,10 @@ def test_a_family_gives_transformers_tokens_or_refuses_in_one_line(
         assert ADAPTER_REFUSED[case] in str(refused.value) and "\n" not in str(refused.value)
         adapters = {}
     config = export(real_families / case, tmp_path / "out", adapters, options=ExportOptions(context_size=128))
+    if case in MOE and not MOE_TRUSTED:
+        with pytest.raises(QuiverError, match="onnxruntime >= 1.32"):
+            Dialog.from_config(config.path)
+        return
     tokens = len(reference["base"][0])
     with Dialog.from_config(config.path) as dialog:
         assert _greedy(dialog, reference["prompts"], tokens) == reference["base"], case
@@ -160,6 +169,8 @@ def test_a_familys_quantized_exports_keep_its_next_token_logits(
 ) -> None:
     """The weight quantizers (and the head each plans: a shortlist head where the default plans one) follow
     the families: quantized weights keep the direction of the float model's next-token logits."""
+    if case in MOE and not MOE_TRUSTED:
+        return  # refused at the first session (the test above)
     prompt = expected[case]["prompts"][1]
     logits = {}
     for bits in (None, 8, 4):

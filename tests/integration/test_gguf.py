@@ -14,6 +14,7 @@ import pytest
 
 from quiver.errors import QuiverError
 from quiver.serve.chat import find_chat_template
+from quiver.t2t.batch import BASE_SLOT, BatchDecoder
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from tests.support.cli import assert_one_line_error, quiver
@@ -25,7 +26,33 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="module")
 def exported(real_families: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export(real_families / GGUF, tmp_path_factory.mktemp("gguf"), options=ExportOptions(context_size=256)).path
+    """The file's weights dequantized to float32 (`--gguf-blocks dequantize`)."""
+    options = ExportOptions(context_size=256, gguf_blocks="dequantize")
+    return export(real_families / GGUF, tmp_path_factory.mktemp("gguf"), options=options).path
+
+
+def test_a_gguf_files_4_bit_blocks_run_as_they_are_with_the_dequantized_models_tokens(
+    exported: Path, real_families: Path, real_llms: Path, tmp_path: Path
+) -> None:
+    """By default its Q4_1 blocks are carried into 4-bit weights as they are (float activations): a context
+    under half the float one's size whose logits are the dequantized model's but for the order of float
+    additions, and 128 greedy tokens equal transformers' on the dequantized weights."""
+    carried = export(real_families / GGUF, tmp_path / "carried", options=ExportOptions(context_size=256)).path
+    assert (carried.parent / "model.qctx").stat().st_size < 0.5 * (exported.parent / "model.qctx").stat().st_size
+    expected: dict[str, Any] = json.loads((real_llms / "expected.json").read_text())
+    for ids in expected["prompt_ids"]:
+        logits = []
+        for config in (exported, carried):
+            decoder = BatchDecoder.from_config(config, max_batch=1)
+            try:
+                logits.append(decoder.prefill(0, ids, 0, BASE_SLOT).copy())
+            finally:
+                decoder.close()
+        assert np.abs(logits[0] - logits[1]).max() < 1e-3
+    with Dialog.from_config(carried) as dialog:
+        for ids, reference in zip(expected["prompt_ids"], expected["base_long"]):
+            dialog.reset()
+            assert dialog.token_query(ids, max_new_tokens=128, min_new_tokens=128, greedy=True).new_ids == reference
 
 
 def test_a_gguf_file_gives_transformers_greedy_tokens_on_its_dequantized_weights(

@@ -51,6 +51,9 @@ def _named_path(value: str) -> tuple[str, Path]:
 )
 @click.option("--weight-bitwidth", type=click.Choice(["4", "8"]), help="Quantize MatMul weights (MatMulNBits).")
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
+@click.option("--gguf-blocks", type=click.Choice(["carry", "dequantize"]), default="carry", show_default=True,
+              help="A GGUF file's Q4_0/Q4_1 weights without --weight-bitwidth: run its blocks as they are (4-bit, "
+                   "float activations), or as float32.")  # fmt: skip
 @click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
               help="rtn: symmetric blocks; rtn-asym: a 4-bit zero point per block; rtn-min: a scale and a float "
                    "minimum per block (GGUF's Q4_1; exact for weights on such a grid, float activations); hqq: "
@@ -88,6 +91,7 @@ def t2t_export(
     lora_config: Path | None,
     weight_bitwidth: str | None,
     block_size: int,
+    gguf_blocks: str,
     quantizer: str,
     calibration: Path | None,
     accuracy_level: int | None,
@@ -150,6 +154,7 @@ def t2t_export(
         calibration=tuple(read_prompts(calibration)) if calibration else (),
         accuracy_level=accuracy_level,
         overrides=tuple(parse_override(rule) for rule in overrides),
+        gguf_blocks=gguf_blocks,
     )
     with status_line("exporting") as status:
         dialog = export(model_dir, output_dir, adapters, use_cases, options, on_step=lambda s: status.update(s))

@@ -44,6 +44,7 @@ from quiver.t2t.quantize import (
     calibration_moments,
     head_bits,
     quantize_weights,
+    with_given_blocks,
 )
 from quiver.t2t.tokenizer import TextTokenizer
 
@@ -72,6 +73,8 @@ class ExportOptions:
     accuracy_level: int | None = None
     # per-weight bits, `quiver.t2t.quantize.parse_override`'s rules in order (the LM head: lm_head.weight)
     overrides: tuple[Override, ...] = ()
+    # a GGUF file's Q4_0/Q4_1 blocks without --weight-bitwidth: "carry" them as they are, or "dequantize"
+    gguf_blocks: str = "carry"
 
 
 def _accuracy_level(options: ExportOptions) -> int | None:
@@ -172,9 +175,11 @@ def export(
     head = head_bits(options.quantizer, options.overrides, tied) if options.weight_bits is not None else None
     # a shortlist head rescores with float rows: a tied head's embedding, an untied one's kept copy
     rows = f"{config.embedding}.weight" if tied else HEAD_ROWS if head == SHORTLIST else None
+    # a GGUF file's 4-bit blocks run as they are (unless asked to quantize again): one MatMul per tensor
+    carried = isinstance(weights, GgufModel) and options.weight_bits is None and options.gguf_blocks == "carry"
     fused = {
-        "fuse_qkv": not adapted & {"q_proj", "k_proj", "v_proj"},
-        "fuse_gate_up": not adapted & {"gate_proj", "up_proj"},
+        "fuse_qkv": not carried and not adapted & {"q_proj", "k_proj", "v_proj"},
+        "fuse_gate_up": not carried and not adapted & {"gate_proj", "up_proj"},
     }
     model, batched = (
         build_decoder(
@@ -201,6 +206,12 @@ def export(
         if BASE_USE_CASE not in {u.name for u in cases}:  # Genie's base use case: every adapter off, selectable
             cases.append(UseCase(BASE_USE_CASE, [], [], None))
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
+    if carried:
+        assert isinstance(weights, GgufModel)
+        blocks = {name: b for name in weights.names() if (b := weights.blocks(name)) is not None}
+        if blocks:
+            on_step(f"carrying {len(blocks)} 4-bit tensors of the GGUF file as they are")
+            model, batched = (with_given_blocks(m, 32, blocks) for m in (model, batched))
     if options.weight_bits is not None:
         moments = None
         solved: dict[str, BlockWeights] = {}  # GPTQ's blocks, found for the prefill graph, reused by the batched one
@@ -260,7 +271,8 @@ def export(
         alpha_tensor=ALPHA_INPUT if cases else None,
         adapters={c.name: LoraAdapterConfig(c.name, tuple(c.adapters), (sections[c.name],)) for c in cases},
         prefill_window=options.prefill_window,
-        accuracy_level=_accuracy_level(options),
+        # carried GGUF blocks compute with float activations unless asked otherwise: the file's own values
+        accuracy_level=0 if carried and options.accuracy_level is None else _accuracy_level(options),
     )
     write_text_atomically(dialog.path, json.dumps(dialog_config_document(dialog, out), indent=2) + "\n")
     return dialog

@@ -166,8 +166,42 @@ class GgufModel:
                                    f"read ({exc})") from None  # fmt: skip
         return np.ascontiguousarray(values)
 
+    def names(self) -> list[str]:
+        """Every tensor of the file, by its transformers name."""
+        return list(self._names)
+
     def unused(self) -> list[str]:
         return sorted(n for n in self._names if n not in self._read)
+
+    def blocks(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A Q4_0 or Q4_1 tensor's own 4-bit blocks of 32 (None for any other type): q [N, K / 32, 32]
+        (0..15), scales and minimums [N, K / 32], w = scale q + minimum, rows in transformers' order."""
+        import gguf
+
+        source = self._names.get(name)
+        if source is None:
+            return None
+        tensor = self._tensors[source]
+        kinds = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}
+        if tensor.tensor_type not in kinds or len(tensor.shape) != 2:
+            return None
+        k, n = (int(d) for d in tensor.shape)
+        size = kinds[tensor.tensor_type]
+        raw = np.asarray(tensor.data, np.uint8).reshape(n, k // 32, size)
+        scales = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            minimums, packed = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), raw[..., 4:]
+        else:  # Q4_0: w = scale (q - 8)
+            minimums, packed = -8 * scales, raw[..., 2:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # a block's first 16 in the low nibbles
+        if ".attn_q." in source or ".attn_k." in source:  # the rows llama.cpp reordered, put back
+            heads = self.config.heads if ".attn_q." in source else self.config.kv_heads
+
+            def rows(a: np.ndarray) -> np.ndarray:
+                return a.reshape(heads, n // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+            q, scales, minimums = rows(q), rows(scales), rows(minimums)
+        return np.ascontiguousarray(q), scales, minimums
 
     def write_tokenizer(self, out: Path) -> None:
         """tokenizer.json (and the chat template, as tokenizer_config.json holds it) from the file."""

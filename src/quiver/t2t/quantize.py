@@ -410,15 +410,26 @@ def hqq_minimums(
     return q, scale[..., 0], (-kept * scale)[..., 0].astype(np.float32)
 
 
+Blocks = tuple[np.ndarray, np.ndarray, np.ndarray]  # q [N, K / block, block] (0..15), scales, minimums [N, K / block]
+
+
+def with_given_blocks(model: onnx.ModelProto, block_size: int, blocks: Mapping[str, Blocks]) -> onnx.ModelProto:
+    """Each MatMul whose weight `blocks` names runs on those 4-bit blocks as they are (a GGUF file's Q4_0 and
+    Q4_1 blocks: w = scale q + minimum), in the form `rtn-min` writes."""
+    include = {n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in blocks}
+    return _with_block_minimums(model, block_size, include, given=blocks)
+
+
 def _with_block_minimums(
     model: onnx.ModelProto,
     block_size: int,
     include: Collection[str],
-    fit: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = block_minimums,
+    fit: Callable[[np.ndarray, int], Blocks] = block_minimums,
+    given: Mapping[str, Blocks] | None = None,
 ) -> onnx.ModelProto:
     """`rtn-min` and `hqq` (see the module): each MatMul named in `include` that fits (a [K, N] weight, K a
-    multiple of the block) becomes MatMulNBits + the minimums' MatMul, its blocks by `fit`; the others stay
-    as they are."""
+    multiple of the block) becomes MatMulNBits + the minimums' MatMul, its blocks by `fit` (or `given`,
+    by weight name); the others stay as they are."""
     from onnx import helper, numpy_helper
 
     from quiver.ir.edit import drop_unread_initializers
@@ -437,7 +448,9 @@ def _with_block_minimums(
         source, name, out = node.input[0], node.input[1], node.output[0]
         k, n = (int(d) for d in weight.dims)
         if name not in replaced:  # a weight read by several MatMuls is quantized once
-            q, scales, minimums = fit(numpy_helper.to_array(weight), block_size)
+            q, scales, minimums = (
+                given[name] if given and name in given else fit(numpy_helper.to_array(weight), block_size)
+            )
             offsets = (minimums + 8 * scales).T  # [K / block, N]: what the block's sum of x is multiplied by
             graph.initializer.extend(
                 [
