@@ -28,7 +28,8 @@ import quiver
 from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int4_profile import measure_int4_profile  # noqa: E402  (a sibling script, not a package)
+from gguf import measure_gguf  # noqa: E402  (a sibling script, not a package)
+from int4_profile import measure_int4_profile  # noqa: E402
 from lora import measure_lora  # noqa: E402
 from minilm_quantizers import measure_minilm_quantizers  # noqa: E402
 from ort_api import measure_ort_api  # noqa: E402
@@ -282,6 +283,7 @@ SECTIONS = (
     "minilm_quantizers",
     "ort_api",
     "t2t",
+    "gguf",
     "quantizers",
     "int4_profile",
     "serve",
@@ -364,6 +366,12 @@ def main() -> None:
             corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("text generation ...", file=sys.stderr)
             report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=15)
+        if "gguf" in sections:
+            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            families = ["bash", "ci/make-real-models", "families"]
+            corpus = subprocess.run(families, capture_output=True, text=True, check=True)
+            print("a GGUF file's blocks ...", file=sys.stderr)
+            report["gguf"] = measure_gguf(folder, Path(llms.stdout.strip()), Path(corpus.stdout.strip()))
         if "minilm_quantizers" in sections:
             corpus = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
             print("4-bit quantizers on MiniLM ...", file=sys.stderr)
