@@ -109,3 +109,21 @@ def test_what_the_gguf_reader_does_not_cover_is_one_line(
     assert words in str(refused.value) and "\n" not in str(refused.value)
     result = quiver("t2t", "export", "--model", str(path), "-o", str(tmp_path / "cli"))
     assert_one_line_error(result, words)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2"])
+def test_gguf_files_of_each_architecture_give_the_models_greedy_tokens(
+    case: str, real_families: Path, tmp_path: Path
+) -> None:
+    """Tiny models written as llama.cpp writes `llama` (q/k rows reordered) and `qwen2` (q/k/v biases)
+    files, F32, each checked by transformers' own GGUF reader when the corpus was made: transformers'
+    greedy tokens."""
+    reference = json.loads((real_families / "expected.json").read_text())[case]
+    assert reference.get("gguf"), f"transformers read {case}'s GGUF file otherwise; see tests/real/make_families.py"
+    config = export(real_families / reference["gguf"], tmp_path / "out", options=ExportOptions(context_size=128))
+    with Dialog.from_config(config.path) as dialog:
+        for ids, want in zip(reference["prompts"], reference["base"]):
+            dialog.reset()
+            assert (
+                dialog.token_query(ids, max_new_tokens=len(want), min_new_tokens=len(want), greedy=True).new_ids == want
+            )

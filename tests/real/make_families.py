@@ -304,6 +304,70 @@ def _gemma3_270m(out: Path) -> dict[str, Any]:
     return {"gguf": name, "prompts": REAL_PROMPTS, "prompt_ids": [p[0].tolist() for p in ids], "greedy": greedy}
 
 
+# tiny cases written as llama.cpp writes their architecture (F32 tensors, SmolLM2's tokenizer fields),
+# each checked by transformers' own GGUF reader against the case's greedy tokens before it is kept
+GGUF_CASES = {"qwen2": "qwen2", "llama": "llama"}
+_GGUF_TENSORS = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def _gguf_name(name: str) -> str:
+    if name in _GGUF_TENSORS:
+        return _GGUF_TENSORS[name]
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    for hf, gg in _GGUF_TENSORS.items():
+        if rest.startswith(hf):
+            return f"blk.{layer}.{gg}{rest[len(hf) :]}"
+    raise KeyError(name)
+
+
+def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
+    from safetensors.torch import load_file
+
+    import gguf
+
+    config = json.loads((out / case / "config.json").read_text())
+    source = gguf.GGUFReader(str(smollm2_gguf))
+    path = out / f"{case}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        writer.add_string(key, source.fields[key].contents())
+    writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    for name, tensor in load_file(str(out / case / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        gg = _gguf_name(name)
+        if arch == "llama" and gg.endswith(("attn_q.weight", "attn_k.weight")):  # llama.cpp's own reordering
+            n = heads if "attn_q" in gg else kv_heads
+            array = array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+        writer.add_tensor(gg, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -318,6 +382,14 @@ def main() -> None:
             traceback.print_exc()
             expected[name] = {"class": cls_name, "error": f"{type(exc).__name__}: {exc}"[:400]}
         print(name, "error" if "error" in expected[name] else "ok", file=sys.stderr)
+    smollm2_gguf = out / gguf
+    for case, arch in GGUF_CASES.items():
+        path = _write_gguf(out, case, arch, smollm2_gguf)
+        loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32).eval()
+        eos = int(tokenizer.eos_token_id)
+        greedy = [_greedy(loaded, p, eos) for p in PROMPTS]
+        expected[case]["gguf"] = path.name if greedy == expected[case]["base"] else None
+        print(case, "gguf", "ok" if expected[case]["gguf"] else "differs in transformers", file=sys.stderr)
     (out / "expected.json").write_text(json.dumps(expected, indent=1))
     (out / "gemma3_270m.json").write_text(json.dumps(_gemma3_270m(out)))
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}

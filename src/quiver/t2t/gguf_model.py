@@ -36,6 +36,7 @@ _COMMON_KEYS = {  # llama.cpp's metadata (after `ARCH.`) -> transformers' config
     "context_length": "max_position_embeddings",
     "vocab_size": "vocab_size",
     "attention.key_length": "head_dim",
+    "attention.value_length": "_value_length",  # checked equal to the key length
 }
 _COMMON_NAMES = [  # GGUF tensor name -> transformers'
     (r"token_embd\.weight", "model.embed_tokens.weight"),
@@ -69,9 +70,11 @@ _ARCHITECTURES = {
     "llama": _Architecture("LlamaForCausalLM", {"hidden_act": "silu"}, {},
                            [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight")],
                            permuted_qk=True),
+    "qwen2": _Architecture("Qwen2ForCausalLM", {"hidden_act": "silu"}, {},
+                           [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight")]),
     "gemma3": _Architecture(
         "Gemma3ForCausalLM", {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
-        {"attention.sliding_window": "sliding_window", "attention.value_length": "_value_length"},
+        {"attention.sliding_window": "sliding_window"},
         [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
          (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
          (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
