@@ -17,6 +17,7 @@ from quiver.t2t.batch import BASE_SLOT, BatchDecoder
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.families import FAMILIES, NOT_YET
+from tests.support.greedy import dialog_greedy, next_token_logits
 
 pytestmark = pytest.mark.integration
 
@@ -90,14 +91,6 @@ def test_every_case_of_the_corpus_has_an_outcome(expected: dict[str, Any]) -> No
         assert case["class"] in FAMILIES or case["class"] in NOT_YET, case["class"]
 
 
-def _greedy(dialog: Dialog, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    results = []
-    for ids in prompts:
-        dialog.reset()
-        results.append(dialog.token_query(ids, max_new_tokens=tokens, min_new_tokens=tokens, greedy=True).new_ids)
-    return results
-
-
 def _batched_greedy(
     decoder: BatchDecoder, prompts: list[list[int]], tokens: int, slot: int, eos: int
 ) -> list[list[int]]:
@@ -146,10 +139,12 @@ def test_a_family_gives_transformers_tokens_or_refuses_in_one_line(
         return
     tokens = len(reference["base"][0])
     with Dialog.from_config(config.path) as dialog:
-        assert _greedy(dialog, reference["prompts"], tokens) == reference["base"], case
+        assert dialog_greedy(dialog, reference["prompts"], tokens) == reference["base"], case
         if adapters:
             dialog.apply_lora("qv")
-            assert _greedy(dialog, reference["prompts"], tokens) == reference["qv"], f"{case} with its q/v adapter"
+            assert dialog_greedy(dialog, reference["prompts"], tokens) == reference["qv"], (
+                f"{case} with its q/v adapter"
+            )
     # the serving graph: the prompts side by side in its rows
     decoder = BatchDecoder.from_config(config.path, max_batch=2)
     try:
@@ -176,11 +171,7 @@ def test_a_familys_quantized_exports_keep_its_next_token_logits(
     for bits in (None, 8, 4):
         config = export(real_families / case, tmp_path / f"out{bits}",
                         options=ExportOptions(context_size=128, weight_bits=bits))  # fmt: skip
-        decoder = BatchDecoder.from_config(config.path, max_batch=1)
-        try:
-            logits[bits] = decoder.prefill(0, prompt, 0, BASE_SLOT).copy()
-        finally:
-            decoder.close()
+        logits[bits] = next_token_logits(config.path, prompt)
 
     def cosine(bits: int) -> float:
         return float(logits[None] @ logits[bits] / (np.linalg.norm(logits[None]) * np.linalg.norm(logits[bits])))
@@ -198,7 +189,7 @@ def test_the_real_gemma_3_270m_gives_transformers_greedy_tokens(real_families: P
     config = export(real_families / "gemma3_270m", tmp_path / "out", options=ExportOptions(context_size=128))
     with Dialog.from_config(config.path) as dialog:
         assert [dialog.tokenizer.encode(p) for p in reference["prompts"]] == reference["prompt_ids"]
-        assert _greedy(dialog, reference["prompt_ids"], 32) == reference["greedy"]
+        assert dialog_greedy(dialog, reference["prompt_ids"], 32) == reference["greedy"]
 
 
 def test_the_real_gemma_3_270m_straight_from_its_gguf_file_gives_the_same_tokens(
@@ -211,4 +202,4 @@ def test_the_real_gemma_3_270m_straight_from_its_gguf_file_gives_the_same_tokens
     config = export(real_families / reference["gguf"], tmp_path / "out", options=ExportOptions(context_size=128))
     with Dialog.from_config(config.path) as dialog:
         assert [dialog.tokenizer.encode(p) for p in reference["prompts"]] == reference["prompt_ids"]
-        assert _greedy(dialog, reference["prompt_ids"], 32) == reference["greedy"]
+        assert dialog_greedy(dialog, reference["prompt_ids"], 32) == reference["greedy"]

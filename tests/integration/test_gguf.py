@@ -15,10 +15,10 @@ import pytest
 
 from quiver.errors import QuiverError
 from quiver.serve.chat import find_chat_template
-from quiver.t2t.batch import BASE_SLOT, BatchDecoder
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from tests.support.cli import assert_one_line_error, quiver
+from tests.support.greedy import dialog_greedy, next_token_logits
 
 pytestmark = pytest.mark.integration
 
@@ -42,18 +42,9 @@ def test_a_gguf_files_4_bit_blocks_run_as_they_are_with_the_dequantized_models_t
     assert (carried.parent / "model.qctx").stat().st_size < 0.5 * (exported.parent / "model.qctx").stat().st_size
     expected: dict[str, Any] = json.loads((real_llms / "expected.json").read_text())
     for ids in expected["prompt_ids"]:
-        logits = []
-        for config in (exported, carried):
-            decoder = BatchDecoder.from_config(config, max_batch=1)
-            try:
-                logits.append(decoder.prefill(0, ids, 0, BASE_SLOT).copy())
-            finally:
-                decoder.close()
-        assert np.abs(logits[0] - logits[1]).max() < 1e-3
+        assert np.abs(next_token_logits(exported, ids) - next_token_logits(carried, ids)).max() < 1e-3
     with Dialog.from_config(carried) as dialog:
-        for ids, reference in zip(expected["prompt_ids"], expected["base_long"]):
-            dialog.reset()
-            assert dialog.token_query(ids, max_new_tokens=128, min_new_tokens=128, greedy=True).new_ids == reference
+        assert dialog_greedy(dialog, expected["prompt_ids"], 128) == expected["base_long"]
 
 
 def test_a_gguf_file_gives_transformers_greedy_tokens_on_its_dequantized_weights(
@@ -62,9 +53,7 @@ def test_a_gguf_file_gives_transformers_greedy_tokens_on_its_dequantized_weights
     expected: dict[str, Any] = json.loads((real_llms / "expected.json").read_text())
     with Dialog.from_config(exported) as dialog:
         assert [dialog.tokenizer.encode(p) for p in expected["prompts"]] == expected["prompt_ids"]
-        for ids, reference in zip(expected["prompt_ids"], expected["base"]):
-            dialog.reset()
-            assert dialog.token_query(ids, max_new_tokens=32, min_new_tokens=32, greedy=True).new_ids == reference
+        assert dialog_greedy(dialog, expected["prompt_ids"], 32) == expected["base"]
 
 
 def test_the_files_tokenizer_splits_digits_as_llama_cpp_does_and_its_chat_template_is_carried(
