@@ -93,3 +93,10 @@ def test_bias_flags_sliding_windows_and_ropes_are_read_into_the_recipe(folder: P
     assert {k.window for k in read_config(folder).layer_kinds} == {16}
     _edit(folder, architectures=["Qwen2ForCausalLM"], use_sliding_window=False, max_window_layers=1)
     assert {k.window for k in read_config(folder).layer_kinds} == {None}  # named, not used: Qwen's default
+
+
+def test_a_tied_heads_saved_copy_is_left_as_transformers_leaves_it(folder: Path, tmp_path: Path) -> None:
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["lm_head.weight"] = np.zeros_like(weights["model.embed_tokens.weight"])  # tied: never read
+    save_file(weights, str(folder / "model.safetensors"))
+    export(folder, tmp_path / "out", options=ExportOptions(context_size=32))

@@ -187,6 +187,8 @@ def export(
         )
         for b in (False, True)
     )
+    if config.tie_embeddings and isinstance(weights, SafetensorsWeights) and f"{config.head}.weight" in weights:
+        weights.ignore(f"{config.head}.weight")  # transformers ties a saved head copy to the embedding too
     unused = weights.unused()
     if unused:  # a tensor the family's recipe has no place for: the model computes something Quiver does not
         more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""

@@ -69,6 +69,10 @@ class SafetensorsWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def ignore(self, name: str) -> None:
+        """A tensor the model does not compute with (a tied head's saved copy, as transformers ties it)."""
+        self._read.add(name)
+
     def unused(self) -> list[str]:
         """The tensors nothing read (transformers' saved rotary buffers aside)."""
         return sorted(n for n in self._where if n not in self._read and not n.endswith("rotary_emb.inv_freq"))
