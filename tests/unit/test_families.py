@@ -100,3 +100,12 @@ def test_a_tied_heads_saved_copy_is_left_as_transformers_leaves_it(folder: Path,
     weights["lm_head.weight"] = np.zeros_like(weights["model.embed_tokens.weight"])  # tied: never read
     save_file(weights, str(folder / "model.safetensors"))
     export(folder, tmp_path / "out", options=ExportOptions(context_size=32))
+
+
+def test_an_older_configs_longrope_reads_its_original_length_beside_the_rope(folder: Path) -> None:
+    # Phi-3.5's config as transformers 4 wrote it: `rope_scaling` with "type", the original length beside it
+    factors = [1.0 + 0.1 * i for i in range(8)]  # one per rotated pair: head_dim 16
+    _edit(folder, architectures=["Phi3ForCausalLM"], rope_scaling={"type": "longrope", "short_factor": factors,
+          "long_factor": factors}, original_max_position_embeddings=64, max_position_embeddings=256)  # fmt: skip
+    kinds = read_config(folder).layer_kinds
+    assert {k.rope.params["original_max_position_embeddings"] for k in kinds if k.rope} == {64}

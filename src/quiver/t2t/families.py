@@ -298,6 +298,11 @@ def _rope(f: _Fields, head_dim: int, params: Any, interleaved: bool = False, par
     if dim % 2:
         raise f.refuse("rope_parameters", f" (an odd number of rotary dimensions, {dim})")
     kept = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}
+    original = f.raw.get("original_max_position_embeddings")
+    if "original_max_position_embeddings" in _ROPE_FIELDS[kind] and original is not None:
+        # configs before transformers 5 name it beside the rope (Phi-3.5's), not in it
+        f.get("original_max_position_embeddings")
+        kept.setdefault("original_max_position_embeddings", original)
     return Rope(kind, float(theta), dim, interleaved, kept)
 
 
