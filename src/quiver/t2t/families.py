@@ -88,7 +88,6 @@ _HARMLESS = frozenset(
         "unsloth_version",
         "use_mup",
         "tie_word_embeddings",
-        "max_window_layers",
         "rope_scaling",
         "rope_theta",
         "rope_parameters",
@@ -375,12 +374,15 @@ def _window(f: _Fields, key: str = "sliding_window") -> int | None:
     return value
 
 
-def _qwen_window(f: _Fields) -> int | None:
-    """Qwen's configs name a window they use only with `use_sliding_window` set."""
+def _qwen_windows(f: _Fields, layers: int) -> tuple[int | None, list[str]]:
+    """Qwen's sliding window and each layer's kind: the window (which Qwen's configs name whether or not
+    they use it) only with `use_sliding_window`, on the layers from `max_window_layers` on."""
     if not f.flag("use_sliding_window"):
-        f.get("sliding_window")
-        return None
-    return _window(f)
+        f.get("sliding_window"), f.get("max_window_layers")
+        return None, [FULL] * layers
+    window = _window(f)
+    start = f.get("max_window_layers", layers)
+    return window, [SLIDING if window and i >= start else FULL for i in range(layers)]
 
 
 def _llama_like(f: _Fields, architecture: str, **parts: Any) -> DecoderConfig:
@@ -424,17 +426,13 @@ def _mistral(f: _Fields, architecture: str = "MistralForCausalLM") -> DecoderCon
 
 def _qwen2(f: _Fields) -> DecoderConfig:
     config = _llama_like(f, "Qwen2ForCausalLM", biases=frozenset("qkv"))
-    window = _qwen_window(f)
-    start = f.get("max_window_layers", config.layers)
-    types = [SLIDING if window and i >= start else FULL for i in range(config.layers)]
+    window, types = _qwen_windows(f, config.layers)
     return _with_layers(config, f, window, _single_rope(f, config), types)
 
 
 def _qwen3(f: _Fields) -> DecoderConfig:
     config = _llama_like(f, "Qwen3ForCausalLM", qk_norm="head", **_biases(f))
-    window = _qwen_window(f)
-    start = f.get("max_window_layers", config.layers)
-    types = [SLIDING if window and i >= start else FULL for i in range(config.layers)]
+    window, types = _qwen_windows(f, config.layers)
     return _with_layers(config, f, window, _single_rope(f, config), types)
 
 
@@ -445,9 +443,8 @@ def _smollm3(f: _Fields) -> DecoderConfig:
     if not isinstance(uses, list) or len(uses) != config.layers:
         raise f.refuse("no_rope_layers", f" (one entry per layer, {config.layers})")
     f.get("no_rope_layer_interval")
-    window = _qwen_window(f)
-    start = f.get("max_window_layers", config.layers)
-    types = f.get("layer_types") or [SLIDING if window and i >= start else FULL for i in range(config.layers)]
+    window, qwen_types = _qwen_windows(f, config.layers)
+    types = f.get("layer_types") or qwen_types
     if len(types) != config.layers or set(types) - {SLIDING, FULL}:
         raise f.refuse("layer_types")
     kinds = tuple(LayerKind(window if t == SLIDING else None, rope if use else None) for t, use in zip(types, uses))
@@ -630,7 +627,8 @@ def _qwen_moe(f: _Fields, architecture: str) -> DecoderConfig:
     if moe.top_k > moe.experts:
         raise f.refuse("num_experts_per_tok", " (more than num_experts)")
     config = dataclasses.replace(config, moe=moe)
-    return _with_layers(config, f, _qwen_window(f), _single_rope(f, config))
+    window, types = _qwen_windows(f, config.layers)
+    return _with_layers(config, f, window, _single_rope(f, config), types)
 
 
 def _mixtral(f: _Fields) -> DecoderConfig:
