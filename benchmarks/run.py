@@ -28,7 +28,7 @@ import quiver
 from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf import measure_gguf  # noqa: E402  (a sibling script, not a package)
+from gguf_blocks import measure_gguf  # noqa: E402  (a sibling script, not a package; not `gguf`: that is the package)
 from int4_profile import measure_int4_profile  # noqa: E402
 from lora import measure_lora  # noqa: E402
 from minilm_quantizers import measure_minilm_quantizers  # noqa: E402
