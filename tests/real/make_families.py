@@ -99,7 +99,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen3": ("Qwen3ForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
-    "qwen3_next": ("Qwen3NextForCausalLM", {}),
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
     "qwen3_5": ("Qwen3_5ForCausalLM", {}),
     "qwen2_moe": (
         "Qwen2MoeForCausalLM",
@@ -140,7 +148,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "query_pre_attn_scalar": 24,
         },
     ),
-    "gemma4": ("Gemma4ForCausalLM", {}),
+    "gemma4": ("Gemma4ForCausalLM", {"vocab_size_per_layer_input": 1024, "hidden_size_per_layer_input": 16}),
     "granite": (
         "GraniteForCausalLM",
         {"embedding_multiplier": 12.0, "attention_multiplier": 0.2, "residual_multiplier": 0.22, "logits_scaling": 4.0},
@@ -328,9 +336,8 @@ def _gguf_name(name: str) -> str:
 
 
 def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
-    from safetensors.torch import load_file
-
     import gguf
+    from safetensors.torch import load_file
 
     config = json.loads((out / case / "config.json").read_text())
     source = gguf.GGUFReader(str(smollm2_gguf))
