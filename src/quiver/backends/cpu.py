@@ -51,11 +51,12 @@ from quiver.ort_process import (
 _INTEGER_MATMUL_OPS = {"MatMulNBits", "DequantizeLinear"}
 # Before 1.32, ORT's MatMulNBits cannot keep its packed weights in a shared container (session creation
 # fails): such graphs then pack their own copies, through the Python API.
-_SHARED_INTEGER_PACKING = tuple(int(p) for p in ort.__version__.split(".")[:2]) >= (1, 32)
+_ORT_VERSION = tuple(int(p) for p in ort.__version__.split(".")[:2])
+_SHARED_INTEGER_PACKING = _ORT_VERSION >= (1, 32)
 # Decoders with ORT's contrib MoE gave other tokens than transformers under 1.24 where the top-k weights
 # stay unnormalized (Qwen's MoE; the operator alone matched numpy there: the cause is not found), equal
 # ones under 1.32 (tests/integration/test_families.py): older versions are refused rather than trusted
-_TRUSTED_MOE = _SHARED_INTEGER_PACKING
+_TRUSTED_MOE = _ORT_VERSION >= (1, 32)
 
 # (domain, op) of the nodes whose constant B ORT packs: its contrib FusedMatMul (a transposed-weight
 # MatMul, as Quiver writes tied LM heads) packs like MatMul (measured: dropping its mapped pages after

@@ -175,7 +175,6 @@ class DecoderConfig:
     qkv: str | None = None  # one projection the checkpoint holds for q, k and v (rows q, then k, then v)
     biases: frozenset[str] = frozenset()  # of "q", "k", "v", "o" (and "qkv")
     qk_norm: str | None = None  # "head": a norm over each head's dims; "full": over the whole projection
-    qk_norm_kind: str = "rms"
     clip_qkv: float | None = None
     scale: float = 0.0  # 0: head_dim ** -0.5
     softcap: float = 0.0  # attention logits: cap * tanh(x / cap); 0: none

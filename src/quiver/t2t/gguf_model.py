@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from quiver.errors import ModelFolderError
-from quiver.t2t.families import DecoderConfig, read_config_fields
+from quiver.t2t.families import read_config_fields
 
 GGUF_MAGIC = b"GGUF"
 _COMMON_KEYS = {  # llama.cpp's metadata (after `ARCH.`) -> transformers' config field
@@ -53,6 +53,10 @@ _COMMON_NAMES = [  # GGUF tensor name -> transformers'
 ]
 
 
+# Llama's layout: the norm before the MLP is transformers' post_attention_layernorm
+_LLAMA_NORMS = [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight")]
+
+
 @dataclass(frozen=True)
 class _Architecture:
     """How llama.cpp writes one architecture: its transformers class, the config fields beyond the common
@@ -67,11 +71,8 @@ class _Architecture:
 
 
 _ARCHITECTURES = {
-    "llama": _Architecture("LlamaForCausalLM", {"hidden_act": "silu"}, {},
-                           [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight")],
-                           permuted_qk=True),
-    "qwen2": _Architecture("Qwen2ForCausalLM", {"hidden_act": "silu"}, {},
-                           [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight")]),
+    "llama": _Architecture("LlamaForCausalLM", {"hidden_act": "silu"}, {}, _LLAMA_NORMS, permuted_qk=True),
+    "qwen2": _Architecture("Qwen2ForCausalLM", {"hidden_act": "silu"}, {}, _LLAMA_NORMS),
     "gemma3": _Architecture(
         "Gemma3ForCausalLM", {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
         {"attention.sliding_window": "sliding_window"},
@@ -346,8 +347,3 @@ def _gemma_sentencepiece(tokens: list[str], unknown: str | None) -> Any:
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )  # fmt: skip
     return tokenizer
-
-
-def read_gguf(path: Path) -> tuple[DecoderConfig, GgufModel]:
-    model = GgufModel(path)
-    return model.config, model

@@ -136,7 +136,7 @@ class _Builder:
         """A norm over each head's dimensions of a [.., heads * head_dim] projection."""
         d = self.config.head_dim
         split = self.node("Reshape", [x, self.constant(np.array([0, 0, heads, d], np.int64))], f"{scope}/Split")
-        normed = self.norm(split, module, scope, d, self.config.qk_norm_kind)
+        normed = self.norm(split, module, scope, d, "rms")  # every family's q/k norms are RMS norms
         return self.node("Reshape", [normed, self.constant(np.array([0, 0, heads * d], np.int64))], f"{scope}/Merge")
 
     def activation(self, x: str, scope: str) -> str:
@@ -262,8 +262,8 @@ def build_decoder(
             q = b.head_norm(q, module("self_attn.q_norm"), f"{scope}/self_attn/q_norm", c.heads)
             k = b.head_norm(k, module("self_attn.k_norm"), f"{scope}/self_attn/k_norm", c.kv_heads)
         elif c.qk_norm == "full":
-            q = b.norm(q, module("self_attn.q_norm"), f"{scope}/self_attn/q_norm", q_size, c.qk_norm_kind)
-            k = b.norm(k, module("self_attn.k_norm"), f"{scope}/self_attn/k_norm", kv_size, c.qk_norm_kind)
+            q = b.norm(q, module("self_attn.q_norm"), f"{scope}/self_attn/q_norm", q_size, "rms")
+            k = b.norm(k, module("self_attn.k_norm"), f"{scope}/self_attn/k_norm", kv_size, "rms")
         kind = c.layer_kinds[layer]
         cos, sin = rope_inputs(kind.rope)
         past_key, past_value = past_names(layer)
