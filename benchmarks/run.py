@@ -36,6 +36,7 @@ from ort_api import measure_ort_api  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 from quantizers import measure_quantizers  # noqa: E402
 from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: E402
+from real_size import measure_real_size  # noqa: E402
 from serve import measure_serve  # noqa: E402
 from serve_ray import measure_serve_ray  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
@@ -284,6 +285,7 @@ SECTIONS = (
     "ort_api",
     "t2t",
     "gguf",
+    "real_size",
     "quantizers",
     "int4_profile",
     "serve",
@@ -372,6 +374,12 @@ def main() -> None:
             corpus = subprocess.run(families, capture_output=True, text=True, check=True)
             print("a GGUF file's blocks ...", file=sys.stderr)
             report["gguf"] = measure_gguf(folder, Path(llms.stdout.strip()), Path(corpus.stdout.strip()))
+        if "real_size" in sections:
+            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("models of real size ...", file=sys.stderr)
+            cache = Path.home() / ".cache" / "quiver" / "size-models"
+            tokenizer = Path(llms.stdout.strip()) / "smollm2" / "tokenizer.json"
+            report["real_size"] = measure_real_size(folder, cache, tokenizer)
         if "minilm_quantizers" in sections:
             corpus = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
             print("4-bit quantizers on MiniLM ...", file=sys.stderr)

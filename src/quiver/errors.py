@@ -149,6 +149,10 @@ class ModelFolderError(GenerationError):
     """A folder that is not a causal language model Quiver can export (config, weights, tokenizer)."""
 
 
+class ExportResourceError(GenerationError):
+    """An export needs more memory or disk than the machine has free."""
+
+
 class DialogConfigError(GenerationError):
     """A Genie dialog config that is malformed or names files that are missing."""
 

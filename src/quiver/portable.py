@@ -1,11 +1,12 @@
-"""What differs between operating systems, in one place: file locks, fork hooks, the machine's memory and
-huge pages (Windows has neither `fcntl` nor `fork` nor `sysconf`; huge pages on request are Linux's and
-glibc's), each a portable equivalent or nothing to do where the OS lacks it."""
+"""What differs between operating systems, in one place: file locks, fork hooks, the machine's memory,
+memory given on demand and huge pages (Windows has neither `fcntl` nor `fork` nor `sysconf`; huge pages
+on request are Linux's and glibc's), each a portable equivalent or nothing to do where the OS lacks it."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import mmap
 import os
 import sys
 import time
@@ -43,6 +44,42 @@ def physical_memory() -> int | None:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def available_memory() -> int | None:
+    """The memory the OS can give without swapping (Linux's MemAvailable), in bytes; None where it does not
+    say."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def zeros_on_demand(nbytes: int) -> mmap.mmap:
+    """Private zeroed memory whose pages exist only once written (a KV cache: memory grows with the tokens
+    in it), in small pages: huge ones would make a few written tokens cost 2 MB each. Freed pages
+    (`drop_pages`) read as zeros again. Private: a forked child writing to it never changes the parent's."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=flags) if flags else mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return memory
+
+
+def drop_pages(memory: mmap.mmap, start: int, length: int) -> None:
+    """Gives the whole pages of `memory[start : start + length]` back to the OS (Linux's and the BSDs'
+    MADV_DONTNEED on private memory: they read as zeros after); partial pages at the ends are kept (a
+    neighbour's data may share them). Nothing where the OS cannot."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    first, end = -(-start // page) * page, (start + length) // page * page
+    if end > first:
+        memory.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def lock_file(fd: int, blocking: bool = True) -> None:

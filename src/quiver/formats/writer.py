@@ -90,6 +90,9 @@ class TensorFileWriter:
         self._state = _State.WEIGHTS
         self._weights: list[WeightRecord] = []
         self._by_key: dict[ContentKey, int] = {}
+        # deferred tensors stored already (by identity, the object kept): a graph sharing one reuses its
+        # index without making it again (its bytes are made when stored: a quantizer's work)
+        self._by_source: dict[tuple[int, str], tuple[object, int]] = {}
 
     @property
     def weights(self) -> list[WeightRecord]:
@@ -138,10 +141,14 @@ class TensorFileWriter:
         return len(self._weights) - 1
 
     def add_weights(
-        self, tensors: Mapping[str, StreamedTensor], encodings: Mapping[str, Mapping[str, Any]]
+        self,
+        tensors: Mapping[str, StreamedTensor],
+        encodings: Mapping[str, Mapping[str, Any]],
+        on_weight: Callable[[str], object] = lambda _: None,
     ) -> dict[str, int]:
         """Stores a graph's tensors (as `add_weight`), small ones placed in the slack that page alignment
         leaves before a large one rather than in a padding of zeros; returns each tensor's index.
+        `on_weight(name)` before each deferred tensor is made and stored (a streaming export's progress).
 
         A page-aligned tensor (rule 4) ends mid-page unless its length is whole pages: written in the
         graph's order, a 4-bit MiniLM's scales and biases left 54 KB of zeros between its weights.
@@ -152,8 +159,17 @@ class TensorFileWriter:
         indices: dict[str, int] = {}
 
         def add(name: str) -> None:
-            tensor = tensors[name]
-            indices[name] = self.add_weight(tensor.dtype, tensor.shape, tensor.chunks(), encodings.get(name))
+            tensor, encoding = tensors[name], encodings.get(name)
+            source = getattr(tensor, "deferred", None)
+            known = (id(source), str(encoding["sha256"]) if encoding else "")
+            if source is not None and known in self._by_source:
+                indices[name] = self._by_source[known][1]
+                return
+            if source is not None:
+                on_weight(name)
+            indices[name] = self.add_weight(tensor.dtype, tensor.shape, tensor.chunks(), encoding)
+            if source is not None:
+                self._by_source[known] = (source, indices[name])
 
         def fill_to_page() -> None:
             while small:

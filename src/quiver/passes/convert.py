@@ -14,6 +14,7 @@ from onnx import numpy_helper
 
 from quiver.errors import ConversionError, UnsupportedOperatorError
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
+from quiver.ir.deferred import Deferred
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.ops import iter_nodes, schema_checkable, unsupported_operators
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
@@ -228,13 +229,16 @@ def convert(
     updateable: Collection[str] = (),
     external_data_folder: Path | None = None,
     fold: bool = True,
+    deferred: Mapping[str, Deferred] | None = None,
 ) -> ConvertedGraph:
     """Turns an ONNX file (with or without external data) or ModelProto into a Quiver graph.
 
     `updateable` names initializers that stay weights whatever their size (they can be replaced at
     run time), and that constant folding leaves alone. `external_data_folder`: where a ModelProto's
     external data lies (a file's is beside it). `fold=False` leaves constant subgraphs to the runtime
-    (ONNX Runtime folds the same at its basic level, and none with its optimizations off).
+    (ONNX Runtime folds the same at its basic level, and none with its optimizations off). `deferred`: the
+    values of the model's placeholders a streaming export made (`passes.load.deferred_placeholder`), made
+    when the context stores them.
     """
     loaded, base = load_model(source, external_data_folder)
     label = label or (str(source) if not isinstance(source, onnx.ModelProto) else (loaded.graph.name or "model"))
@@ -261,7 +265,7 @@ def convert(
     known: dict[str, np.ndarray] = {}
     inline = []
     for tensor in graph.initializer:
-        src = tensor_source(tensor, base)
+        src = tensor_source(tensor, base, deferred)
         if src.nbytes >= INLINE_LIMIT or tensor.name in updateable:
             weights[tensor.name] = src
             inline.append(_placeholder(tensor))
@@ -298,8 +302,8 @@ def convert(
     constants = {t.name: t for t in model.graph.initializer}
 
     def value_of(name: str) -> np.ndarray | None:
-        if name in weights:
-            return weights[name].to_array()
+        if name in weights:  # a deferred one is not made for its encoding: made once, when it is stored
+            return weights[name].to_array() if weights[name].deferred is None else None
         return numpy_helper.to_array(constants[name]) if name in constants else None
 
     encodings = weight_encodings(model, set(weights) & kept_weights, value_of)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,14 +13,17 @@ import onnx
 from onnx import numpy_helper
 
 from quiver.errors import ModelLoadError
+from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes
+from quiver.ir.deferred import Deferred
 
 CHUNK = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class TensorSource:
-    """Where one initializer's bytes come from: in-memory array or a range of an external data file."""
+    """Where one initializer's bytes come from: in-memory array, a range of an external data file, or a
+    deferred array (made when it is stored: a streaming export's weights)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -28,15 +31,19 @@ class TensorSource:
     path: Path | None = None
     offset: int = 0
     length: int = 0
+    deferred: Deferred | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.deferred is not None:
+            return self.deferred.nbytes
         return self.array.nbytes if self.array is not None else self.length
 
     def chunks(self) -> Iterator[memoryview]:
         """The tensor's little-endian bytes, streamed in bounded chunks."""
-        if self.array is not None:
-            data = np.ascontiguousarray(self.array).reshape(-1).view(np.uint8).data
+        array = self.deferred.compute() if self.deferred is not None else self.array
+        if array is not None:
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
             for start in range(0, len(data), CHUNK):
                 yield data[start : start + CHUNK]
             return
@@ -49,6 +56,8 @@ class TensorSource:
                     yield memoryview(mapped[start : min(start + CHUNK, self.offset + self.length)])
 
     def to_array(self) -> np.ndarray:
+        if self.deferred is not None:
+            return self.deferred.compute()
         if self.array is not None:
             return self.array
         return np.frombuffer(b"".join(bytes(c) for c in self.chunks()), dtypes.numpy_of(self.dtype)).reshape(self.shape)
@@ -100,10 +109,55 @@ def _external_source(tensor: onnx.TensorProto, dtype: str, shape: tuple[int, ...
     return TensorSource(dtype, shape, path=file, offset=offset, length=length)
 
 
-def tensor_source(tensor: onnx.TensorProto, base: Path | None) -> TensorSource:
-    """A streamable source for an initializer, without reading external data."""
+def deferred_placeholder(name: str, value: Deferred) -> onnx.TensorProto:
+    """An initializer without data whose values are `value`, made when the context stores it (`deferred`
+    of `tensor_source`)."""
+    data_type = dtypes.onnx_of_numpy(value.dtype)
+    assert data_type is not None, value.dtype  # a recipe's dtype, never the user's
+    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=value.shape, data_location=onnx.TensorProto.EXTERNAL)
+    tensor.external_data.add(key="location", value=WEIGHT_LOCATION)
+    return tensor
+
+
+def weight_initializer(
+    name: str, value: np.ndarray | Deferred, deferred: dict[str, Deferred] | None
+) -> onnx.TensorProto:
+    """`value` as the initializer `name`: with its data, or where `deferred` is given and the value is not
+    small, a placeholder whose values `deferred` holds (made when the context stores them; a name already
+    there keeps the first value: the graphs of one export share their weights by name)."""
+    if deferred is None or value.nbytes < INLINE_LIMIT:
+        array = value.compute() if isinstance(value, Deferred) else value
+        return numpy_helper.from_array(np.ascontiguousarray(array), name)
+    kept = deferred.setdefault(name, value if isinstance(value, Deferred) else Deferred.of(value))
+    if kept.shape != tuple(value.shape) or kept.dtype != value.dtype:  # a recipe's mistake, never the user's
+        raise ValueError(f"two weights named {name!r} of different shapes: {kept.shape} and {value.shape}")
+    return deferred_placeholder(name, kept)
+
+
+def materialized(model: onnx.ModelProto, deferred: Mapping[str, Deferred]) -> onnx.ModelProto:
+    """A copy of `model` whose deferred placeholders hold their values (for running the model in memory:
+    a calibration pass)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for index, tensor in enumerate(copy.graph.initializer):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.name in deferred:
+            values = deferred[tensor.name].compute()
+            copy.graph.initializer[index].CopyFrom(numpy_helper.from_array(values, tensor.name))
+    return copy
+
+
+def tensor_source(
+    tensor: onnx.TensorProto, base: Path | None, deferred: Mapping[str, Deferred] | None = None
+) -> TensorSource:
+    """A streamable source for an initializer, without reading external data; `deferred`: the values of
+    placeholders a streaming export made (`deferred_placeholder`)."""
     dtype = dtypes.name_of_onnx(tensor.data_type)
     shape = tuple(int(d) for d in tensor.dims)
+    value = deferred.get(tensor.name) if deferred is not None else None
+    if value is not None and tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if value.shape != shape or dtypes.onnx_of_numpy(value.dtype) != tensor.data_type:
+            raise ModelLoadError(f"initializer {tensor.name!r} is {dtype}{list(shape)}; its deferred values are not")
+        return TensorSource(dtype, shape, deferred=value)
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         return _external_source(tensor, dtype, shape, base)
     try:

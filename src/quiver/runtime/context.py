@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # converting models (onnx.reference, the inliner...) and writ
 
     from quiver.formats.encodings import EncodingSet
     from quiver.formats.writer import ContextWriter
+    from quiver.ir.deferred import Deferred
     from quiver.passes.convert import InputShapes
 
 
@@ -118,10 +119,15 @@ class Context:
         updateable: Sequence[str] = (),
         external_data_folder: str | Path | None = None,
         fold_constants: bool = True,
+        deferred: Mapping[str, Deferred] | None = None,
+        on_weight: Callable[[str], object] = lambda _: None,
     ) -> None:
         """Converts an ONNX model (path or ModelProto); streams its weights in, each distinct one stored once.
         A ModelProto's external data is read from `external_data_folder` (a file's: from beside it).
-        `fold_constants=False` keeps constant subgraphs for the backend's runtime to fold (or not)."""
+        `fold_constants=False` keeps constant subgraphs for the backend's runtime to fold (or not).
+        `deferred`: the values of placeholders a streaming export made, each made once when it is stored
+        (graphs added with the same `Deferred` share it without making it again); `on_weight(name)` before
+        each weight is stored."""
         if self.finalized:
             raise ContextStateError("the context is finalized; create a new context to add graphs")
         if not name:
@@ -136,8 +142,10 @@ class Context:
         from quiver.passes.convert import convert
 
         folder = Path(external_data_folder) if external_data_folder is not None else None
-        converted = convert(model, input_shapes, name, updateable, external_data_folder=folder, fold=fold_constants)
-        mapping = self._writer.add_weights(converted.weights, converted.encodings)
+        converted = convert(
+            model, input_shapes, name, updateable, external_data_folder=folder, fold=fold_constants, deferred=deferred
+        )
+        mapping = self._writer.add_weights(converted.weights, converted.encodings, on_weight)
         self._writer.add_graph(name, converted.skeleton.SerializeToString(), mapping, updateable)
         self._enabled.append(name)
 

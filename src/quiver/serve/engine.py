@@ -208,6 +208,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001  the worker never dies: the batch fails, typed, and it goes on
                 failure = exc if isinstance(exc, QuiverError) else QuiverError(f"generation failed: {exc!r}")
                 batch, self._rows, self._prefilling = self._batch(), [], None
+                self.decoder.free([s.row for s in batch])
                 for sequence in batch:  # every row is free again: nothing to move
                     self.decoder.release_slot(sequence.slot)
                     self._send(sequence.job, Failed(failure))
@@ -369,6 +370,7 @@ class Engine:
         `event`."""
         if sequence is self._prefilling:
             self._prefilling = None
+            self.decoder.free([sequence.row])
         elif sequence in self._rows:
             index = self._rows.index(sequence)
             last = self._rows.pop()
@@ -376,6 +378,7 @@ class Engine:
                 self.decoder.move(last.row, index, last.cached)
                 last.row = index
                 self._rows[index] = last
+            self.decoder.free([len(self._rows)])  # the row the last one left (or the sequence's own)
         self.decoder.release_slot(sequence.slot)
         self._send(sequence.job, event)
 

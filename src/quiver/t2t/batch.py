@@ -40,6 +40,7 @@ from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import BATCH_GRAPH, DialogConfig, adapter_use_cases, cpu_backend_for, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
+from quiver.t2t.kv_memory import CacheMemory
 from quiver.t2t.tokenizer import TextTokenizer
 
 _PAST, _PRESENT = "past_key_values.", "present."
@@ -70,20 +71,9 @@ def _row_shape(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
 _TOO_BIG = "serve fewer sequences at once (--max-batch), or export with a smaller --context-size"
 
 
-def _resident(shape: tuple[int, ...]) -> np.ndarray:
-    """Zeros in memory written now: the KV rows, logits and per-row adapter tables are mapped at start (as
-    vLLM and llama-server allocate their caches), so no step waits for the kernel to map a row's pages the
-    first time a sequence lands there (measured here: ~100 ms for one row of SmolLM2's cache at 1024
-    positions, a prefill's time again). The slots' tables stay lazy: `--max-loras` may be large."""
-    try:
-        array = np.empty(shape, np.float32)
-    except MemoryError:
-        gib = np.prod(shape, dtype=np.float64) * 4 / 2**30
-        raise GenerationError(
-            f"the batch's buffers need {gib:.1f} GiB more than this machine gives; {_TOO_BIG}"
-        ) from None
-    array.fill(0)
-    return array
+def _zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """Zeros whose memory exists once written (the logits and each row's adapter tables: rows in use)."""
+    return CacheMemory({"": shape}).arrays[""]
 
 
 def _check_fits(needed: int) -> None:
@@ -166,8 +156,10 @@ class BatchDecoder:
                 "context's KV cache; lower it or export with a larger --context-size"
             )
         _check_fits(4 * self.max_batch * (sum(int(np.prod(row)) for row in rows.values()) + config.n_vocab))
-        self._cache = {name: _resident((self.max_batch, *row)) for name, row in rows.items()}
-        self._logits = _resident((self.max_batch, 1, config.n_vocab))
+        # every row's cache at full context, its memory made as tokens arrive and given back as sequences end
+        self._cache_memory = CacheMemory({name: (self.max_batch, *row) for name, row in rows.items()})
+        self._cache = self._cache_memory.arrays
+        self._logits = _zeros((self.max_batch, 1, config.n_vocab))
         # the adapter tables, each slot's and each row's [rank, width]: the rank is that of the prefill
         # graph's tensor of the same name, which the adapters' sections hold
         prefill = self._context.file.graphs.get(config.prefill_graph)
@@ -190,7 +182,7 @@ class BatchDecoder:
             rank, width = (stored[0], stored[1]) if name.endswith(".B") else (stored[1], stored[0])
             self._tables[name] = _Table(
                 np.zeros((adapter_slots, rank, width), np.float32),  # mapped as slots are filled
-                _resident((self.max_batch, rank, width)),
+                _zeros((self.max_batch, rank, width)),
                 np.zeros((1, 0, width), np.float32),
             )
         self._peft: dict[str, PeftAdapter] = {}  # adapters loaded from PEFT folders (no sections)
@@ -424,10 +416,18 @@ class BatchDecoder:
         return caches, out
 
     def move(self, source: int, target: int, cached: int) -> None:
-        """Moves a sequence's cache entries (its first `cached` positions) from one row to another."""
+        """Moves a sequence's cache entries (its first `cached` positions) from one row to another; the
+        target's former entries and the source's memory are given back."""
         with self._lock:
+            self._cache_memory.drop_rows([target])
             for array in self._cache.values():
                 array[target, :, :cached] = array[source, :, :cached]
+            self._cache_memory.drop_rows([source])
+
+    def free(self, rows: Sequence[int]) -> None:
+        """These rows' sequences ended: their cache memory goes back to the OS."""
+        with self._lock:
+            self._cache_memory.drop_rows(rows)
 
     def close(self) -> None:
         self._context.close()

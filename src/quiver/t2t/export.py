@@ -8,18 +8,24 @@ Reads safetensors directly and builds the graph itself (`quiver.t2t.graph`): no 
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quiver.errors import FileAccessError, ModelFolderError, QuantizationError
+from quiver import portable
+from quiver.errors import ExportResourceError, FileAccessError, ModelFolderError, QuantizationError
 from quiver.formats.files import read_regular, read_text
 from quiver.formats.writer import write_atomically, write_text_atomically
+from quiver.ir.deferred import Deferred
 from quiver.lora.create import ALPHA_INPUT, use_case_values
 from quiver.lora.peft import load_peft_adapter
 from quiver.lora.prepare import UseCase, lora_graph, section_metadata
+from quiver.passes.load import materialized
 from quiver.runtime.context import Context
 from quiver.t2t.config import (
     BATCH_GRAPH,
@@ -119,6 +125,35 @@ def _eos_tokens(folder: Path, config: DecoderConfig, generation: dict[str, Any])
     return ids
 
 
+@dataclass(frozen=True)
+class _Need:
+    memory: int  # bytes of memory the export's largest step takes, about
+    disk: int  # bytes the context takes
+
+
+# What writing takes beyond the largest tensor it makes (float32, from a source it reads whole and a
+# transposed slice of columns being quantized): measured peaks were 1.9-2.0x the largest tensor plus the
+# interpreter, ONNX Runtime and the graphs (Llama-3.2-1B/3B shapes, fp32 and int4)
+_MEMORY_OVERHEAD = 512 << 20
+
+
+def _check_room(out: Path, stored: int, largest: int) -> _Need:
+    """Refuses (one line) an export the machine has not the free memory or disk for, before it starts
+    writing: the kernel would otherwise kill it without a word, or it would stop half-way."""
+    need = _Need(memory=2 * largest + _MEMORY_OVERHEAD, disk=stored + (64 << 20))
+    free = shutil.disk_usage(out).free
+    if free < need.disk:
+        raise ExportResourceError(f"{out}: the context needs about {need.disk / 1e9:.1f} GB on disk and "
+                                  f"{free / 1e9:.1f} GB are free there: free space or choose another "
+                                  "--output-dir")  # fmt: skip
+    available = portable.available_memory()
+    if available is not None and available < need.memory:
+        raise ExportResourceError(f"the export needs about {need.memory / 1e9:.1f} GB of memory (its largest "
+                                  f"tensor is {largest / 1e9:.1f} GB in float32) and {available / 1e9:.1f} GB are "
+                                  "available: close other programs or export on a larger machine")  # fmt: skip
+    return need
+
+
 def copy_tokenizer(folder: Path, out: Path) -> None:
     """The model's tokenizer.json, and its chat template where it has one (`quiver serve` renders it),
     into the export's folder."""
@@ -137,9 +172,12 @@ def export(
     use_cases: Sequence[UseCase] | None = None,
     options: ExportOptions = ExportOptions(),
     on_step: Callable[[str], object] = lambda _: None,
+    on_weight: Callable[[str], object] = lambda _: None,
 ) -> DialogConfig:
     """Exports the model and a section per use case (default: each adapter alone, at strength 1); returns
-    the dialog config it wrote. Use cases without adapters need no section: the context runs as the base."""
+    the dialog config it wrote. Use cases without adapters need no section: the context runs as the base.
+    Streams: each weight is read, converted, quantized and written on its own (`on_weight(name)` before
+    each), so memory holds about one tensor, not the model."""
     folder, out = Path(model_dir), Path(out_dir)
     weights: SafetensorsWeights | GgufModel
     if is_gguf(folder):  # llama.cpp's file: config, weights and tokenizer from it
@@ -181,12 +219,14 @@ def export(
         "fuse_qkv": not carried and not adapted & {"q_proj", "k_proj", "v_proj"},
         "fuse_gate_up": not carried and not adapted & {"gate_proj", "up_proj"},
     }
+    # every large weight a placeholder, its values read, converted and quantized when the context stores
+    # it, once for all the graphs (they share it by name): one tensor in memory at a time
+    deferred: dict[str, Deferred] = {}
     model, batched = (
-        build_decoder(
-            config, weights.get, size, **fused, head_as_matmul=head is not None, batched=b, head_rows=head == SHORTLIST
-        )
+        build_decoder(config, weights.deferred, size, **fused, head_as_matmul=head is not None, batched=b,
+                      head_rows=head == SHORTLIST, deferred=deferred)
         for b in (False, True)
-    )
+    )  # fmt: skip
     if config.tie_embeddings and isinstance(weights, SafetensorsWeights) and f"{config.head}.weight" in weights:
         weights.ignore(f"{config.head}.weight")  # transformers ties a saved head copy to the embedding too
     unused = weights.unused()
@@ -210,10 +250,10 @@ def export(
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if carried:
         assert isinstance(weights, GgufModel)
-        blocks = {name: b for name in weights.names() if (b := weights.blocks(name)) is not None}
+        blocks = {name: partial(weights.blocks, name) for name in weights.names() if weights.has_blocks(name)}
         if blocks:
             on_step(f"carrying {len(blocks)} 4-bit tensors of the GGUF file as they are")
-            model, batched = (with_given_blocks(m, 32, blocks) for m in (model, batched))
+            model, batched = (with_given_blocks(m, 32, blocks, deferred) for m in (model, batched))
     if options.weight_bits is not None:
         moments = None
         solved: dict[str, BlockWeights] = {}  # GPTQ's blocks, found for the prefill graph, reused by the batched one
@@ -221,7 +261,8 @@ def export(
             on_step(f"measuring the float model's inputs on {len(options.calibration)} calibration prompts")
             text = TextTokenizer(tokenizer)
             prompts = [text.encode(p)[:size] for p in options.calibration]  # no longer than the cache
-            moments = calibration_moments(model, prompts, updateable)
+            # the float model run in memory: the one step that holds every weight at once
+            moments = calibration_moments(materialized(model, deferred), prompts, updateable)
         on_step(f"quantizing weights to {options.weight_bits} bits ({options.quantizer})")
         model, batched = (
             quantize_weights(
@@ -235,15 +276,27 @@ def export(
                 moments,
                 solved,
                 rows,
+                deferred,
             )
             for m in (model, batched)
         )
+    stored = sorted({t.name for m in (model, batched) for t in m.graph.initializer if t.name in deferred})
+    need = _check_room(
+        out, sum(deferred[n].nbytes for n in stored), max((d.nbytes for d in deferred.values()), default=0)
+    )
+    counted = iter(range(1, len(stored) + 1))
     on_step("writing the context (prefill and decode share every weight)")
+
+    def storing(name: str) -> None:
+        on_weight(name)
+        on_step(f"writing weight {next(counted, len(stored))} of {len(stored)}: {name}")
+
     context = Context.create("reference", workdir=out)
+    add = partial(context.add_graph, on_weight=storing, deferred=deferred)
     try:
-        context.add_graph(PREFILL_GRAPH, model, updateable=updateable)
-        context.add_graph(DECODE_GRAPH, model, input_shapes={INPUT_IDS: [1, 1]}, updateable=updateable)
-        context.add_graph(BATCH_GRAPH, batched)
+        add(PREFILL_GRAPH, model, updateable=updateable)
+        add(DECODE_GRAPH, model, input_shapes={INPUT_IDS: [1, 1]}, updateable=updateable)
+        add(BATCH_GRAPH, batched)
         context.finalize()
         context.save(out / CONTEXT_FILE)
         sections = {}
@@ -254,6 +307,14 @@ def export(
             sections[case.name] = out / f"{case.name}.qsec"
             metadata = section_metadata(case, list(loaded))
             write_atomically(sections[case.name], context.get_binary_section(None, metadata))
+    except MemoryError:
+        raise ExportResourceError(f"the export ran out of memory; it needs about {need.memory / 1e9:.1f} GB "
+                                  "free: close other programs or export on a larger machine") from None  # fmt: skip
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ExportResourceError(f"{out}: the disk filled up; the context needs about {need.disk / 1e9:.1f} GB "
+                                  "there: free space or choose another --output-dir") from None  # fmt: skip
     finally:
         context.close()
     if not isinstance(weights, GgufModel):

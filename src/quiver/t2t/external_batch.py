@@ -94,5 +94,8 @@ class ExternalBatch:
         with self._lock:
             self._rows[target], self._rows[source] = self._rows[source], self._rows[target]
 
+    def free(self, rows: Sequence[int]) -> None:
+        """Nothing to give back: each row's cache is the exported decoder's own, grown by its runs."""
+
     def close(self) -> None:
         self._context.close()

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from quiver.errors import ModelFolderError
+from quiver.ir.deferred import Deferred
 from quiver.t2t.families import read_config_fields
 
 GGUF_MAGIC = b"GGUF"
@@ -188,15 +189,19 @@ class GgufModel:
                 raw[key] = int(value)
         return raw
 
-    def get(self, name: str) -> np.ndarray:
-        import gguf
-
+    def deferred(self, name: str) -> Deferred:
+        """The tensor as float32 (dequantized), made when it is stored (the name counts as used now)."""
         source = self._names.get(name)
         if source is None:
             raise ModelFolderError(f"{self.path}: the GGUF file has no tensor for {name!r}")
         self._read.add(name)
+        shape = [int(d) for d in reversed(self._tensors[source].shape)]  # GGUF lists the innermost first
+        return Deferred(shape, np.float32, lambda: self._dequantized(source, shape))
+
+    def _dequantized(self, source: str, shape: list[int]) -> np.ndarray:
+        import gguf
+
         tensor = self._tensors[source]
-        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
         try:
             values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
             values = self._rows_back(source, values)
@@ -207,6 +212,9 @@ class GgufModel:
                                    f"read ({exc})") from None  # fmt: skip
         return np.ascontiguousarray(values)
 
+    def get(self, name: str) -> np.ndarray:
+        return self.deferred(name).compute()
+
     def names(self) -> list[str]:
         """Every tensor of the file, by its transformers name."""
         return list(self._names)
@@ -214,23 +222,30 @@ class GgufModel:
     def unused(self) -> list[str]:
         return sorted(n for n in self._names if n not in self._read)
 
-    def blocks(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """A Q4_0 or Q4_1 tensor's own 4-bit blocks of 32 (None for any other type): q [N, K / 32, 32]
-        (0..15), scales and minimums [N, K / 32], w = scale q + minimum, rows in transformers' order."""
+    def _block_bytes(self, source: str) -> int | None:
+        """The bytes of one block of 32 where the tensor is Q4_0 (18) or Q4_1 (20) and 2-d, else None."""
         import gguf
 
-        source = self._names.get(name)
-        if source is None:
-            return None
         tensor = self._tensors[source]
         kinds = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}
-        if tensor.tensor_type not in kinds or len(tensor.shape) != 2:
-            return None
+        return kinds.get(tensor.tensor_type) if len(tensor.shape) == 2 else None
+
+    def has_blocks(self, name: str) -> bool:
+        """Whether the tensor is Q4_0 or Q4_1 (`blocks` reads it)."""
+        source = self._names.get(name)
+        return source is not None and self._block_bytes(source) is not None
+
+    def blocks(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A Q4_0 or Q4_1 tensor's own 4-bit blocks of 32 (`has_blocks`): q [N, K / 32, 32] (0..15), scales
+        and minimums [N, K / 32], w = scale q + minimum, rows in transformers' order."""
+        source = self._names[name]
+        size = self._block_bytes(source)
+        assert size is not None, name
+        tensor = self._tensors[source]
         k, n = (int(d) for d in tensor.shape)
-        size = kinds[tensor.tensor_type]
         raw = np.asarray(tensor.data, np.uint8).reshape(n, k // 32, size)
         scales = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        if size == 20:  # Q4_1: w = scale q + minimum
             minimums, packed = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), raw[..., 4:]
         else:  # Q4_0: w = scale (q - 8)
             minimums, packed = -8 * scales, raw[..., 2:]

@@ -22,9 +22,11 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from quiver.ir.deferred import Deferred
 from quiver.ir.ops import MS_DOMAIN
+from quiver.passes.load import weight_initializer
 from quiver.t2t.families import DecoderConfig, Rope
 from quiver.t2t.rope import rotary_tables
 
@@ -47,15 +49,18 @@ def present_names(layer: int) -> tuple[str, str]:
 
 
 class _Builder:
-    def __init__(self, config: DecoderConfig, weight: Callable[[str], np.ndarray]) -> None:
+    def __init__(
+        self, config: DecoderConfig, weight: Callable[[str], Deferred], deferred: dict[str, Deferred] | None
+    ) -> None:
         self.config = config
         self.read = weight
+        self.deferred = deferred
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self._constants: dict[tuple[str, bytes], str] = {}
 
-    def weight(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+    def weight(self, name: str, value: np.ndarray | Deferred) -> str:
+        self.initializers.append(weight_initializer(name, value, self.deferred))
         return name
 
     def constant(self, array: np.ndarray) -> str:
@@ -79,7 +84,8 @@ class _Builder:
         c = self.config
         if c.norm_weight:
             name = f"{module}.weight"
-            scale = self.weight(name, self.read(name) + np.float32(c.norm_offset))
+            offset = np.float32(c.norm_offset)
+            scale = self.weight(name, self.read(name).map(lambda w: w + offset) if offset else self.read(name))
         else:
             scale = self.constant(np.ones(size, np.float32))
         bias = self.weight(f"{module}.bias", self.read(f"{module}.bias")) if c.norm_bias else ""
@@ -117,12 +123,12 @@ class _Builder:
         weight = self.read(f"{module}.weight")
         weight = weight if self.config.conv1d else weight.T  # GPT-2's Conv1D holds [in, out] already
         if order is not None:
-            weight = weight[:, order]
+            weight = weight.take(order, axis=1)
         scope = "/" + module.replace(".", "/")
         y = self.node("MatMul", [x, self.weight(f"{module}.weight", weight)], f"{scope}/MatMul")
         if bias:
             values = self.read(f"{module}.bias")
-            values = values[order] if order is not None else values
+            values = values.take(order, axis=0) if order is not None else values
             y = self.node("Add", [y, self.weight(f"{module}.bias", values)], f"{scope}/Add")
         return y
 
@@ -150,15 +156,16 @@ class _Builder:
 
 def build_decoder(
     config: DecoderConfig,
-    weight: Callable[[str], np.ndarray],
+    weight: Callable[[str], Deferred],
     context_size: int,
     fuse_qkv: bool = False,
     head_as_matmul: bool = False,
     batched: bool = False,
     head_rows: bool = False,
     fuse_gate_up: bool = False,
+    deferred: dict[str, Deferred] | None = None,
 ) -> onnx.ModelProto:
-    """The decoder as one ONNX graph; `weight(name)` returns a checkpoint tensor as float32.
+    """The decoder as one ONNX graph; `weight(name)` returns a checkpoint tensor as float32, deferred.
 
     `fuse_qkv`: one MatMul by the q, k and v weights side by side, fed to attention packed (as
     onnxruntime-genai does); without it each projection keeps a MatMul of its own, where adapters attach.
@@ -170,9 +177,12 @@ def build_decoder(
     each row is one sequence with its own length (`seqlens_k` per row), as `quiver serve` decodes them.
     `head_rows`: an untied head's float rows kept too (`HEAD_ROWS`), for a shortlist head to rescore with
     (a tied head's are the embedding).
+    `deferred`: the large weights are placeholders, their values added to it, made when the context
+    stores them (a streaming export: one tensor in memory at a time); without it every weight is in the
+    model.
     """
     c = config
-    b = _Builder(c, weight)
+    b = _Builder(c, weight, deferred)
     tables: dict[str, tuple[str, str]] = {}  # by the rope's repr: one pair of tables per distinct rope
 
     def rope_inputs(rope: Rope | None) -> tuple[str, str]:
@@ -240,12 +250,12 @@ def build_decoder(
                 packed = b.linear(x, module(c.qkv), "qkv" in c.biases or qkv_biased, per_head_order)
             else:
                 names = [module(n) for n in (c.q, c.k, c.v)]
-                w = b.weight(module("self_attn.qkv_proj.weight"),
-                             np.concatenate([weight(f"{n}.weight") for n in names], axis=0).T)  # fmt: skip
+                qkv = Deferred.concat([weight(f"{n}.weight") for n in names]).T
+                w = b.weight(module("self_attn.qkv_proj.weight"), qkv)
                 packed = b.node("MatMul", [x, w], f"{scope}/self_attn/qkv_proj/MatMul")
                 if qkv_biased:
-                    bias = b.weight(module("self_attn.qkv_proj.bias"),
-                                    np.concatenate([weight(f"{n}.bias") for n in names]))  # fmt: skip
+                    biases = Deferred.concat([weight(f"{n}.bias") for n in names])
+                    bias = b.weight(module("self_attn.qkv_proj.bias"), biases)
                     packed = b.node("Add", [packed, bias], f"{scope}/self_attn/qkv_proj/Add")
             if separable:
                 q, k, v = packed, "", ""
@@ -296,12 +306,12 @@ def build_decoder(
         rows = b.node("Reshape", [x, b.constant(np.array([-1, c.hidden], np.int64))], f"{scope}/mlp/Rows")
         router = b.linear(rows, module(moe.router))
 
-        def part(e: int, which: int) -> np.ndarray:
+        def part(e: int, which: int) -> Deferred:
             return weight(module(moe.expert.format(e=e, part=moe.names[which])) + ".weight")
 
-        fc1 = np.stack([np.stack([part(e, 0), part(e, 1)], axis=1).reshape(2 * moe.intermediate, c.hidden)
-                        for e in range(moe.experts)])  # fmt: skip
-        fc2 = np.stack([part(e, 2) for e in range(moe.experts)])
+        fc1 = Deferred.stack([Deferred.stack([part(e, 0), part(e, 1)], axis=1).reshape(2 * moe.intermediate, c.hidden)
+                              for e in range(moe.experts)])  # fmt: skip
+        fc2 = Deferred.stack([part(e, 2) for e in range(moe.experts)])
         w1, w2 = b.weight(module("mlp.experts.fc1"), fc1), b.weight(module("mlp.experts.fc2"), fc2)
         y = b.node("MoE", [rows, router, w1, "", w2], f"{scope}/mlp/MoE", domain=MS_DOMAIN, k=moe.top_k,
                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
@@ -331,7 +341,7 @@ def build_decoder(
             gate, up = b.split(both, [c.intermediate, c.intermediate], f"{scope}/mlp/Split")
         elif fuse_gate_up and not c.mlp_bias:
             names = [module(f"{n}.weight") for n in (c.gate, c.up)]
-            w = b.weight(module("mlp.gate_up_proj.weight"), np.concatenate([weight(n) for n in names]).T)
+            w = b.weight(module("mlp.gate_up_proj.weight"), Deferred.concat([weight(n) for n in names]).T)
             both = b.node("MatMul", [x, w], f"{scope}/mlp/gate_up_proj/MatMul")
             gate, up = b.split(both, [c.intermediate, c.intermediate], f"{scope}/mlp/Split")
         else:

@@ -11,6 +11,7 @@ import numpy as np
 
 from quiver.errors import ModelFolderError
 from quiver.formats.files import open_regular
+from quiver.ir.deferred import Deferred
 
 _SAFETENSORS_DTYPES = {
     "F32": np.float32,
@@ -27,7 +28,8 @@ def token_ids(value: Any) -> tuple[int, ...]:
 
 
 class SafetensorsWeights:
-    """Every tensor of a folder's *.safetensors files as float32, read on demand (bf16 and f16 converted)."""
+    """Every tensor of a folder's *.safetensors files as float32, read on demand (bf16 and f16 converted),
+    one tensor at a time."""
 
     def __init__(self, folder: Path) -> None:
         files = sorted(folder.glob("*.safetensors"))
@@ -77,12 +79,22 @@ class SafetensorsWeights:
         """The tensors nothing read (transformers' saved rotary buffers aside)."""
         return sorted(n for n in self._where if n not in self._read and not n.endswith("rotary_emb.inv_freq"))
 
-    def get(self, name: str) -> np.ndarray:
+    def deferred(self, name: str) -> Deferred:
+        """The tensor as float32, read when it is made (the name counts as used now)."""
         if name not in self._where:
             raise ModelFolderError(f"the weights have no tensor {name!r}: does config.json describe these weights?")
         self._read.add(name)
         path, dtype, shape, start, end = self._where[name]
-        with open_regular(path) as f:
-            f.seek(start)
-            data = f.read(end - start)
-        return np.frombuffer(data, _SAFETENSORS_DTYPES[dtype]).reshape(shape).astype(np.float32)
+
+        def read() -> np.ndarray:
+            with open_regular(path) as f:
+                f.seek(start)
+                data = f.read(end - start)
+            if len(data) != end - start:
+                raise ModelFolderError(f"{path}: tensor {name!r} was cut short while it was read")
+            return np.frombuffer(data, _SAFETENSORS_DTYPES[dtype]).reshape(shape).astype(np.float32)
+
+        return Deferred(shape, np.float32, read)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.deferred(name).compute()

@@ -39,14 +39,15 @@ winning. Weights set to 8 bits under `rtn-min` take symmetric 8-bit blocks.
 from __future__ import annotations
 
 import fnmatch
-import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from quiver import ort_package
 from quiver.errors import QuantizationError
+from quiver.ir.deferred import Deferred, made_together
 from quiver.ir.nibbles import pack_nibbles
 
 if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that names the quantizers
@@ -121,13 +122,16 @@ def quantize_weights(
     moments: Mapping[str, np.ndarray] | None = None,
     solved: dict[str, BlockWeights] | None = None,
     head_rows: str | None = None,
+    deferred: dict[str, Deferred] | None = None,
 ) -> onnx.ModelProto:
     """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
     node named `head` (the LM head) at `head_bits`; `overrides` (the module) last. `moments`: what the
     calibrated quantizers read, `calibration_moments` of the float model; `solved`: their blocks by weight
     name, shared by the graphs of one export (which share their weights), so each is solved once.
     `head_rows`: the head's float [vocab, hidden] rows (a tied head's embedding), which a shortlist head
-    rescores its best tokens with; without them the head is not a shortlist by default."""
+    rescores its best tokens with; without them the head is not a shortlist by default. `deferred`: the
+    model's placeholders' values (a streaming export): the quantized weights are deferred too, each made
+    when the context stores it."""
     if quantizer not in QUANTIZERS:
         raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
@@ -157,21 +161,27 @@ def quantize_weights(
     nodes = {width: {n for n, w in plan.items() if w == width} for width in (4, 8)}
     if quantizer in MINIMUM_FORM:
         fit = hqq_minimums if quantizer == "hqq" else block_minimums
-        model = _with_block_minimums(model, block_size, nodes[4], fit) if nodes[4] else model
-        model = _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
+        model = _with_block_minimums(model, block_size, nodes[4], fit, deferred=deferred) if nodes[4] else model
+        model = _ort_rtn(model, 8, block_size, nodes[8], True, deferred) if nodes[8] else model
     elif quantizer in CALIBRATED:
         assert moments is not None
         blocks = solved if solved is not None else {}
-        model = _by_gptq(model, block_size, nodes[4], quantizer == "gptq", moments, blocks) if nodes[4] else model
-        model = _ort_rtn(model, 8, block_size, nodes[8], symmetric=True) if nodes[8] else model
+        gptq = quantizer == "gptq"
+        model = _by_gptq(model, block_size, nodes[4], gptq, moments, blocks, deferred) if nodes[4] else model
+        model = _ort_rtn(model, 8, block_size, nodes[8], True, deferred) if nodes[8] else model
     else:
         for width in (4, 8):
             if nodes[width]:
-                model = _ort_rtn(model, width, block_size, nodes[width], symmetric=quantizer == "rtn")
+                model = _ort_rtn(model, width, block_size, nodes[width], quantizer == "rtn", deferred)
     if shortlist is not None:  # the approximate head ranks, whatever the quantizer
         hidden_size = int(shortlist[2].dims[1])  # the float rows' [vocab, hidden]
-        model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, symmetric=False)
+        model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, False, deferred)
         model = _shortlisted_head(model, *shortlist)
+    from quiver.ir.edit import drop_unread_initializers
+
+    # an untied head's float rows no shortlist reads (the model holds them only for one)
+    outputs = {o.name for o in model.graph.output}
+    drop_unread_initializers(model.graph, {t.name for t in model.graph.initializer} - outputs)
     return model
 
 
@@ -264,23 +274,103 @@ def _plan(
     return plan
 
 
-def _ort_rtn(
-    model: onnx.ModelProto, bits: int, block_size: int, include: Collection[str], symmetric: bool
-) -> onnx.ModelProto:
-    """ORT's round-to-nearest on the MatMul nodes named in `include`."""
-    MatMulNBitsQuantizer = ort_package.submodule("quantization.matmul_nbits_quantizer").MatMulNBitsQuantizer  # noqa: N806
+class _Weights:
+    """A graph's weights as the quantizers read and add them: its initializers' values, or a streaming
+    export's deferred ones (`deferred`: then large new weights are deferred too, made when stored)."""
 
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per-node INFO
-    # its nodes_to_include adds to the op types it quantizes anyway: the others are excluded by name
-    others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in include]
-    try:
-        quantizer = MatMulNBitsQuantizer(
-            model, bits=bits, block_size=block_size, is_symmetric=symmetric, nodes_to_exclude=others
-        )
-        quantizer.process()
-    except Exception as exc:  # ORT's quantizer raises plain exceptions
-        raise QuantizationError(f"ONNX Runtime's weight quantizer failed: {exc}") from None
-    return quantizer.model.model
+    def __init__(self, graph: onnx.GraphProto, deferred: dict[str, Deferred] | None) -> None:
+        self.graph = graph
+        self.deferred = deferred
+        self.tensors = {t.name: t for t in graph.initializer}
+
+    def value(self, name: str) -> Deferred:
+        tensor = self.tensors[name]
+        if self.deferred is not None and name in self.deferred:
+            return self.deferred[name]
+        from onnx import numpy_helper
+
+        return Deferred(tensor.dims, np.float32, lambda: numpy_helper.to_array(tensor).astype(np.float32, copy=False))
+
+    def add(self, name: str, value: np.ndarray | Deferred) -> str:
+        from quiver.passes.load import weight_initializer
+
+        self.graph.initializer.append(weight_initializer(name, value, self.deferred))
+        return name
+
+
+def _rtn_blocks(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> list[np.ndarray]:
+    """ONNX Runtime's round to nearest (the kernels of its `MatMulNBitsQuantizer`) of a [K, N] weight: the
+    packed blocks [N, blocks, bytes], the scales [N, blocks] and (asymmetric) the packed zero points,
+    a slice of columns at a time (blocks run along K: columns are independent), so a large weight (a
+    128k-token head) is never copied whole."""
+    capi = ort_package.submodule("capi._pybind_state")
+    quantize = capi.quantize_matmul_4bits if bits == 4 else capi.quantize_matmul_8bits
+    k, n = weight.shape
+    per_byte = 8 // bits
+    count = -(-k // block_size)
+    packed = np.zeros((n, count, block_size // per_byte), np.uint8)
+    scales = np.zeros((n, count), np.float32)
+    zeros = np.zeros((n, -(-count // per_byte)), np.uint8)
+    step = max(1, (32 << 20) // (4 * count * block_size))  # columns of ~32 MB of float32 at a time
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        piece = np.zeros((count * block_size, end - start), np.float32)  # padded along K, as ORT's quantizer pads
+        piece[:k] = weight[:, start:end]
+        parts = (packed[start:end].copy(), scales[start:end].copy(), zeros[start:end].copy())
+        quantize(parts[0], piece, parts[1], parts[2], block_size, end - start, k, symmetric)
+        packed[start:end], scales[start:end], zeros[start:end] = parts
+    return [packed, scales] if symmetric else [packed, scales, zeros]
+
+
+def _rtn_of(weight: Deferred, bits: int, block_size: int, symmetric: bool) -> list[np.ndarray]:
+    return _rtn_blocks(weight.compute(), bits, block_size, symmetric)
+
+
+def _ort_rtn(
+    model: onnx.ModelProto,
+    bits: int,
+    block_size: int,
+    include: Collection[str],
+    symmetric: bool,
+    deferred: dict[str, Deferred] | None = None,
+) -> onnx.ModelProto:
+    """ORT's round to nearest on the MatMul nodes named in `include` (a [K, N] constant weight each): the
+    MatMulNBits nodes, tensors and names ORT's `MatMulNBitsQuantizer` writes, one weight at a time."""
+    from onnx import helper
+
+    from quiver.ir.edit import drop_unread_initializers
+    from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
+
+    graph = model.graph
+    weights = _Weights(graph, deferred)
+    done: set[str] = set()
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        tensor = weights.tensors.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if tensor is None or len(tensor.dims) != 2 or node.name not in include:
+            nodes.append(node)
+            continue
+        name = node.input[1]
+        k, n = (int(d) for d in tensor.dims)
+        names = [f"{name}_Q{bits}", f"{name}_scales"] + ([] if symmetric else [f"{name}_zero_points"])
+        if name not in done:  # a weight several MatMuls read is quantized once
+            count, per_byte = -(-k // block_size), 8 // bits
+            shapes = [(n, count, block_size // per_byte), (n, count), (n, -(-count // per_byte))]
+            made = made_together(
+                [(shape, dtype) for shape, dtype in zip(shapes, (np.uint8, np.float32, np.uint8))][: len(names)],
+                partial(_rtn_of, weights.value(name), bits, block_size, symmetric),
+            )
+            for part, array in zip(names, made):
+                weights.add(part, array)
+            done.add(name)
+        nodes.append(helper.make_node("MatMulNBits", [node.input[0], *names], list(node.output),
+                                      name=f"{node.name}_Q{bits}", domain=MS_DOMAIN, K=k, N=n, bits=bits,
+                                      block_size=block_size))  # fmt: skip
+    del graph.node[:]
+    graph.node.extend(nodes)
+    drop_unread_initializers(graph, done)
+    use_microsoft_domain(model)
+    return model
 
 
 def calibration_tensors(model: onnx.ModelProto, exclude: Collection[str] = ()) -> list[str]:
@@ -325,17 +415,19 @@ def _by_gptq(
     symmetric: bool,
     moments: Mapping[str, np.ndarray],
     solved: dict[str, BlockWeights],
+    deferred: dict[str, Deferred] | None = None,
 ) -> onnx.ModelProto:
     """The MatMuls named in `include` by GPTQ's 4-bit blocks, as ONNX's blocked DequantizeLinear of int4
     weights, which `to_matmul_nbits` turns into MatMulNBits (with zero points where a block has one)."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
     from quiver.passes.gptq import moments_of, quantize_blocks
     from quiver.passes.nbits import to_matmul_nbits
 
     graph = model.graph
-    constants = {t.name: t for t in graph.initializer}
+    weights = _Weights(graph, deferred)
+    constants = weights.tensors
     readers: dict[str, list[str]] = {}  # weight -> the inputs it multiplies
     for node in graph.node:
         if node.op_type == "MatMul" and node.name in include and node.input[1] in constants:
@@ -345,7 +437,7 @@ def _by_gptq(
         if len(constants[name].dims) != 2:
             continue
         if name not in solved:
-            weight = numpy_helper.to_array(constants[name])
+            weight = weights.value(name).compute()
             solved[name] = quantize_blocks(weight, 4, block_size, symmetric, moments_of(inputs, moments))
         blocks = solved[name]
         stem = f"{name}.gptq"
@@ -413,11 +505,32 @@ def hqq_minimums(
 Blocks = tuple[np.ndarray, np.ndarray, np.ndarray]  # q [N, K / block, block] (0..15), scales, minimums [N, K / block]
 
 
-def with_given_blocks(model: onnx.ModelProto, block_size: int, blocks: Mapping[str, Blocks]) -> onnx.ModelProto:
+def with_given_blocks(
+    model: onnx.ModelProto,
+    block_size: int,
+    blocks: Mapping[str, Callable[[], Blocks]],
+    deferred: dict[str, Deferred] | None = None,
+) -> onnx.ModelProto:
     """Each MatMul whose weight `blocks` names runs on those 4-bit blocks as they are (a GGUF file's Q4_0 and
-    Q4_1 blocks: w = scale q + minimum), in the form `rtn-min` writes."""
+    Q4_1 blocks: w = scale q + minimum; each read when it is stored), in the form `rtn-min` writes."""
     include = {n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in blocks}
-    return _with_block_minimums(model, block_size, include, given=blocks)
+    return _with_block_minimums(model, block_size, include, given=blocks, deferred=deferred)
+
+
+def _minimum_form(make: Callable[[], Blocks]) -> list[np.ndarray]:
+    """The blocks `make` gives as `rtn-min`'s tensors: the packed integers, the scales (flat) and what each
+    block's sum of x is multiplied by, m + 8 s ([K / block, N])."""
+    q, scales, minimums = make()
+    return [pack_nibbles(q), scales.reshape(-1), np.ascontiguousarray((minimums + 8 * scales).T)]
+
+
+def _fitted(fit: Callable[[np.ndarray, int], Blocks], weight: Deferred, block_size: int) -> Blocks:
+    return fit(weight.compute(), block_size)
+
+
+def _block_ones(k: int, block_size: int) -> np.ndarray:
+    """E [K, K / block]: ones on each block, x E the sums of x per block."""
+    return np.kron(np.eye(k // block_size, dtype=np.float32), np.ones((block_size, 1), np.float32))
 
 
 def _with_block_minimums(
@@ -425,45 +538,44 @@ def _with_block_minimums(
     block_size: int,
     include: Collection[str],
     fit: Callable[[np.ndarray, int], Blocks] = block_minimums,
-    given: Mapping[str, Blocks] | None = None,
+    given: Mapping[str, Callable[[], Blocks]] | None = None,
+    deferred: dict[str, Deferred] | None = None,
 ) -> onnx.ModelProto:
     """`rtn-min` and `hqq` (see the module): each MatMul named in `include` that fits (a [K, N] weight, K a
     multiple of the block) becomes MatMulNBits + the minimums' MatMul, its blocks by `fit` (or `given`,
     by weight name); the others stay as they are."""
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
     from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
 
     graph = model.graph
-    constants = {t.name: t for t in graph.initializer}
+    weights = _Weights(graph, deferred)
     block_sums: dict[str, str] = {}  # input -> its sums per block (one per input, whatever reads it)
     nodes: list[onnx.NodeProto] = []
     replaced: set[str] = set()
     for node in graph.node:
-        weight = constants.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        weight = weights.tensors.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if weight is None or len(weight.dims) != 2 or weight.dims[0] % block_size or node.name not in include:
             nodes.append(node)
             continue
         source, name, out = node.input[0], node.input[1], node.output[0]
         k, n = (int(d) for d in weight.dims)
         if name not in replaced:  # a weight read by several MatMuls is quantized once
-            q, scales, minimums = (
-                given[name] if given and name in given else fit(numpy_helper.to_array(weight), block_size)
+            make = given[name] if given and name in given else partial(_fitted, fit, weights.value(name), block_size)
+            count = k // block_size
+            parts = made_together(
+                [((n, count, block_size // 2), np.uint8), ((n * count,), np.float32), ((count, n), np.float32)],
+                partial(_minimum_form, make),
             )
-            offsets = (minimums + 8 * scales).T  # [K / block, N]: what the block's sum of x is multiplied by
-            graph.initializer.extend(
-                [
-                    numpy_helper.from_array(pack_nibbles(q), f"{name}.q4"),
-                    numpy_helper.from_array(scales.reshape(-1), f"{name}.scales"),
-                    numpy_helper.from_array(np.ascontiguousarray(offsets), f"{name}.offsets"),
-                ]
-            )
+            for suffix, part in zip((".q4", ".scales", ".offsets"), parts):
+                weights.add(f"{name}{suffix}", part)
             replaced.add(name)
         if source not in block_sums:  # x E, E [K, K / block] ones on each block: one MatMul, any input rank
             sums = block_sums[source] = f"{source}.block_sums"
-            ones = np.kron(np.eye(k // block_size, dtype=np.float32), np.ones((block_size, 1), np.float32))
-            graph.initializer.append(numpy_helper.from_array(ones, f"{sums}.blocks"))
+            weights.add(
+                f"{sums}.blocks", Deferred((k, k // block_size), np.float32, partial(_block_ones, k, block_size))
+            )
             nodes.append(helper.make_node("MatMul", [source, f"{sums}.blocks"], [sums], name=sums))
         nodes += [
             helper.make_node(
