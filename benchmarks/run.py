@@ -28,6 +28,7 @@ import quiver
 from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from families import measure_families  # noqa: E402
 from gguf_blocks import measure_gguf  # noqa: E402  (a sibling script, not a package; not `gguf`: that is the package)
 from int4_profile import measure_int4_profile  # noqa: E402
 from lora import measure_lora  # noqa: E402
@@ -285,6 +286,7 @@ SECTIONS = (
     "ort_api",
     "t2t",
     "gguf",
+    "families",
     "real_size",
     "quantizers",
     "int4_profile",
@@ -374,6 +376,19 @@ def main() -> None:
             corpus = subprocess.run(families, capture_output=True, text=True, check=True)
             print("a GGUF file's blocks ...", file=sys.stderr)
             report["gguf"] = measure_gguf(folder, Path(llms.stdout.strip()), Path(corpus.stdout.strip()))
+        if "families" in sections:
+            families = subprocess.run(
+                ["bash", "ci/make-real-models", "families"], capture_output=True, text=True, check=True
+            )
+            corpus = Path(families.stdout.strip())
+            quiver_cache = Path.home() / ".cache" / "quiver"
+            print("every family beside onnxruntime-genai ...", file=sys.stderr)
+            report["families"] = measure_families(
+                folder,
+                corpus,
+                quiver_cache / "export-venv" / "bin" / "python",
+                quiver_cache / "genai-families" / corpus.name,
+            )
         if "real_size" in sections:
             llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("models of real size ...", file=sys.stderr)

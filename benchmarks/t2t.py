@@ -52,8 +52,11 @@ def status(field):
         if line.startswith(field):
             return int(line.split()[1]) / 1024
 engine, path, mode = sys.argv[1:4]
+# optional: {"lengths": prompt lengths, "new": new tokens, "high": ids drawn below, "genai_max_length": genai's
+# cache length at least} (small models' contexts, sliding windows)
+shape = {"lengths": [128, 512], "new": 128, "high": 40000} | (json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})
 rng = np.random.default_rng(0)
-prompts = {n: [1] + [int(i) for i in rng.integers(100, 40000, n - 1)] for n in (128, 512)}
+prompts = {n: [1] + [int(i) for i in rng.integers(100, shape["high"], n - 1)] for n in shape["lengths"]}
 result = {}
 if engine == "genai":
     import onnxruntime_genai as og
@@ -61,13 +64,15 @@ if engine == "genai":
     model = og.Model(path)
     def generate(ids, new):
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + new, min_length=len(ids) + new, do_sample=False)
+        # a sliding window's cache must hold the window (genai refuses less): then a longer one, stopped early
+        length = max(len(ids) + new, shape.get("genai_max_length", 0))
+        params.set_search_options(max_length=length, min_length=len(ids) + new, do_sample=False)
         generator = og.Generator(model, params)
         start = time.perf_counter()
         generator.append_tokens(np.array(ids, np.int32))
         prefilled = time.perf_counter()
         count = 0
-        while not generator.is_done():
+        while not generator.is_done() and count < new:
             generator.generate_next_token()
             count += 1
         done = time.perf_counter()
@@ -106,7 +111,7 @@ else:
     python = [0.0]
 for n, ids in prompts.items():
     generate(ids[:16], 4)  # warm-up
-    prefill, decode = generate(ids, 128)
+    prefill, decode = generate(ids, shape["new"])
     result[str(n)] = {"prefill_tok_s": prefill, "decode_tok_s": decode}
     if engine == "quiver":
         result[str(n)]["python_ms_per_step"] = python[0]
@@ -168,20 +173,23 @@ def _agreement(config: Path, expected: dict[str, Any]) -> float:
 _GENAI_GREEDY = r"""
 import json, sys, numpy as np, onnxruntime_genai as og
 model = og.Model(sys.argv[1]); expected = json.loads(open(sys.argv[2]).read()); replies = []
+floor = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # a sliding window's cache must hold the window
 for ids, want in zip(expected["prompt_ids"], expected[sys.argv[3]]):
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + len(want), min_length=len(ids) + len(want), do_sample=False)
+    length = max(len(ids) + len(want), floor)
+    params.set_search_options(max_length=length, min_length=len(ids) + len(want), do_sample=False)
     g = og.Generator(model, params); g.append_tokens(np.array(ids, np.int32)); got = []
-    while not g.is_done():
+    while not g.is_done() and len(got) < len(want):
         g.generate_next_token(); got.append(int(g.get_next_tokens()[0]))
     replies.append(got)
 print(json.dumps(replies))
 """
 
 
-def genai_replies(folder: Path, expected: Path, key: str = "base") -> list[list[int]]:
-    """onnxruntime-genai's greedy tokens for each prompt of the corpus, as many as `expected[key]` has."""
-    command = [sys.executable, "-c", _GENAI_GREEDY, str(folder), str(expected), key]
+def genai_replies(folder: Path, expected: Path, key: str = "base", max_length: int = 0) -> list[list[int]]:
+    """onnxruntime-genai's greedy tokens for each prompt of the corpus, as many as `expected[key]` has
+    (`max_length`: its cache's length at least, for a sliding window's sake)."""
+    command = [sys.executable, "-c", _GENAI_GREEDY, str(folder), str(expected), key, str(max_length)]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
 

@@ -140,6 +140,22 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT * 100}).encode(), 400, "prompt"),
         (json.dumps({"model": "out", "prompt": PROMPT, "stream": "yes"}).encode(), 400, "stream"),
         (json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 4, "min_tokens": 5}).encode(), 400, "min_tokens"),
+        # fields not implemented are refused by name at any value but their neutral one; unknown ones always
+        (json.dumps({"model": "out", "prompt": PROMPT, "presence_penalty": 0.5}).encode(), 400, "presence_penalty"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "top_k": 5}).encode(), 400, "top_k"),
+        (
+            json.dumps({"model": "out", "prompt": PROMPT, "response_format": {"type": "json_object"}}).encode(),
+            400,
+            "response_format",
+        ),
+        (json.dumps({"model": "out", "prompt": PROMPT, "stop_token_ids": [2]}).encode(), 400, "stop_token_ids"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "temprature": 0}).encode(), 400, "temprature"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "messages": []}).encode(), 400, "messages"),
+        (
+            json.dumps({"model": "out", "prompt": PROMPT, "stream_options": {"include_usage": True}}).encode(),
+            400,
+            "stream_options",
+        ),
     ],
 )
 def test_bad_requests_get_openais_error_object(server: Running, body: bytes, status: int, param: str | None) -> None:
@@ -147,6 +163,35 @@ def test_bad_requests_get_openais_error_object(server: Running, body: bytes, sta
     assert got == status and set(reply["error"]) == {"message", "type", "param", "code"}, reply
     assert reply["error"]["param"] == param
     assert server.client().completions.create(model="out", prompt=PROMPT, max_tokens=2, temperature=0).choices
+
+
+def test_a_clients_defaults_for_fields_not_implemented_pass(server: Running) -> None:
+    neutral = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "top_k": -1,
+        "min_p": 0,
+        "logprobs": None,
+        "response_format": {"type": "text"},
+        "user": "someone",
+        "logit_bias": {},
+        "echo": False,
+        "best_of": 1,
+    }
+    body = json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 2, **neutral}).encode()
+    got, _, reply = http(f"{server.url}/v1/completions", "POST", body)
+    assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
+
+
+def test_a_stream_ends_with_its_usage_only_when_asked(server: Running) -> None:
+    client = server.client()
+    chunks = list(client.chat.completions.create(
+        model="out", messages=[{"role": "user", "content": PROMPT}], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+    plain = list(client.completions.create(model="out", prompt=PROMPT, max_tokens=4, temperature=0, stream=True))
+    assert plain[-1].choices and all(c.usage is None for c in plain)
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server: Running) -> None:

@@ -98,12 +98,19 @@ def test_rtn_min_exports_compute_what_the_float_weights_compute(gridded: tuple[P
     config = export(folder, tmp_path / "float-head", options=float_head).path
     assert read_dialog_config(config).accuracy_level == 0  # float activations: what keeps it exact
     np.testing.assert_allclose(_logits(config), want, rtol=0, atol=2e-4)
-    # the default head (tied): a 4-bit shortlist whose best tokens' logits come from the float rows
-    shortlisted = _logits(
-        export(folder, tmp_path / "rtn-min", options=ExportOptions(64, weight_bits=4, quantizer="rtn-min")).path
-    )
+    # the default head (tied): a 4-bit shortlist whose best tokens' logits come from the table's rows, exact
+    # where the table stays float (by default it is 8-bit: close, not exact)
+    float_table = (("model.embed_tokens.weight", None),)
+    options = ExportOptions(64, weight_bits=4, quantizer="rtn-min", overrides=float_table)
+    shortlisted = _logits(export(folder, tmp_path / "rtn-min", options=options).path)
     exact = np.abs(shortlisted - want) <= 2e-4
     assert exact.sum() >= SHORTLIST_SIZE and exact[np.argsort(want)[-8:]].all() and not exact.all()
+    default = _logits(
+        export(folder, tmp_path / "rtn-min-8", options=ExportOptions(64, weight_bits=4, quantizer="rtn-min")).path
+    )
+    best = np.argsort(want)[-8:]
+    assert not np.allclose(default[best], want[best], rtol=0, atol=2e-4)
+    np.testing.assert_allclose(default[best], want[best], rtol=0, atol=0.02 * np.abs(want[best]).max())
     rounded = _logits(export(folder, tmp_path / "rtn", options=ExportOptions(context_size=64, weight_bits=4)).path)
     assert np.abs(rounded - want).max() > 10 * 2e-4  # symmetric blocks lose the grid
 
@@ -340,3 +347,67 @@ def test_the_cli_reports_what_quantizing_cost(gridded: tuple[Path, dict], tmp_pa
     bad = subprocess.run(empty, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "no prompts; write one per line" in bad.stderr
     assert not (tmp_path / "never").exists()  # refused before anything was exported
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_token_table_in_blocks_gathers_its_rows_dequantized(bits: int) -> None:
+    """`model.embed_tokens.weight=8|4`: the Gather reads the table's blocks (ORT's GatherBlockQuantized);
+    each row comes back as symmetric rounding of its blocks of 32 gives it, computed here from the formula."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((50, 64)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], name="/model/embed_tokens/Gather", axis=0),
+         helper.make_node("MatMul", ["rows", "w"], ["y"], name="/m/MatMul")], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 64])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.eye(64, dtype=np.float32), "w")],
+    )  # fmt: skip
+    model = onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    quantized = quantize_weights(model, 4, 32, exclude={"w"}, overrides=[("table", bits)])
+    assert [n.op_type for n in quantized.graph.node][0] == "GatherBlockQuantized"
+    assert "table" not in {t.name for t in quantized.graph.initializer}  # the float table is gone
+    session = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[0, 17, 49]], np.int64)
+    (rows,) = session.run(["y"], {"ids": ids})
+    top = 2 ** (bits - 1) - 1
+    blocks = table[ids[0]].reshape(3, 2, 32)
+    step = np.abs(blocks).max(axis=-1, keepdims=True) / top
+    expected = (np.clip(np.round(blocks / step), -top, top) * step).reshape(1, 3, 64)
+    np.testing.assert_allclose(rows, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_token_table_the_float_head_also_reads_is_not_quantized_alone() -> None:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = np.random.default_rng(8).standard_normal((50, 64)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], name="g", axis=0),
+         helper.make_node("MatMul", ["rows", "table_t"], ["y"], name="m"),
+         helper.make_node("Transpose", ["table"], ["table_t"], name="t")], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 50])], [numpy_helper.from_array(table, "table")],
+    )  # fmt: skip
+    model = onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    with pytest.raises(QuantizationError, match="read as float weights beside its Gather"):
+        quantize_weights(model, 4, 32, overrides=[("table", 8)])
+
+
+def test_a_quantized_export_has_an_8_bit_token_table_close_to_float_and_no_float_table(
+    gridded: tuple[Path, dict], tmp_path: Path
+) -> None:
+    folder, weights = gridded
+    float_table = (("model.embed_tokens.weight", None),)
+    options = ExportOptions(context_size=64, weight_bits=4, quantizer="rtn-min", overrides=float_table)
+    plain = export(folder, tmp_path / "plain", options=options)
+    small = export(folder, tmp_path / "small", options=ExportOptions(64, weight_bits=4, quantizer="rtn-min"))
+    logits, float_table_logits, want = _logits(small.path), _logits(plain.path), forward(weights, IDS)
+    best = np.argsort(want)[-8:]  # the shortlist's rescored logits: from 8-bit rows instead of float ones
+    np.testing.assert_allclose(logits[best], float_table_logits[best], rtol=0, atol=0.02 * np.abs(want[best]).max())
+    assert int(np.argmax(logits)) == int(np.argmax(want))
+    table_bytes = weights["model.embed_tokens.weight"].nbytes
+    assert small.ctx_bins[0].stat().st_size < plain.ctx_bins[0].stat().st_size - table_bytes / 2  # a quarter

@@ -43,6 +43,26 @@ def _ms_matmul_nbits(
     return ((a.astype(np.float32) @ weight.T).astype(a.dtype),)
 
 
+def _ms_gather_block_quantized(
+    self: OpRun, data: np.ndarray, indices: np.ndarray, scales: np.ndarray, *rest: Any, **attributes: Any
+) -> tuple[np.ndarray]:
+    """ORT's GatherBlockQuantized as Quiver's token tables use it (gather_axis 0, quantize_axis the last):
+    uint8 data of 4 (packed from each byte's low bits up) or 8 bits, blocks along each row, zero points
+    packed alike (2^(bits-1) unless given); the rows at `indices`, dequantized."""
+    bits, block = int(attributes.get("bits", 4)), int(attributes["block_size"])
+    if int(attributes.get("gather_axis", 0)) != 0 or int(attributes.get("quantize_axis", 1)) not in (1, -1):
+        raise NotImplementedError("GatherBlockQuantized: only gather_axis 0 and quantize_axis 1")
+    rows = data[indices.astype(np.int64)]
+    width = rows.shape[-1] * 8 // bits
+    q = unpack_bits(rows.reshape(-1, rows.shape[-1]), bits).reshape(-1, width // block, block).astype(np.float32)
+    zero: np.ndarray | float = float(1 << (bits - 1))
+    if rest and rest[0] is not None and rest[0].size:
+        packed = rest[0][indices.astype(np.int64)].reshape(q.shape[0], -1)
+        zero = unpack_bits(packed, bits)[:, : width // block, None].astype(np.float32)
+    step = scales[indices.astype(np.int64)].reshape(q.shape[0], -1, 1).astype(np.float32)
+    return (((q - zero) * step).reshape(*indices.shape, width).astype(scales.dtype),)
+
+
 def _ms_fused_matmul(self: OpRun, a: np.ndarray, b: np.ndarray, **attributes: Any) -> tuple[np.ndarray]:
     """ORT's FusedMatMul: alpha · op(A) · op(B), op transposing the last two axes where asked."""
     if attributes.get("transA"):
@@ -163,6 +183,7 @@ _MS_OPS: list[Any] = [
     QuantizeLinear,
     DequantizeLinear,
     type("MatMulNBits", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_matmul_nbits}),
+    type("GatherBlockQuantized", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gather_block_quantized}),
     type("FusedMatMul", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_fused_matmul}),
     type("GroupQueryAttention", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_group_query_attention}),
     type(

@@ -36,11 +36,14 @@ from quiver.serve.openai_api import (
     ApiError,
     Served,
     chat_messages,
+    check_fields,
     chunk,
     completion,
     completion_prompt,
     generation,
+    include_usage,
     new_id,
+    usage_chunk,
 )
 from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
 from quiver.t2t.tokenizer import is_utf8
@@ -173,6 +176,7 @@ class Server:
 
     async def _completions(self, request: Request) -> Response:
         body = await self._body(request)
+        check_fields(body, chat=False)
         served = self.served
         prompt = completion_prompt(body, served.vocabulary, served.context_size)
         ids = await self._prepared(self.service.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
@@ -181,6 +185,7 @@ class Server:
 
     async def _chat(self, request: Request) -> Response:
         body = await self._body(request)
+        check_fields(body, chat=True)
         messages = chat_messages(body, self.served.context_size)
         template = self.chat_template
         if template is None:
@@ -315,6 +320,10 @@ class Server:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be true or false", "stream", "invalid_type")
+        usage = include_usage(body)
+        if usage and not stream:
+            raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
+                           "invalid_value")  # fmt: skip
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
@@ -324,7 +333,8 @@ class Server:
             raise ApiError(429, str(exc), None, "queue_full") from None
         request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])
         if stream:
-            return StreamingResponse(self._events(job, events, request_id, model, chat), media_type="text/event-stream")
+            replies = self._events(job, events, request_id, model, chat, usage)
+            return StreamingResponse(replies, media_type="text/event-stream")
         watcher = asyncio.create_task(self._cancel_when_gone(http, job))
         try:
             done = await self._collect(job, events)
@@ -352,10 +362,11 @@ class Server:
                 return event
 
     async def _events(
-        self, job: Job, events: asyncio.Queue[Event], request_id: str, model: str, chat: bool
+        self, job: Job, events: asyncio.Queue[Event], request_id: str, model: str, chat: bool, usage: bool
     ) -> AsyncIterator[str]:
         """The stream's server-sent events, those decided while the last were sent in one write (a client
-        or a hop that falls behind gets fewer, larger writes); the request is cancelled if the client goes
+        or a hop that falls behind gets fewer, larger writes), with a last chunk of the usage where asked
+        (`stream_options.include_usage`, OpenAI's: no choices); the request is cancelled if the client goes
         away."""
         first, previous, ended = True, job.submitted, False
         try:
@@ -372,6 +383,8 @@ class Server:
                     else:
                         self._count(event)
                         out.append(_sse(chunk(request_id, model, chat, done=event, first=first)))
+                        if usage:
+                            out.append(_sse(usage_chunk(request_id, model, chat, event)))
                         ended = True
                     first = False
                 yield "".join(out)

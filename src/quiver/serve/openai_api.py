@@ -1,7 +1,9 @@
 """OpenAI's HTTP API as Quiver serves it: requests checked field by field, replies and errors in its schema.
 
-Only what the engine can honour is accepted: `n` 1, no `logprobs`, no `echo`, no `tools`; anything
-else is a 400 naming the field, as OpenAI's own server names it (`param`). Quiver's extensions ride in
+Only what the engine can honour is accepted: every field is honoured, metadata (`user`...), or refused
+with a 400 naming it (`param`), as OpenAI's own server refuses an unknown one; fields not implemented yet
+(penalties, `top_k`, `logprobs`, `tools`, `response_format`...) are accepted only at their neutral
+value, so a client's defaults pass and nothing asked for is silently ignored. Quiver's extensions ride in
 the body (the `openai` client's `extra_body`): `lora`, strengths per adapter (Genie's), e.g.
 `{"lora": {"chat": 0.5}}`, and vLLM's `min_tokens`. Non-streaming replies carry each choice's `token_ids`.
 """
@@ -20,7 +22,32 @@ from quiver.serve.engine import Done, Generation
 from quiver.t2t.tokenizer import is_utf8
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "functions", "suffix", "logit_bias")
+
+# Every field a request may carry, and what becomes of it. Honoured: read below. Metadata: OpenAI's fields
+# that change nothing in the reply (who asks, what to store, routing hints). Neutral only: fields of
+# OpenAI's schemas or vLLM's extras that Quiver does not implement yet, accepted only at the value that
+# asks for nothing (a client library sending its defaults), else a 400 naming the field. Anything else
+# is refused as OpenAI refuses it ("Unrecognized request argument"): nothing is silently ignored.
+_HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream",
+             "stream_options", "n", "min_tokens", "lora"}  # fmt: skip
+_HONOURED_BY_ROUTE = {True: {"messages"}, False: {"prompt"}}  # chat, completions
+_METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
+_OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": _OFF, "frequency_penalty": _OFF, "repetition_penalty": (None, 1, 1.0),
+    "top_k": (None, 0, -1), "min_p": _OFF, "logit_bias": _OFF, "stop_token_ids": _OFF, "ignore_eos": _OFF,
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
+    "tools": _OFF, "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "functions": _OFF, "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "add_generation_prompt": (None, True),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": _OFF, "guided_json": _OFF, "guided_regex": _OFF, "guided_choice": _OFF,
+    "guided_grammar": _OFF, "structured_outputs": _OFF, "grammar": _OFF, "json_schema": _OFF,
+    "modalities": (None, ["text"]), "prediction": _OFF, "audio": _OFF, "reasoning_effort": (None,),
+    "web_search_options": _OFF, "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": _OFF,
+    "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
+    "verbosity": (None,), "cache_prompt": (None, True, False),
+}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -70,13 +97,44 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
     return value
 
 
-def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tokens: int | None) -> Generation:
-    """A request body's sampling fields and adapter, checked against what is served."""
+def check_fields(body: Any, chat: bool) -> None:
+    """Refuses a field Quiver does not honour (or a neutral-only one at another value), naming it."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, 0, [], {}):
-            raise ApiError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    for name, value in body.items():
+        if name in _HONOURED or name in _HONOURED_BY_ROUTE[chat] or name in _METADATA:
+            continue
+        if name in _NEUTRAL:
+            if not any(value == off and type(value) is type(off) or value is off for off in _NEUTRAL[name]):
+                raise ApiError(400, f"'{name}' is not supported by this server (only its default is accepted)",
+                               name, "unsupported_parameter")  # fmt: skip
+            continue
+        route = "chat completions" if chat else "completions"
+        raise ApiError(400, f"Unrecognized request argument supplied to {route}: '{str(name)[:60]}'",
+                       str(name)[:60], "unsupported_parameter")  # fmt: skip
+
+
+def include_usage(body: Mapping[str, Any]) -> bool:
+    """`stream_options.include_usage`: a streamed reply ends with a chunk of the usage (OpenAI's)."""
+    options = _field(body, "stream_options", (dict,), {})
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise ApiError(400, f"'stream_options.{str(unknown[0])[:40]}' is not supported", "stream_options",
+                       "unsupported_parameter")  # fmt: skip
+    if options.get("continuous_usage_stats"):
+        raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported", "stream_options",
+                       "unsupported_parameter")  # fmt: skip
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be true or false", "stream_options", "invalid_type")
+    return value
+
+
+def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tokens: int | None) -> Generation:
+    """A request body's sampling fields and adapter, checked against what is served (its fields checked
+    first by `check_fields`)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
     if _field(body, "n", (int,), 1) != 1:
         raise ApiError(400, "'n' must be 1: this server makes one choice per request", "n", "invalid_value")
     model = _field(body, "model", (str,))
@@ -228,6 +286,11 @@ def chunk(request_id: str, model: str, chat: bool, text: str | None = None, done
         choice |= {"text": text or "", "logprobs": None}
     kind = "chat.completion.chunk" if chat else "text_completion"
     event = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
-    if done is not None:
-        event["usage"] = _usage(done)
     return event
+
+
+def usage_chunk(request_id: str, model: str, chat: bool, done: Done) -> dict[str, Any]:
+    """The last event of a stream whose request asked for its usage: no choices, the usage."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [],
+            "usage": _usage(done)}  # fmt: skip

@@ -46,6 +46,7 @@ from quiver.t2t.quantize import (
     CALIBRATED,
     DEFAULT_QUANTIZER,
     SHORTLIST,
+    TABLE_BITS,
     Override,
     calibration_moments,
     head_bits,
@@ -277,6 +278,7 @@ def export(
                 solved,
                 rows,
                 deferred,
+                TABLE_BITS,
             )
             for m in (model, batched)
         )

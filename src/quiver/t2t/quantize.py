@@ -38,6 +38,7 @@ winning. Weights set to 8 bits under `rtn-min` take symmetric 8-bit blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
@@ -71,6 +72,7 @@ ACCURACY_LEVELS: dict[str, int | None] = {
 }
 
 
+TABLE_BITS = 8  # token tables of quantized exports: symmetric 8-bit blocks (SmolLM2 kept 128 of 128 tokens)
 SHORTLIST = "shortlist"  # the LM head at 4 bits, its best tokens' logits computed again from float rows
 SHORTLIST_SIZE = 32  # how many: the float head's best token ranks below this at 4 bits (almost) never
 # The shortlist's ranking blocks (round to nearest, a 4-bit zero point each). Measured on SmolLM2 (2685
@@ -123,6 +125,7 @@ def quantize_weights(
     solved: dict[str, BlockWeights] | None = None,
     head_rows: str | None = None,
     deferred: dict[str, Deferred] | None = None,
+    table_bits: int | None = None,
 ) -> onnx.ModelProto:
     """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
     node named `head` (the LM head) at `head_bits`; `overrides` (the module) last. `moments`: what the
@@ -131,7 +134,8 @@ def quantize_weights(
     `head_rows`: the head's float [vocab, hidden] rows (a tied head's embedding), which a shortlist head
     rescores its best tokens with; without them the head is not a shortlist by default. `deferred`: the
     model's placeholders' values (a streaming export): the quantized weights are deferred too, each made
-    when the context stores it."""
+    when the context stores it. `table_bits`: the token tables' width by default (8: `TABLE_BITS`; None
+    keeps them float), a table also read as float weights (a tied head left float) staying float."""
     if quantizer not in QUANTIZERS:
         raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
@@ -142,7 +146,10 @@ def quantize_weights(
         raise QuantizationError(f"the {quantizer} quantizer makes 4-bit weights; use --weight-bitwidth 4")
     if quantizer in CALIBRATED and moments is None:
         raise QuantizationError(f"the {quantizer} quantizer needs calibration prompts (--calibration FILE)")
-    plan = _plan(model, bits, exclude, head, quantizer, overrides, tied=head_rows is not None)
+    plan, tables = _plan(model, bits, exclude, head, quantizer, overrides, head_rows is not None, table_bits)
+    if table_bits is not None:  # by default, a table something else reads as float stays float
+        overridden = {n for n in tables if any(fnmatch.fnmatchcase(n, p) for p, _ in overrides)}
+        tables = {n: w for n, w in tables.items() if n in overridden or _only_gathered(model, n, plan)}
     shortlisted = {n for n, w in plan.items() if w == SHORTLIST}
     if shortlisted and head_rows is None:
         raise QuantizationError(
@@ -173,10 +180,11 @@ def quantize_weights(
         for width in (4, 8):
             if nodes[width]:
                 model = _ort_rtn(model, width, block_size, nodes[width], quantizer == "rtn", deferred)
+    quantized_tables = _quantized_tables(model, tables, block_size, deferred) if tables else {}
     if shortlist is not None:  # the approximate head ranks, whatever the quantizer
         hidden_size = int(shortlist[2].dims[1])  # the float rows' [vocab, hidden]
         model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, False, deferred)
-        model = _shortlisted_head(model, *shortlist)
+        model = _shortlisted_head(model, *shortlist, quantized_tables.get(shortlist[2].name))
     from quiver.ir.edit import drop_unread_initializers
 
     # an untied head's float rows no shortlist reads (the model holds them only for one)
@@ -185,23 +193,108 @@ def quantize_weights(
     return model
 
 
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """A token table's quantized tensors, as GatherBlockQuantized reads them."""
+
+    data: str
+    scales: str
+    zero_points: str
+    bits: int
+    block_size: int
+
+
+def _gather_rows(table: str, ids: str, out: str, name: str, quantized: _Table | None) -> onnx.NodeProto:
+    """Rows of a token table: a Gather, or of its quantized form, dequantized (ORT's GatherBlockQuantized)."""
+    from onnx import helper
+
+    from quiver.ir.ops import MS_DOMAIN
+
+    if quantized is None:
+        return helper.make_node("Gather", [table, ids], [out], name=name, axis=0)
+    return helper.make_node(
+        "GatherBlockQuantized", [quantized.data, ids, quantized.scales, quantized.zero_points], [out], name=name,
+        domain=MS_DOMAIN, bits=quantized.bits, block_size=quantized.block_size, gather_axis=0, quantize_axis=1,
+    )  # fmt: skip
+
+
+def table_blocks(table: np.ndarray, bits: int, block_size: int) -> list[np.ndarray]:
+    """A [vocab, hidden] token table in symmetric blocks along each row: the unsigned integers (packed two
+    to a byte at 4 bits), a scale per block, the zero points (the middle, 2^(bits-1), packed alike)."""
+    vocab, hidden = table.shape
+    top = (1 << (bits - 1)) - 1
+    blocks = table.astype(np.float32).reshape(vocab, hidden // block_size, block_size)
+    scales = (np.abs(blocks).max(axis=-1) / top).astype(np.float32)
+    safe = np.where(scales > 0, scales, 1).astype(np.float32)
+    q = (np.clip(np.rint(blocks / safe[..., None]), -top, top) + top + 1).astype(np.uint8).reshape(vocab, hidden)
+    zeros = np.full((vocab, hidden // block_size), top + 1, np.uint8)
+    if bits == 4:
+        q, zeros = pack_nibbles(q), pack_nibbles(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
+    return [q, scales, zeros]
+
+
+def _table_blocks_of(table: Deferred, bits: int, block_size: int) -> list[np.ndarray]:
+    return table_blocks(table.compute(), bits, block_size)
+
+
+def _quantized_tables(
+    model: onnx.ModelProto, tables: Mapping[str, int], block_size: int, deferred: dict[str, Deferred] | None
+) -> dict[str, _Table]:
+    """Each token table of `tables` (name -> 4 or 8 bits) in blocks along its rows, its Gathers become
+    GatherBlockQuantized (ORT's, dequantizing the rows they take); a table something else reads as float
+    (a tied head's product) is refused."""
+    from quiver.ir.ops import use_microsoft_domain
+
+    weights = _Weights(model.graph, deferred)
+    done: dict[str, _Table] = {}
+    for name, bits in tables.items():
+        readers = [n for n in model.graph.node if name in n.input]
+        if any(n.op_type != "Gather" or list(n.input).index(name) != 0 for n in readers):
+            raise QuantizationError(f"{name} is read as float weights beside its Gather (a tied LM head in float): "
+                                    f"quantize the head too (--weight-bitwidth) or keep {name}=float")  # fmt: skip
+        vocab, hidden = (int(d) for d in weights.tensors[name].dims)
+        if hidden % block_size:
+            raise QuantizationError(f"{name}: rows of {hidden} do not split into blocks of {block_size}")
+        count = hidden // block_size
+        shapes = [((vocab, hidden * bits // 8), np.uint8), ((vocab, count), np.float32),
+                  ((vocab, (count + 1) // 2 if bits == 4 else count), np.uint8)]  # fmt: skip
+        parts = made_together(shapes, partial(_table_blocks_of, weights.value(name), bits, block_size))
+        table = _Table(f"{name}.q{bits}", f"{name}.q{bits}.scales", f"{name}.q{bits}.zero_points", bits, block_size)
+        for part_name, part in zip((table.data, table.scales, table.zero_points), parts):
+            weights.add(part_name, part)
+        for node in readers:
+            node.CopyFrom(_gather_rows(name, node.input[1], node.output[0], node.name, table))
+        done[name] = table
+    use_microsoft_domain(model)
+    return done
+
+
+def _only_gathered(model: onnx.ModelProto, table: str, plan: Mapping[str, Width]) -> bool:
+    """Whether every node reading `table` gathers rows of it (a MatMul to be quantized reads its own copy)."""
+    readers = [n for n in model.graph.node if table in n.input]
+    return all(n.op_type == "Gather" and n.input[0] == table or plan.get(n.name) is not None for n in readers)
+
+
 def _ranking_block(hidden: int, block_size: int) -> int:
     """The shortlist's ranking blocks: `RANKING_BLOCK`, or within a smaller hidden size the largest power of
     two that fits (a block longer than the rows would be padding), never finer than the layers' blocks."""
     return min(RANKING_BLOCK, max(block_size, 1 << (hidden.bit_length() - 1)))
 
 
-def _shortlisted_head(model: onnx.ModelProto, hidden: str, logits: str, rows: onnx.TensorProto) -> onnx.ModelProto:
+def _shortlisted_head(
+    model: onnx.ModelProto, hidden: str, logits: str, rows: onnx.TensorProto, table: _Table | None = None
+) -> onnx.ModelProto:
     """The 4-bit head's `logits` with its best `SHORTLIST_SIZE` entries computed again from the float `rows`
-    [vocab, hidden]: TopK, a Gather of those rows, their products with `hidden`, ScatterElements. Any
-    leading dimensions (a batch of rows) carry through."""
+    [vocab, hidden] (or from `table`, those rows quantized as a token table: gathered dequantized): TopK, a
+    Gather of those rows, their products with `hidden`, ScatterElements. Any leading dimensions (a batch
+    of rows) carry through."""
     from onnx import helper, numpy_helper
 
     from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
 
     graph = model.graph
     approx = f"{logits}.approx"
-    if not any(t.name == rows.name for t in graph.initializer):
+    if table is None and not any(t.name == rows.name for t in graph.initializer):
         graph.initializer.append(rows)
     vocab = int(rows.dims[0])
 
@@ -222,7 +315,7 @@ def _shortlisted_head(model: onnx.ModelProto, hidden: str, logits: str, rows: on
     shortlist_nodes = (
         [
             helper.make_node("TopK", [approx, part("k")], [part("values"), part("ids")], name=part("TopK"), axis=-1),
-            helper.make_node("Gather", [rows.name, part("ids")], [part("rows")], name=part("Gather"), axis=0),
+            _gather_rows(rows.name, part("ids"), part("rows"), part("Gather"), table),
             helper.make_node("Unsqueeze", [hidden, part("axis")], [part("hidden")], name=part("Unsqueeze")),
             helper.make_node("FusedMatMul", [part("hidden"), part("rows")], [part("products")], name=part("MatMul"),
                              domain=MS_DOMAIN, transB=1, alpha=1.0),
@@ -245,13 +338,23 @@ def _plan(
     quantizer: str,
     overrides: Sequence[Override],
     tied: bool,
-) -> dict[str, Width]:
+    table_bits: int | None = None,
+) -> tuple[dict[str, Width], dict[str, int]]:
     """Each MatMul by a constant 2-d weight (not reading `exclude`): its width (bits, None for float, or
-    SHORTLIST for the head; `tied`: the head's float rows are at hand)."""
+    SHORTLIST for the head; `tied`: the head's float rows are at hand); and the token tables (a Gather's
+    2-d weight) at `table_bits` (None: float) unless an override says otherwise."""
     weights = {t.name: t for t in model.graph.initializer if len(t.dims) == 2}
     excluded = set(exclude)
     plan: dict[str, Width] = {}
     matched: set[str] = set()
+    tables: dict[str, int] = {}
+    for name in sorted({n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[0] in weights}):
+        matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(name, p)}
+        width = _overridden(name, table_bits, overrides)
+        if width == SHORTLIST:
+            raise QuantizationError(f"only the LM head ({HEAD_WEIGHT}) can be a {SHORTLIST}, not {name}")
+        if width is not None:
+            tables[name] = int(width)
     for node in model.graph.node:
         if node.op_type != "MatMul" or len(node.input) != 2 or node.input[1] not in weights:
             continue
@@ -271,7 +374,7 @@ def _plan(
             f"quantization override {unmatched[0]!r} matches no MatMul weight; weight names look like "
             f"{', '.join(names)} (and {HEAD_WEIGHT} for the LM head)"
         )
-    return plan
+    return plan, tables
 
 
 class _Weights:
