@@ -388,6 +388,7 @@ def main() -> None:
                 corpus,
                 quiver_cache / "export-venv" / "bin" / "python",
                 quiver_cache / "genai-families" / corpus.name,
+                rounds=args.rounds,
             )
         if "real_size" in sections:
             llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)

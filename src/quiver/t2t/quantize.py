@@ -220,16 +220,23 @@ def _gather_rows(table: str, ids: str, out: str, name: str, quantized: _Table | 
 
 def table_blocks(table: np.ndarray, bits: int, block_size: int) -> list[np.ndarray]:
     """A [vocab, hidden] token table in symmetric blocks along each row: the unsigned integers (packed two
-    to a byte at 4 bits), a scale per block, the zero points (the middle, 2^(bits-1), packed alike)."""
+    to a byte at 4 bits), a scale per block, the zero points (the middle, 2^(bits-1), packed alike). Made
+    a slice of rows at a time: a 128k-token table is a gigabyte in float32, and its temporaries as many."""
     vocab, hidden = table.shape
-    top = (1 << (bits - 1)) - 1
-    blocks = table.astype(np.float32).reshape(vocab, hidden // block_size, block_size)
-    scales = (np.abs(blocks).max(axis=-1) / top).astype(np.float32)
-    safe = np.where(scales > 0, scales, 1).astype(np.float32)
-    q = (np.clip(np.rint(blocks / safe[..., None]), -top, top) + top + 1).astype(np.uint8).reshape(vocab, hidden)
-    zeros = np.full((vocab, hidden // block_size), top + 1, np.uint8)
+    top, count = (1 << (bits - 1)) - 1, hidden // block_size
+    q = np.empty((vocab, hidden * bits // 8), np.uint8)
+    scales = np.empty((vocab, count), np.float32)
+    step = max(1, (32 << 20) // (4 * hidden))  # rows of ~32 MB of float32 at a time
+    for start in range(0, vocab, step):
+        rows = slice(start, min(vocab, start + step))
+        blocks = np.asarray(table[rows], np.float32).reshape(-1, count, block_size)
+        scales[rows] = np.abs(blocks).max(axis=-1) / top
+        safe = np.where(scales[rows] > 0, scales[rows], 1).astype(np.float32)
+        values = (np.clip(np.rint(blocks / safe[..., None]), -top, top) + top + 1).astype(np.uint8)
+        q[rows] = pack_nibbles(values.reshape(-1, hidden)) if bits == 4 else values.reshape(-1, hidden)
+    zeros = np.full((vocab, count), top + 1, np.uint8)
     if bits == 4:
-        q, zeros = pack_nibbles(q), pack_nibbles(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
+        zeros = pack_nibbles(np.pad(zeros, ((0, 0), (0, count % 2))))
     return [q, scales, zeros]
 
 
