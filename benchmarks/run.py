@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from families import measure_families  # noqa: E402
 from gguf_blocks import measure_gguf  # noqa: E402  (a sibling script, not a package; not `gguf`: that is the package)
 from int4_profile import measure_int4_profile  # noqa: E402
+from kv_memory import measure_kv_memory  # noqa: E402
 from lora import measure_lora  # noqa: E402
 from minilm_quantizers import measure_minilm_quantizers  # noqa: E402
 from ort_api import measure_ort_api  # noqa: E402
@@ -288,6 +289,7 @@ SECTIONS = (
     "gguf",
     "families",
     "real_size",
+    "kv_memory",
     "quantizers",
     "int4_profile",
     "serve",
@@ -390,6 +392,10 @@ def main() -> None:
                 quiver_cache / "genai-families" / corpus.name,
                 rounds=args.rounds,
             )
+        if "kv_memory" in sections:
+            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            print("serving memory that follows the tokens ...", file=sys.stderr)
+            report["kv_memory"] = measure_kv_memory(folder, Path(llms.stdout.strip()))
         if "real_size" in sections:
             llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("models of real size ...", file=sys.stderr)

@@ -120,3 +120,35 @@ def test_an_export_the_machine_has_no_room_for_is_refused_in_one_line(
     with pytest.raises(ExportResourceError, match="needs about .* GB of memory .* available"):
         export(tmp_path / "model", tmp_path / "out", options=ExportOptions(context_size=64))
     assert not (tmp_path / "out" / "model.qctx").exists()
+
+
+def test_an_export_the_disk_has_no_room_for_is_refused_before_it_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    tiny_decoder(tmp_path / "model")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(export_module.shutil, "disk_usage", lambda _: usage._replace(free=1 << 20))
+    with pytest.raises(ExportResourceError, match="needs about .* GB on disk and 0.0 GB are free"):
+        export(tmp_path / "model", tmp_path / "out", options=ExportOptions(context_size=64))
+    assert not (tmp_path / "out" / "model.qctx").exists()
+
+
+def test_a_disk_that_fills_up_mid_export_ends_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from quiver.formats import writer
+
+    tiny_decoder(tmp_path / "model")
+    real = writer.TensorFileWriter.add_weight
+
+    def full(self: writer.TensorFileWriter, *args: object, **kwargs: object) -> int:
+        if len(self.weights) >= 3:  # a few weights in, the disk is full (what the OS says then)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer.TensorFileWriter, "add_weight", full)
+    with pytest.raises(ExportResourceError, match="the disk filled up; the context needs about"):
+        export(tmp_path / "model", tmp_path / "out", options=ExportOptions(context_size=64))
+    assert not list((tmp_path / "out").glob("*.qctx*"))  # nothing half-written left behind
