@@ -141,8 +141,10 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT, "stream": "yes"}).encode(), 400, "stream"),
         (json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 4, "min_tokens": 5}).encode(), 400, "min_tokens"),
         # fields not implemented are refused by name at any value but their neutral one; unknown ones always
-        (json.dumps({"model": "out", "prompt": PROMPT, "presence_penalty": 0.5}).encode(), 400, "presence_penalty"),
-        (json.dumps({"model": "out", "prompt": PROMPT, "top_k": 5}).encode(), 400, "top_k"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "presence_penalty": 2.5}).encode(), 400, "presence_penalty"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "top_k": -2}).encode(), 400, "top_k"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "min_p": 1.5}).encode(), 400, "min_p"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "logit_bias": {"5": 10}}).encode(), 400, "logit_bias"),
         (
             json.dumps({"model": "out", "prompt": PROMPT, "response_format": {"type": "json_object"}}).encode(),
             400,
@@ -181,6 +183,26 @@ def test_a_clients_defaults_for_fields_not_implemented_pass(server: Running) -> 
     body = json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 2, **neutral}).encode()
     got, _, reply = http(f"{server.url}/v1/completions", "POST", body)
     assert got == 200 and reply["usage"]["completion_tokens"] == 2, reply
+
+
+@pytest.mark.parametrize(
+    "controls",
+    [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 3.0}, {"top_k": 1, "min_p": 0.5}],
+)
+def test_sampling_controls_give_what_the_dialog_gives_with_them(
+    server: Running, exported: Path, controls: dict[str, float]
+) -> None:
+    from quiver.t2t.dialog import Dialog
+
+    reply = server.client().completions.create(model="out", prompt=PROMPT, max_tokens=24, temperature=0,
+                                               extra_body=controls)  # fmt: skip
+    with Dialog.from_config(exported) as dialog:
+        plain = dialog.query(PROMPT, max_new_tokens=24, greedy=True).new_ids
+        dialog.reset()
+        want = dialog.query(PROMPT, max_new_tokens=24, greedy=True, **controls).new_ids
+    assert reply.choices[0].token_ids == want  # type: ignore[attr-defined]
+    if "top_k" not in controls:  # greedy: top-k 1 and min-p change nothing, a penalty on a repeated token does
+        assert want != plain
 
 
 def test_a_stream_ends_with_its_usage_only_when_asked(server: Running) -> None:

@@ -261,6 +261,9 @@ _dialog_config = click.option(
 @click.option("--top-k", type=int)
 @click.option("--top-p", type=float)
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True, help="Drop tokens below this x the likeliest's.")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="OpenAI's, over the reply.")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="OpenAI's, over the reply.")
 @click.option("--seed", type=int)
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--min-new-tokens", type=int, default=0, show_default=True)
@@ -276,6 +279,9 @@ def t2t_run(
     top_k: int | None,
     top_p: float | None,
     repetition_penalty: float,
+    min_p: float,
+    presence_penalty: float,
+    frequency_penalty: float,
     seed: int | None,
     max_new_tokens: int,
     min_new_tokens: int,
@@ -311,6 +317,9 @@ def t2t_run(
             seed=seed,
             on_token=None if as_json else stream,
             stop=stop,
+            min_p=min_p,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
     if as_json:
         click.echo(

@@ -66,6 +66,11 @@ class Generation:
     seed: int | None
     stop: tuple[str, ...]
     min_tokens: int = 0  # end-of-sequence tokens are kept out until this many were generated (vLLM's)
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -275,9 +280,13 @@ class Engine:
         sampling = Sampling(
             greedy=not sampled,
             temperature=request.temperature if sampled else 1.0,
-            top_k=0,  # OpenAI's API has no top-k: all tokens
+            top_k=request.top_k,
             top_p=request.top_p if sampled else 1.0,
             seed=request.seed,
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
         )
         config = self.decoder.config
         return Continuation(

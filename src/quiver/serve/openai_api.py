@@ -2,10 +2,13 @@
 
 Only what the engine can honour is accepted: every field is honoured, metadata (`user`...), or refused
 with a 400 naming it (`param`), as OpenAI's own server refuses an unknown one; fields not implemented yet
-(penalties, `top_k`, `logprobs`, `tools`, `response_format`...) are accepted only at their neutral
-value, so a client's defaults pass and nothing asked for is silently ignored. Quiver's extensions ride in
-the body (the `openai` client's `extra_body`): `lora`, strengths per adapter (Genie's), e.g.
-`{"lora": {"chat": 0.5}}`, and vLLM's `min_tokens`. Non-streaming replies carry each choice's `token_ids`.
+(`logprobs`, `tools`, `response_format`, `logit_bias`...) are accepted only at their neutral value, so a
+client's defaults pass and nothing asked for is silently ignored. Sampling: `temperature`, `top_p`,
+`top_k` (vLLM's: -1 or 0 off), `min_p`, `presence_penalty` and `frequency_penalty` (OpenAI's, over the
+reply's tokens), `repetition_penalty` (vLLM's and transformers', over prompt and reply). Quiver's
+extensions ride in the body (the `openai` client's `extra_body`): `lora`, strengths per adapter
+(Genie's), e.g. `{"lora": {"chat": 0.5}}`, and vLLM's `min_tokens`. Non-streaming replies carry each
+choice's `token_ids`.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 # asks for nothing (a client library sending its defaults), else a 400 naming the field. Anything else
 # is refused as OpenAI refuses it ("Unrecognized request argument"): nothing is silently ignored.
 _HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream",
-             "stream_options", "n", "min_tokens", "lora"}  # fmt: skip
+             "stream_options", "n", "min_tokens", "lora", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty"}  # fmt: skip
 _HONOURED_BY_ROUTE = {True: {"messages"}, False: {"prompt"}}  # chat, completions
 _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": _OFF, "frequency_penalty": _OFF, "repetition_penalty": (None, 1, 1.0),
-    "top_k": (None, 0, -1), "min_p": _OFF, "logit_bias": _OFF, "stop_token_ids": _OFF, "ignore_eos": _OFF,
+    "logit_bias": _OFF, "stop_token_ids": _OFF, "ignore_eos": _OFF,
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
     "tools": _OFF, "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": _OFF, "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
@@ -177,6 +180,9 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         ):
             raise ApiError(400, f"'lora.{str(name)[:40]}' must be a number from -{MAX_LORA_STRENGTH:g} to "
                            f"{MAX_LORA_STRENGTH:g}", "lora", "invalid_value")  # fmt: skip
+    top_k = _field(body, "top_k", (int,), 0)
+    if top_k < -1:
+        raise ApiError(400, "'top_k' must be -1 or 0 (every token) or a count of tokens", "top_k", "invalid_value")
     return Generation(
         prompt_ids=prompt_ids,
         adapter=None if model == served.base else model,
@@ -187,6 +193,11 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         seed=seed,
         stop=tuple(stops),
         min_tokens=min_tokens,
+        top_k=max(top_k, 0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-3, 100.0),
     )
 
 

@@ -55,7 +55,7 @@ class Continuation:
             logits = logits.reshape(-1)
             for eos in self._eos_ids:  # a few ids: plain item writes cost less than one fancy-indexed one
                 logits[eos] = -np.inf
-        token = self._sampler.next_token(logits, self._seen)
+        token = self._sampler.next_token(logits, self._seen, self.new_ids)
         self.new_ids.append(token)
         self._seen.append(token)
         if token in self._eos:

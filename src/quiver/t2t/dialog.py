@@ -162,13 +162,17 @@ class Dialog:
         seed: int | None = None,
         on_token: Callable[[str], object] | None = None,
         stop: Sequence[str] = (),
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> QueryResult:
         """Generates a reply to `prompt`: raw text (apply the model's chat template first if it has one)
         or token ids.
 
         Sampling options left as None take the config's `sampler` values; giving a temperature, top-k
         or top-p without `greedy` samples. `min_new_tokens` keeps eos tokens out until that many were
-        generated; `on_token` receives the text as it is decided.
+        generated; `on_token` receives the text as it is decided. `min_p`, `presence_penalty` and
+        `frequency_penalty` as OpenAI's and vLLM's servers apply them (`quiver.t2t.sampling`).
         """
         if isinstance(prompt, str) and not is_utf8(prompt):
             raise GenerationError("the prompt is not UTF-8 text (it holds undecodable bytes); give it as UTF-8")
@@ -183,6 +187,9 @@ class Dialog:
             top_p=defaults.top_p if top_p is None else top_p,
             repetition_penalty=repetition_penalty,
             seed=defaults.seed if seed is None else seed,
+            min_p=min_p,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
         prompt_ids = [int(i) for i in ids]
         vocab = int(self._logits.shape[-1])

@@ -1,4 +1,5 @@
-"""Choosing the next token, in transformers' order: repetition penalty → temperature → top-k → top-p."""
+"""Choosing the next token: repetition penalty (transformers', over the whole conversation), presence and
+frequency penalties (OpenAI's, over the reply's tokens) → temperature → top-k → top-p → min-p."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ class Sampling:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0  # tokens less likely than min_p x the likeliest are dropped (0: none)
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the reply
+    frequency_penalty: float = 0.0  # subtracted from a token's logit per time it is in the reply
 
     def __post_init__(self) -> None:
         checks = [
@@ -32,6 +36,9 @@ class Sampling:
                 f"repetition penalty {self.repetition_penalty} must be > 0",
             ),
             (self.seed is None or 0 <= self.seed < 2**64, f"seed {self.seed} must be 0 to 2^64 - 1"),
+            (0 <= self.min_p <= 1, f"min-p {self.min_p} must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, f"presence penalty {self.presence_penalty} must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency penalty {self.frequency_penalty} must be in [-2, 2]"),
         ]
         for holds, message in checks:
             if not holds:
@@ -49,9 +56,12 @@ class Sampler:
         self.sampling = sampling
         self._random = np.random.default_rng(sampling.seed)
 
-    def next_token(self, logits: np.ndarray, seen: Sequence[int]) -> int:
+    def next_token(self, logits: np.ndarray, seen: Sequence[int], reply: Sequence[int] = ()) -> int:
+        """The next token from `logits`; `seen`: the conversation's tokens (the repetition penalty's),
+        `reply`: this reply's tokens so far (the presence and frequency penalties')."""
         s = self.sampling
-        if s.is_greedy and s.repetition_penalty == 1.0:
+        penalized = s.presence_penalty != 0 or s.frequency_penalty != 0
+        if s.is_greedy and s.repetition_penalty == 1.0 and not penalized:
             # the common case, once per generated token: as little as can be run between two decode steps
             return int(logits.argmax())
         scores = np.asarray(logits, np.float32).reshape(-1)
@@ -60,6 +70,10 @@ class Sampler:
             ids = np.unique(np.asarray(seen, np.int64))
             chosen = scores[ids]
             scores[ids] = np.where(chosen < 0, chosen * s.repetition_penalty, chosen / s.repetition_penalty)
+        if penalized and len(reply):
+            scores = scores.copy()
+            ids, counts = np.unique(np.asarray(reply, np.int64), return_counts=True)
+            scores[ids] -= np.float32(s.presence_penalty) + np.float32(s.frequency_penalty) * counts.astype(np.float32)
         if s.is_greedy:
             return int(np.argmax(scores))
         # in float64, kept finite: a tiny temperature must not overflow the scores (inf - inf is NaN)
@@ -75,6 +89,9 @@ class Sampler:
             scores = scores.copy()
             scores[order[removed]] = -np.inf
         probabilities = _softmax(scores)
+        if s.min_p > 0:
+            probabilities = np.where(probabilities < s.min_p * probabilities.max(), 0, probabilities)
+            probabilities /= probabilities.sum()
         return int(self._random.choice(probabilities.size, p=probabilities))
 
 
