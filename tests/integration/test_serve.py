@@ -144,13 +144,15 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT, "presence_penalty": 2.5}).encode(), 400, "presence_penalty"),
         (json.dumps({"model": "out", "prompt": PROMPT, "top_k": -2}).encode(), 400, "top_k"),
         (json.dumps({"model": "out", "prompt": PROMPT, "min_p": 1.5}).encode(), 400, "min_p"),
-        (json.dumps({"model": "out", "prompt": PROMPT, "logit_bias": {"5": 10}}).encode(), 400, "logit_bias"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "logit_bias": {"999999": 10}}).encode(), 400, "logit_bias"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "logit_bias": {"5": 101}}).encode(), 400, "logit_bias"),
         (
             json.dumps({"model": "out", "prompt": PROMPT, "response_format": {"type": "json_object"}}).encode(),
             400,
             "response_format",
         ),
-        (json.dumps({"model": "out", "prompt": PROMPT, "stop_token_ids": [2]}).encode(), 400, "stop_token_ids"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "stop_token_ids": [-1]}).encode(), 400, "stop_token_ids"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "seed": 1, "best_of": 2}).encode(), 400, "best_of"),
         (json.dumps({"model": "out", "prompt": PROMPT, "temprature": 0}).encode(), 400, "temprature"),
         (json.dumps({"model": "out", "prompt": PROMPT, "messages": []}).encode(), 400, "messages"),
         (
@@ -203,6 +205,28 @@ def test_sampling_controls_give_what_the_dialog_gives_with_them(
     assert reply.choices[0].token_ids == want  # type: ignore[attr-defined]
     if "top_k" not in controls:  # greedy: top-k 1 and min-p change nothing, a penalty on a repeated token does
         assert want != plain
+
+
+def test_a_logit_bias_and_stop_token_ids_act_as_they_do_in_the_dialog(server: Running, exported: Path) -> None:
+    from quiver.t2t.dialog import Dialog
+
+    client = server.client()
+    with Dialog.from_config(exported) as dialog:
+        plain = dialog.query(PROMPT, max_new_tokens=12, greedy=True).new_ids
+        dialog.reset()
+        banned = dialog.query(PROMPT, max_new_tokens=12, greedy=True, logit_bias={plain[0]: -100}).new_ids
+        dialog.reset()
+        stopped = dialog.query(PROMPT, max_new_tokens=12, greedy=True, stop_token_ids=[plain[3]]).new_ids
+    assert banned[0] != plain[0] and stopped == plain[: plain.index(plain[3]) + 1]
+    reply = client.completions.create(model="out", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      logit_bias={str(plain[0]): -100})  # fmt: skip
+    assert reply.choices[0].token_ids == banned  # type: ignore[attr-defined]
+    reply = client.completions.create(model="out", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [plain[3]]})  # fmt: skip
+    assert reply.choices[0].token_ids == stopped and reply.choices[0].finish_reason == "stop"  # type: ignore[attr-defined]
+    reply = client.completions.create(model="out", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert reply.choices[0].token_ids[: len(plain)] == plain  # type: ignore[attr-defined]
 
 
 def test_a_stream_ends_with_its_usage_only_when_asked(server: Running) -> None:

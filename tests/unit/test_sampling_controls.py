@@ -30,6 +30,12 @@ def test_presence_and_frequency_penalties_lower_the_replys_tokens_as_openai_says
     assert sampler.next_token(LOGITS.copy(), seen=[3, *reply], reply=reply) == best
 
 
+def test_a_logit_bias_is_added_to_its_tokens_logits() -> None:
+    assert Sampler(Sampling(greedy=True, logit_bias=((1, 0.2),))).next_token(LOGITS.copy(), seen=[]) == 1  # 2.1 > 2
+    assert Sampler(Sampling(greedy=True, logit_bias=((1, 0.05),))).next_token(LOGITS.copy(), seen=[]) == 0
+    assert Sampler(Sampling(greedy=True, logit_bias=((0, -100.0),))).next_token(LOGITS.copy(), seen=[]) == 1
+
+
 def test_the_penalties_read_the_reply_not_the_prompt() -> None:
     sampler = Sampler(Sampling(greedy=True, presence_penalty=2.0))
     assert sampler.next_token(LOGITS.copy(), seen=[0, 0, 0], reply=[]) == 0  # token 0 only in the prompt
@@ -45,7 +51,10 @@ def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
     assert 3 in {loose.next_token(logits.copy(), seen=[]) for _ in range(400)}
 
 
-@pytest.mark.parametrize("field, value", [("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0)])
-def test_controls_out_of_range_are_refused(field: str, value: float) -> None:
+@pytest.mark.parametrize(
+    "field, value",
+    [("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("logit_bias", ((3, 101.0),))],
+)
+def test_controls_out_of_range_are_refused(field: str, value: object) -> None:
     with pytest.raises(GenerationError, match="sampling:"):
         Sampling(**{field: value})

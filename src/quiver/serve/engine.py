@@ -71,6 +71,9 @@ class Generation:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # end the reply as eos tokens do
+    ignore_eos: bool = False  # the model's eos tokens do not end the reply
 
 
 @dataclass(frozen=True)
@@ -287,12 +290,13 @@ class Engine:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
+            logit_bias=request.logit_bias,
         )
         config = self.decoder.config
         return Continuation(
             self.decoder.tokenizer,
             Sampler(sampling),
-            config.eos_tokens,
+            tuple(dict.fromkeys((() if request.ignore_eos else tuple(config.eos_tokens)) + request.stop_token_ids)),
             request.prompt_ids,
             len(request.prompt_ids),
             config.context_size,

@@ -2,13 +2,13 @@
 
 Only what the engine can honour is accepted: every field is honoured, metadata (`user`...), or refused
 with a 400 naming it (`param`), as OpenAI's own server refuses an unknown one; fields not implemented yet
-(`logprobs`, `tools`, `response_format`, `logit_bias`...) are accepted only at their neutral value, so a
-client's defaults pass and nothing asked for is silently ignored. Sampling: `temperature`, `top_p`,
-`top_k` (vLLM's: -1 or 0 off), `min_p`, `presence_penalty` and `frequency_penalty` (OpenAI's, over the
-reply's tokens), `repetition_penalty` (vLLM's and transformers', over prompt and reply). Quiver's
-extensions ride in the body (the `openai` client's `extra_body`): `lora`, strengths per adapter
-(Genie's), e.g. `{"lora": {"chat": 0.5}}`, and vLLM's `min_tokens`. Non-streaming replies carry each
-choice's `token_ids`.
+(`logprobs`, `tools`, `response_format`...) are accepted only at their neutral value, so a client's
+defaults pass and nothing asked for is silently ignored. Sampling: `temperature`, `top_p`, `top_k`
+(vLLM's: -1 or 0 off), `min_p`, `presence_penalty` and `frequency_penalty` (OpenAI's, over the reply's
+tokens), `repetition_penalty` (vLLM's and transformers', over prompt and reply), `logit_bias`;
+`stop_token_ids` and `ignore_eos` (vLLM's). Quiver's extensions ride in the body (the `openai` client's
+`extra_body`): `lora`, strengths per adapter (Genie's), e.g. `{"lora": {"chat": 0.5}}`, and vLLM's
+`min_tokens`. Non-streaming replies carry each choice's `token_ids`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 # is refused as OpenAI refuses it ("Unrecognized request argument"): nothing is silently ignored.
 _HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream",
              "stream_options", "n", "min_tokens", "lora", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty"}  # fmt: skip
+             "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos"}  # fmt: skip
+MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS = 1024, 64  # entries a request may give
 _HONOURED_BY_ROUTE = {True: {"messages"}, False: {"prompt"}}  # chat, completions
 _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": _OFF, "stop_token_ids": _OFF, "ignore_eos": _OFF,
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
     "tools": _OFF, "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": _OFF, "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
@@ -98,6 +98,15 @@ def _number(body: Mapping[str, Any], name: str, default: float, low: float, high
     if not (math.isfinite(value) and low <= value <= high):
         raise ApiError(400, f"'{name}' must be from {low} to {high}, not {value}", name, "invalid_value")
     return value
+
+
+def _token_id(value: Any, vocabulary: int) -> int | None:
+    """A token id given as an integer or (a JSON object's key) its decimal text, within the vocabulary."""
+    if isinstance(value, str) and value.isdigit() and len(value) <= 12:
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocabulary:
+        return value
+    return None
 
 
 def check_fields(body: Any, chat: bool) -> None:
@@ -180,6 +189,17 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         ):
             raise ApiError(400, f"'lora.{str(name)[:40]}' must be a number from -{MAX_LORA_STRENGTH:g} to "
                            f"{MAX_LORA_STRENGTH:g}", "lora", "invalid_value")  # fmt: skip
+    bias = _field(body, "logit_bias", (dict,), {})
+    if len(bias) > MAX_LOGIT_BIAS or not all(
+        _token_id(k, served.vocabulary) is not None and isinstance(v, (int, float)) and not isinstance(v, bool)
+        and math.isfinite(v) and -100 <= v <= 100 for k, v in bias.items()
+    ):  # fmt: skip
+        raise ApiError(400, f"'logit_bias' maps up to {MAX_LOGIT_BIAS} token ids (0 to {served.vocabulary - 1}) to "
+                       "biases from -100 to 100", "logit_bias", "invalid_value")  # fmt: skip
+    stop_ids = _field(body, "stop_token_ids", (list,), [])
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS or not all(_token_id(i, served.vocabulary) is not None for i in stop_ids):
+        raise ApiError(400, f"'stop_token_ids' lists up to {MAX_STOP_TOKEN_IDS} token ids, 0 to "
+                       f"{served.vocabulary - 1}", "stop_token_ids", "invalid_value")  # fmt: skip
     top_k = _field(body, "top_k", (int,), 0)
     if top_k < -1:
         raise ApiError(400, "'top_k' must be -1 or 0 (every token) or a count of tokens", "top_k", "invalid_value")
@@ -198,6 +218,9 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-3, 100.0),
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in bias.items())),
+        stop_token_ids=tuple(int(i) for i in stop_ids),
+        ignore_eos=_field(body, "ignore_eos", (bool,), False),
     )
 
 

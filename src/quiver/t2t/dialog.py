@@ -165,6 +165,9 @@ class Dialog:
         min_p: float = 0.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> QueryResult:
         """Generates a reply to `prompt`: raw text (apply the model's chat template first if it has one)
         or token ids.
@@ -172,7 +175,9 @@ class Dialog:
         Sampling options left as None take the config's `sampler` values; giving a temperature, top-k
         or top-p without `greedy` samples. `min_new_tokens` keeps eos tokens out until that many were
         generated; `on_token` receives the text as it is decided. `min_p`, `presence_penalty` and
-        `frequency_penalty` as OpenAI's and vLLM's servers apply them (`quiver.t2t.sampling`).
+        `frequency_penalty` as OpenAI's and vLLM's servers apply them (`quiver.t2t.sampling`), and
+        `logit_bias` ({token id: -100 to 100}); `stop_token_ids` end the reply as an eos token does, and
+        `ignore_eos` lets the model's eos tokens through (vLLM's).
         """
         if isinstance(prompt, str) and not is_utf8(prompt):
             raise GenerationError("the prompt is not UTF-8 text (it holds undecodable bytes); give it as UTF-8")
@@ -190,9 +195,13 @@ class Dialog:
             min_p=min_p,
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (logit_bias or {}).items())),
         )
         prompt_ids = [int(i) for i in ids]
         vocab = int(self._logits.shape[-1])
+        if not all(0 <= i < vocab for i, _ in sampling.logit_bias) or not all(0 <= i < vocab for i in stop_token_ids):
+            raise GenerationError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
+        eos = tuple(dict.fromkeys((() if ignore_eos else tuple(self.config.eos_tokens)) + tuple(stop_token_ids)))
         if not prompt_ids or not all(0 <= i < vocab for i in prompt_ids):
             raise GenerationError(f"a query needs token ids in [0, {vocab}); got {len(prompt_ids)} ids")
         limit = self.config.context_size
@@ -210,7 +219,9 @@ class Dialog:
                     f"the prompt ({len(prompt_ids)} tokens) does not fit the context: {limit} positions, "
                     f"{len(self._history)} in use; shorten it, reset() the dialog or export a larger context"
                 )
-            return self._generate(prompt_ids, fed, Sampler(sampling), max_new_tokens, min_new_tokens, on_token, stop)
+            return self._generate(
+                prompt_ids, fed, Sampler(sampling), max_new_tokens, min_new_tokens, on_token, stop, eos
+            )
 
     def _generate(
         self,
@@ -221,6 +232,7 @@ class Dialog:
         min_new_tokens: int,
         on_token: Callable[[str], object] | None,
         stop: Sequence[str],
+        eos: Sequence[int],
     ) -> QueryResult:
         start = time.perf_counter()
         window = self.config.prefill_window
@@ -231,7 +243,7 @@ class Dialog:
         reply = Continuation(
             self.tokenizer,
             sampler,
-            self.config.eos_tokens,
+            eos,
             self._history,
             len(self._history),
             self.config.context_size,

@@ -1,5 +1,6 @@
-"""Choosing the next token: repetition penalty (transformers', over the whole conversation), presence and
-frequency penalties (OpenAI's, over the reply's tokens) → temperature → top-k → top-p → min-p."""
+"""Choosing the next token: logit bias (OpenAI's), repetition penalty (transformers', over the whole
+conversation), presence and frequency penalties (OpenAI's, over the reply's tokens) → temperature →
+top-k → top-p → min-p."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Sampling:
     min_p: float = 0.0  # tokens less likely than min_p x the likeliest are dropped (0: none)
     presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the reply
     frequency_penalty: float = 0.0  # subtracted from a token's logit per time it is in the reply
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs: OpenAI's, -100 to 100
 
     def __post_init__(self) -> None:
         checks = [
@@ -39,6 +41,8 @@ class Sampling:
             (0 <= self.min_p <= 1, f"min-p {self.min_p} must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, f"presence penalty {self.presence_penalty} must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, f"frequency penalty {self.frequency_penalty} must be in [-2, 2]"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "a logit bias must be in [-100, 100]"),
+            (all(i >= 0 for i, _ in self.logit_bias), "a logit bias's token id must be >= 0"),
         ]
         for holds, message in checks:
             if not holds:
@@ -61,10 +65,14 @@ class Sampler:
         `reply`: this reply's tokens so far (the presence and frequency penalties')."""
         s = self.sampling
         penalized = s.presence_penalty != 0 or s.frequency_penalty != 0
-        if s.is_greedy and s.repetition_penalty == 1.0 and not penalized:
+        if s.is_greedy and s.repetition_penalty == 1.0 and not penalized and not s.logit_bias:
             # the common case, once per generated token: as little as can be run between two decode steps
             return int(logits.argmax())
         scores = np.asarray(logits, np.float32).reshape(-1)
+        if s.logit_bias:
+            scores = scores.copy()
+            biased = np.asarray([i for i, _ in s.logit_bias], np.int64)
+            scores[biased] += np.asarray([b for _, b in s.logit_bias], np.float32)
         if s.repetition_penalty != 1.0 and len(seen):
             scores = scores.copy()
             ids = np.unique(np.asarray(seen, np.int64))
