@@ -169,6 +169,15 @@ def test_bad_requests_get_openais_error_object(server: Running, body: bytes, sta
     assert server.client().completions.create(model="out", prompt=PROMPT, max_tokens=2, temperature=0).choices
 
 
+def test_unknown_routes_and_methods_answer_openais_error_object(server: Running) -> None:
+    status, _, reply = http(f"{server.url}/v1/embeddings", "POST", b"{}")
+    assert status == 404 and set(reply["error"]) == {"message", "type", "param", "code"}, reply
+    assert reply["error"]["code"] == "not_found" and "/v1/embeddings" in reply["error"]["message"]
+    status, headers, reply = http(f"{server.url}/v1/completions", "GET")
+    assert status == 405 and reply["error"]["code"] == "method_not_allowed" and "POST" in headers["Allow"], reply
+    assert http(f"{server.url}/v1/embeddings", "POST", b"{}", key=None)[0] == 401  # the key first, as before
+
+
 def test_a_clients_defaults_for_fields_not_implemented_pass(server: Running) -> None:
     neutral = {
         "presence_penalty": 0,

@@ -1,10 +1,11 @@
 """`quiver serve`: OpenAI's HTTP API over a Genie dialog config, on Starlette (routes) and uvicorn (HTTP).
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream` as server-sent
-events ending in `data: [DONE]`), `GET /health`, `GET /metrics`. With an API key every route but
-`/health` needs `Authorization: Bearer KEY`, checked before a byte of the body is read; bodies are
-read up to `max_body_bytes`. Bad requests get OpenAI's error object with 400/401/404/413; a full queue
-gets 429 with `Retry-After`. A client that goes away cancels its request at the engine's next step.
+events ending in `data: [DONE]`), vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
+`GET /health`, `GET /metrics`. With an API key every route but `/health` needs `Authorization: Bearer
+KEY`, checked before a byte of the body is read; bodies are read up to `max_body_bytes`. Bad requests,
+unknown routes and methods get OpenAI's error object (400/401/404/405/413); a full queue gets 429 with
+`Retry-After`. A client that goes away cancels its request at the engine's next step.
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
+async def _unknown_route(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 (no such route) and 405 (not that method) in OpenAI's error object."""
+    status = int(getattr(exc, "status_code", 404))
+    what = "no route" if status == 404 else "the route does not take"
+    path = request.url.path[:100]
+    error = ApiError(status, f"{what} {request.method[:10]} {path}; see GET /v1/models and the docs' routes",
+                     None, "not_found" if status == 404 else "method_not_allowed")  # fmt: skip
+    response = _error_response(error)
+    if status == 405 and isinstance(getattr(exc, "headers", None), dict):
+        response.headers.update(exc.headers)  # type: ignore[attr-defined]  # Allow
+    return response
+
+
 class Server:
     """The routes over one generation service; `app` is the ASGI application uvicorn (or Ray Serve) runs."""
 
@@ -133,7 +147,9 @@ class Server:
         ]
         # the browser checks first, then CORS (its preflights carry no key) for the origins the operator names
         # alone, then the key, then a route
-        app: ASGIApp = _ApiKey(Starlette(routes=routes), api_key or None)
+        # an unknown route or method answers OpenAI's error object too, as every other refusal does
+        missing = {404: _unknown_route, 405: _unknown_route}
+        app: ASGIApp = _ApiKey(Starlette(routes=routes, exception_handlers=missing), api_key or None)
         if allowed_origins:
             app = CORSMiddleware(app, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                                  allow_headers=["Authorization", "Content-Type"])  # fmt: skip
