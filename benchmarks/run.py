@@ -277,6 +277,13 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
     return _SUBSETS[count]
 
 
+def _corpus(kind: str = "") -> Path:
+    """A real-model corpus (`ci/make-real-models [kind]`: made once, cached), as its folder."""
+    made = subprocess.run(["bash", "ci/make-real-models", *([kind] if kind else [])], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return Path(made.stdout.strip())
+
+
 SECTIONS = (
     "family",
     "real_models",
@@ -349,14 +356,13 @@ def main() -> None:
             counts = tuple(c for c in (1, 4, 16) if c <= args.graphs)
             report["memory"] = measure_memory(paths, qctx, ids_path, counts)
         if "real_models" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
+            corpus = _corpus()
             print("real models ...", file=sys.stderr)
-            report["real_models"] = measure_real_models(folder, Path(corpus.stdout.strip()), args.repeats)
+            report["real_models"] = measure_real_models(folder, corpus, args.repeats)
         if "wheel_models" in sections:
-            wheels = ["bash", "ci/make-real-models", "wheels"]
-            corpus = subprocess.run(wheels, capture_output=True, text=True, check=True)
+            corpus = _corpus("wheels")
             print("wheel models ...", file=sys.stderr)
-            report["wheel_models"] = measure_wheel_models(Path(corpus.stdout.strip()), args.rounds, args.iterations)
+            report["wheel_models"] = measure_wheel_models(corpus, args.rounds, args.iterations)
         if "lora_sections" in sections:
             print("adapter switching ...", file=sys.stderr)
             report["lora_sections"] = measure_lora(folder)
@@ -369,20 +375,14 @@ def main() -> None:
             np.save(ort_ids, sample_input_ids(BENCH, batch=1, seq=SEQ))
             report["ort_api"] = measure_ort_api(folder, ort_ids, args.repeats)
         if "t2t" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            corpus = _corpus("llms")
             print("text generation ...", file=sys.stderr)
-            report["t2t"] = measure_t2t(folder, Path(corpus.stdout.strip()), rounds=15)
+            report["t2t"] = measure_t2t(folder, corpus, rounds=15)
         if "gguf" in sections:
-            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
-            families = ["bash", "ci/make-real-models", "families"]
-            corpus = subprocess.run(families, capture_output=True, text=True, check=True)
             print("a GGUF file's blocks ...", file=sys.stderr)
-            report["gguf"] = measure_gguf(folder, Path(llms.stdout.strip()), Path(corpus.stdout.strip()))
+            report["gguf"] = measure_gguf(folder, _corpus("llms"), _corpus("families"))
         if "families" in sections:
-            families = subprocess.run(
-                ["bash", "ci/make-real-models", "families"], capture_output=True, text=True, check=True
-            )
-            corpus = Path(families.stdout.strip())
+            corpus = _corpus("families")
             quiver_cache = Path.home() / ".cache" / "quiver"
             print("every family beside onnxruntime-genai ...", file=sys.stderr)
             report["families"] = measure_families(
@@ -393,40 +393,38 @@ def main() -> None:
                 rounds=args.rounds,
             )
         if "kv_memory" in sections:
-            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("serving memory that follows the tokens ...", file=sys.stderr)
-            report["kv_memory"] = measure_kv_memory(folder, Path(llms.stdout.strip()))
+            report["kv_memory"] = measure_kv_memory(folder, _corpus("llms"))
         if "real_size" in sections:
-            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
             print("models of real size ...", file=sys.stderr)
             cache = Path.home() / ".cache" / "quiver" / "size-models"
-            tokenizer = Path(llms.stdout.strip()) / "smollm2" / "tokenizer.json"
+            tokenizer = _corpus("llms") / "smollm2" / "tokenizer.json"
             report["real_size"] = measure_real_size(folder, cache, tokenizer)
         if "minilm_quantizers" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
+            corpus = _corpus()
             print("4-bit quantizers on MiniLM ...", file=sys.stderr)
-            report["minilm_quantizers"] = measure_minilm_quantizers(Path(corpus.stdout.strip()))
+            report["minilm_quantizers"] = measure_minilm_quantizers(corpus)
         if "quantizers" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            corpus = _corpus("llms")
             print("4-bit quantizers ...", file=sys.stderr)
-            report["quantizers"] = measure_quantizers(folder, Path(corpus.stdout.strip()))
+            report["quantizers"] = measure_quantizers(folder, corpus)
         if "int4_profile" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            corpus = _corpus("llms")
             print("int4 decode profile ...", file=sys.stderr)
-            report["int4_profile"] = measure_int4_profile(folder, Path(corpus.stdout.strip()))
+            report["int4_profile"] = measure_int4_profile(folder, corpus)
         if "serve" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            corpus = _corpus("llms")
             print("serving ...", file=sys.stderr)
-            report["serve"] = measure_serve(folder, Path(corpus.stdout.strip()))
+            report["serve"] = measure_serve(folder, corpus)
         if "serve_ray" in sections:
-            corpus = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            corpus = _corpus("llms")
             print("serving on Ray ...", file=sys.stderr)
-            report["serve_ray"] = measure_serve_ray(folder, Path(corpus.stdout.strip()))
+            report["serve_ray"] = measure_serve_ray(folder, corpus)
         if "tuning" in sections:
-            models = subprocess.run(["bash", "ci/make-real-models"], capture_output=True, text=True, check=True)
-            llms = subprocess.run(["bash", "ci/make-real-models", "llms"], capture_output=True, text=True, check=True)
+            models = _corpus()
+            llms = _corpus("llms")
             print("tuning ...", file=sys.stderr)
-            report["tuning"] = measure_tuning(folder, Path(models.stdout.strip()), Path(llms.stdout.strip()))
+            report["tuning"] = measure_tuning(folder, models, llms)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
