@@ -13,13 +13,13 @@ import onnx.inliner
 from onnx import numpy_helper
 
 from quiver.errors import ConversionError, UnsupportedOperatorError
-from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
+from quiver.formats.layout import INLINE_LIMIT
 from quiver.ir.deferred import Deferred
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.ops import iter_nodes, schema_checkable, unsupported_operators
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.fold import fold_constants
-from quiver.passes.load import TensorSource, load_model, tensor_source
+from quiver.passes.load import TensorSource, load_model, placeholder, tensor_source
 from quiver.passes.nbits import to_matmul_nbits
 from quiver.passes.quantized import weight_encodings
 from quiver.passes.transposed_weights import fuse_transposed_weights
@@ -117,14 +117,6 @@ def _lift_subgraph_initializers(graph: onnx.GraphProto, main: onnx.GraphProto) -
             kept.append(tensor)
     del graph.initializer[:]
     graph.initializer.extend(kept)
-
-
-def _placeholder(tensor: onnx.TensorProto) -> onnx.TensorProto:
-    placeholder = onnx.TensorProto(
-        name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, data_location=onnx.TensorProto.EXTERNAL
-    )
-    placeholder.external_data.add(key="location", value=WEIGHT_LOCATION)
-    return placeholder
 
 
 def fix_input_shapes(graph: onnx.GraphProto, input_shapes: InputShapes) -> None:
@@ -268,7 +260,7 @@ def convert(
         src = tensor_source(tensor, base, deferred)
         if src.nbytes >= INLINE_LIMIT or tensor.name in updateable:
             weights[tensor.name] = src
-            inline.append(_placeholder(tensor))
+            inline.append(placeholder(tensor.name, tensor.data_type, tensor.dims))
         else:  # small: inline in the skeleton (read from external data if it lives there)
             known[tensor.name] = array = src.to_array()
             inline.append(tensor if src.array is not None else numpy_helper.from_array(array, tensor.name))

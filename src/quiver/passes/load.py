@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,14 +109,19 @@ def _external_source(tensor: onnx.TensorProto, dtype: str, shape: tuple[int, ...
     return TensorSource(dtype, shape, path=file, offset=offset, length=length)
 
 
-def deferred_placeholder(name: str, value: Deferred) -> onnx.TensorProto:
-    """An initializer without data whose values are `value`, made when the context stores it (`deferred`
-    of `tensor_source`)."""
-    data_type = dtypes.onnx_of_numpy(value.dtype)
-    assert data_type is not None, value.dtype  # a recipe's dtype, never the user's
-    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=value.shape, data_location=onnx.TensorProto.EXTERNAL)
+def placeholder(name: str, data_type: int, dims: Sequence[int]) -> onnx.TensorProto:
+    """An initializer without data: its bytes lie among the context's weights (`WEIGHT_LOCATION`)."""
+    tensor = onnx.TensorProto(name=name, data_type=data_type, dims=dims, data_location=onnx.TensorProto.EXTERNAL)
     tensor.external_data.add(key="location", value=WEIGHT_LOCATION)
     return tensor
+
+
+def deferred_placeholder(name: str, value: Deferred) -> onnx.TensorProto:
+    """A placeholder whose values are `value`, made when the context stores it (`deferred` of
+    `tensor_source`)."""
+    data_type = dtypes.onnx_of_numpy(value.dtype)
+    assert data_type is not None, value.dtype  # a recipe's dtype, never the user's
+    return placeholder(name, data_type, value.shape)
 
 
 def weight_initializer(

@@ -30,7 +30,7 @@ import numpy as np
 
 from quiver.errors import QuiverError
 from quiver.t2t.batch import BatchDecoder
-from quiver.t2t.continuation import Continuation
+from quiver.t2t.continuation import Continuation, ending_tokens
 from quiver.t2t.external_batch import ExternalBatch
 from quiver.t2t.sampling import Sampler, Sampling
 
@@ -296,7 +296,7 @@ class Engine:
         return Continuation(
             self.decoder.tokenizer,
             Sampler(sampling),
-            tuple(dict.fromkeys((() if request.ignore_eos else tuple(config.eos_tokens)) + request.stop_token_ids)),
+            ending_tokens(config.eos_tokens, request.stop_token_ids, request.ignore_eos),
             request.prompt_ids,
             len(request.prompt_ids),
             config.context_size,

@@ -40,7 +40,7 @@ from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import BATCH_GRAPH, DialogConfig, adapter_use_cases, cpu_backend_for, read_dialog_config
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
-from quiver.t2t.kv_memory import CacheMemory
+from quiver.t2t.kv_memory import CacheMemory, zeros
 from quiver.t2t.tokenizer import TextTokenizer
 
 _PAST, _PRESENT = "past_key_values.", "present."
@@ -69,11 +69,6 @@ def _row_shape(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
 
 
 _TOO_BIG = "serve fewer sequences at once (--max-batch), or export with a smaller --context-size"
-
-
-def _zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """Zeros whose memory exists once written (the logits and each row's adapter tables: rows in use)."""
-    return CacheMemory({"": shape}).arrays[""]
 
 
 def _check_fits(needed: int) -> None:
@@ -159,7 +154,7 @@ class BatchDecoder:
         # every row's cache at full context, its memory made as tokens arrive and given back as sequences end
         self._cache_memory = CacheMemory({name: (self.max_batch, *row) for name, row in rows.items()})
         self._cache = self._cache_memory.arrays
-        self._logits = _zeros((self.max_batch, 1, config.n_vocab))
+        self._logits = zeros((self.max_batch, 1, config.n_vocab))  # as rows are used: logits and row tables
         # the adapter tables, each slot's and each row's [rank, width]: the rank is that of the prefill
         # graph's tensor of the same name, which the adapters' sections hold
         prefill = self._context.file.graphs.get(config.prefill_graph)
@@ -182,7 +177,7 @@ class BatchDecoder:
             rank, width = (stored[0], stored[1]) if name.endswith(".B") else (stored[1], stored[0])
             self._tables[name] = _Table(
                 np.zeros((adapter_slots, rank, width), np.float32),  # mapped as slots are filled
-                _zeros((self.max_batch, rank, width)),
+                zeros((self.max_batch, rank, width)),
                 np.zeros((1, 0, width), np.float32),
             )
         self._peft: dict[str, PeftAdapter] = {}  # adapters loaded from PEFT folders (no sections)

@@ -16,6 +16,14 @@ from quiver.t2t.sampling import Sampler
 from quiver.t2t.tokenizer import TextTokenizer
 
 
+def ending_tokens(
+    eos_tokens: Sequence[int], stop_token_ids: Sequence[int] = (), ignore_eos: bool = False
+) -> tuple[int, ...]:
+    """The tokens that end a reply: the model's eos tokens (unless `ignore_eos`, vLLM's) and a request's
+    `stop_token_ids`, each once."""
+    return tuple(dict.fromkeys([*(() if ignore_eos else eos_tokens), *stop_token_ids]))
+
+
 class Continuation:
     """The tokens and text of one reply; `step(logits)` per position until `reason` is set."""
 

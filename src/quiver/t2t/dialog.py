@@ -24,7 +24,7 @@ from quiver.errors import GenerationError, QuiverError
 from quiver.runtime.context import Context
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import DialogConfig, cpu_backend_for, read_dialog_config
-from quiver.t2t.continuation import Continuation
+from quiver.t2t.continuation import Continuation, ending_tokens
 from quiver.t2t.external_cache import ExternalCache
 from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.kv_memory import CacheMemory
@@ -201,7 +201,7 @@ class Dialog:
         vocab = int(self._logits.shape[-1])
         if not all(0 <= i < vocab for i, _ in sampling.logit_bias) or not all(0 <= i < vocab for i in stop_token_ids):
             raise GenerationError(f"logit_bias and stop_token_ids name token ids in [0, {vocab})")
-        eos = tuple(dict.fromkeys((() if ignore_eos else tuple(self.config.eos_tokens)) + tuple(stop_token_ids)))
+        eos = ending_tokens(self.config.eos_tokens, stop_token_ids, ignore_eos)
         if not prompt_ids or not all(0 <= i < vocab for i in prompt_ids):
             raise GenerationError(f"a query needs token ids in [0, {vocab}); got {len(prompt_ids)} ids")
         limit = self.config.context_size

@@ -46,3 +46,8 @@ class CacheMemory:
     def drop_all(self) -> None:
         for offset, shape in self._regions.values():
             portable.drop_pages(self._memory, offset, int(np.prod(shape, dtype=np.int64)) * 4)
+
+
+def zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """One float32 array of zeros over memory given on demand (pages made as they are written)."""
+    return CacheMemory({"": shape}).arrays[""]

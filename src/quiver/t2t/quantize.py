@@ -147,9 +147,6 @@ def quantize_weights(
     if quantizer in CALIBRATED and moments is None:
         raise QuantizationError(f"the {quantizer} quantizer needs calibration prompts (--calibration FILE)")
     plan, tables = _plan(model, bits, exclude, head, quantizer, overrides, head_rows is not None, table_bits)
-    if table_bits is not None:  # by default, a table something else reads as float stays float
-        overridden = {n for n in tables if any(fnmatch.fnmatchcase(n, p) for p, _ in overrides)}
-        tables = {n: w for n, w in tables.items() if n in overridden or _only_gathered(model, n, plan)}
     shortlisted = {n for n, w in plan.items() if w == SHORTLIST}
     if shortlisted and head_rows is None:
         raise QuantizationError(
@@ -180,7 +177,8 @@ def quantize_weights(
         for width in (4, 8):
             if nodes[width]:
                 model = _ort_rtn(model, width, block_size, nodes[width], quantizer == "rtn", deferred)
-    quantized_tables = _quantized_tables(model, tables, block_size, deferred) if tables else {}
+    asked = {n for n in tables if any(fnmatch.fnmatchcase(n, p) for p, _ in overrides)}  # by an override
+    quantized_tables = _quantized_tables(model, tables, block_size, deferred, asked) if tables else {}
     if shortlist is not None:  # the approximate head ranks, whatever the quantizer
         hidden_size = int(shortlist[2].dims[1])  # the float rows' [vocab, hidden]
         model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, False, deferred)
@@ -245,11 +243,15 @@ def _table_blocks_of(table: Deferred, bits: int, block_size: int) -> list[np.nda
 
 
 def _quantized_tables(
-    model: onnx.ModelProto, tables: Mapping[str, int], block_size: int, deferred: dict[str, Deferred] | None
+    model: onnx.ModelProto,
+    tables: Mapping[str, int],
+    block_size: int,
+    deferred: dict[str, Deferred] | None,
+    asked: Collection[str],
 ) -> dict[str, _Table]:
     """Each token table of `tables` (name -> 4 or 8 bits) in blocks along its rows, its Gathers become
-    GatherBlockQuantized (ORT's, dequantizing the rows they take); a table something else reads as float
-    (a tied head's product) is refused."""
+    GatherBlockQuantized (ORT's, dequantizing the rows they take). A table something else still reads as
+    float (a tied head left float) stays float, or is refused where an override (`asked`) named it."""
     from quiver.ir.ops import use_microsoft_domain
 
     weights = _Weights(model.graph, deferred)
@@ -257,6 +259,8 @@ def _quantized_tables(
     for name, bits in tables.items():
         readers = [n for n in model.graph.node if name in n.input]
         if any(n.op_type != "Gather" or list(n.input).index(name) != 0 for n in readers):
+            if name not in asked:
+                continue
             raise QuantizationError(f"{name} is read as float weights beside its Gather (a tied LM head in float): "
                                     f"quantize the head too (--weight-bitwidth) or keep {name}=float")  # fmt: skip
         vocab, hidden = (int(d) for d in weights.tensors[name].dims)
@@ -274,12 +278,6 @@ def _quantized_tables(
         done[name] = table
     use_microsoft_domain(model)
     return done
-
-
-def _only_gathered(model: onnx.ModelProto, table: str, plan: Mapping[str, Width]) -> bool:
-    """Whether every node reading `table` gathers rows of it (a MatMul to be quantized reads its own copy)."""
-    readers = [n for n in model.graph.node if table in n.input]
-    return all(n.op_type == "Gather" and n.input[0] == table or plan.get(n.name) is not None for n in readers)
 
 
 def _ranking_block(hidden: int, block_size: int) -> int:
@@ -467,7 +465,7 @@ def _ort_rtn(
             count, per_byte = -(-k // block_size), 8 // bits
             shapes = [(n, count, block_size // per_byte), (n, count), (n, -(-count // per_byte))]
             made = made_together(
-                [(shape, dtype) for shape, dtype in zip(shapes, (np.uint8, np.float32, np.uint8))][: len(names)],
+                list(zip(shapes, (np.uint8, np.float32, np.uint8)))[: len(names)],
                 partial(_rtn_of, weights.value(name), bits, block_size, symmetric),
             )
             for part, array in zip(names, made):
