@@ -50,6 +50,7 @@ from quiver.t2t.quantize import (
     Override,
     calibration_moments,
     head_bits,
+    joined_blocks,
     quantize_weights,
     with_given_blocks,
 )
@@ -57,6 +58,7 @@ from quiver.t2t.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
     from quiver.passes.gptq import BlockWeights
+    from quiver.t2t.quantize import Blocks
 
 DEFAULT_CONTEXT_SIZE = 2048
 BASE_USE_CASE = "base"  # the use case written beside the adapters' with every adapter off (Genie's base)
@@ -89,6 +91,26 @@ def _accuracy_level(options: ExportOptions) -> int | None:
     if options.accuracy_level is not None or options.weight_bits is None:
         return options.accuracy_level
     return ACCURACY_LEVELS.get(options.quantizer)
+
+
+def _carried_blocks(
+    weights: GgufModel, config: DecoderConfig
+) -> tuple[dict[str, Callable[[], Blocks]], dict[str, bool]]:
+    """A GGUF file's 4-bit tensors to run as they are, by weight name, and whether q/k/v and gate/up can run
+    as one MatMul each (every layer's parts carried: their blocks side by side, fewer nodes a step)."""
+    blocks: dict[str, Callable[[], Blocks]] = {
+        name: partial(weights.blocks, name) for name in weights.names() if weights.has_blocks(name)
+    }
+    joinable = {}
+    for key, joined, parts in (
+        ("fuse_qkv", "self_attn.qkv_proj", (config.q, config.k, config.v)),
+        ("fuse_gate_up", "mlp.gate_up_proj", (config.gate, config.up)),
+    ):
+        names = [[config.module(layer, f"{part}.weight") for part in parts] for layer in range(config.layers)]
+        joinable[key] = all(name in blocks for layer in names for name in layer)
+        for layer, layer_names in enumerate(names if joinable[key] else []):
+            blocks[config.module(layer, f"{joined}.weight")] = partial(joined_blocks, [blocks[n] for n in layer_names])
+    return blocks, joinable
 
 
 def _generation_config(folder: Path) -> dict[str, Any]:
@@ -214,11 +236,12 @@ def export(
     head = head_bits(options.quantizer, options.overrides, tied) if options.weight_bits is not None else None
     # a shortlist head rescores with float rows: a tied head's embedding, an untied one's kept copy
     rows = f"{config.embedding}.weight" if tied else HEAD_ROWS if head == SHORTLIST else None
-    # a GGUF file's 4-bit blocks run as they are (unless asked to quantize again): one MatMul per tensor
+    # a GGUF file's 4-bit blocks run as they are (unless asked to quantize again), fused where every part is
     carried = isinstance(weights, GgufModel) and options.weight_bits is None and options.gguf_blocks == "carry"
+    blocks, joinable = _carried_blocks(weights, config) if isinstance(weights, GgufModel) and carried else ({}, {})
     fused = {
-        "fuse_qkv": not carried and not adapted & {"q_proj", "k_proj", "v_proj"},
-        "fuse_gate_up": not carried and not adapted & {"gate_proj", "up_proj"},
+        key: joinable.get(key, not carried) and not adapted & set(parts)
+        for key, parts in (("fuse_qkv", ("q_proj", "k_proj", "v_proj")), ("fuse_gate_up", ("gate_proj", "up_proj")))
     }
     # every large weight a placeholder, its values read, converted and quantized when the context stores
     # it, once for all the graphs (they share it by name): one tensor in memory at a time
@@ -250,8 +273,6 @@ def export(
             cases.append(UseCase(BASE_USE_CASE, [], [], None))
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
     if carried:
-        assert isinstance(weights, GgufModel)
-        blocks = {name: partial(weights.blocks, name) for name in weights.names() if weights.has_blocks(name)}
         if blocks:
             on_step(f"carrying {len(blocks)} 4-bit tensors of the GGUF file as they are")
             model, batched = (with_given_blocks(m, 32, blocks, deferred) for m in (model, batched))

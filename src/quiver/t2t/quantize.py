@@ -613,6 +613,12 @@ def hqq_minimums(
 Blocks = tuple[np.ndarray, np.ndarray, np.ndarray]  # q [N, K / block, block] (0..15), scales, minimums [N, K / block]
 
 
+def joined_blocks(parts: Sequence[Callable[[], Blocks]]) -> Blocks:
+    """Blocks of several weights with the same input side by side (their outputs one after another)."""
+    made = [make() for make in parts]
+    return tuple(np.concatenate([m[i] for m in made]) for i in range(3))  # type: ignore[return-value]
+
+
 def with_given_blocks(
     model: onnx.ModelProto,
     block_size: int,
