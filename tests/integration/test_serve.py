@@ -178,6 +178,50 @@ def test_unknown_routes_and_methods_answer_openais_error_object(server: Running)
     assert http(f"{server.url}/v1/embeddings", "POST", b"{}", key=None)[0] == 401  # the key first, as before
 
 
+def _post(server: Running, route: str, body: dict[str, Any]) -> tuple[int, Any]:
+    status, _, reply = http(f"{server.url}{route}", "POST", json.dumps(body).encode())
+    return status, reply
+
+
+def test_tokenize_detokenize_and_version_answer_as_vllms_routes(server: Running) -> None:
+    from jinja2 import Template
+    from tokenizers import Tokenizer
+
+    import quiver
+
+    tokenizer = Tokenizer.from_file(str(server.config.parent / "tokenizer.json"))  # the library, not Quiver
+    status, reply = _post(server, "/tokenize", {"model": "out", "prompt": PROMPT, "return_token_strs": True})
+    want = tokenizer.encode(PROMPT).ids
+    assert status == 200 and reply["tokens"] == want and reply["count"] == len(want), reply
+    assert reply["max_model_len"] == 64 and reply["token_strs"] == [tokenizer.decode([i]) for i in want]
+    assert _post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})[1]["tokens"] == (
+        tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    for prompt in (True, False):
+        text = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=prompt, bos_token="<s>")
+        status, reply = _post(
+            server, "/tokenize", {"model": "qv", "messages": messages, "add_generation_prompt": prompt}
+        )
+        assert status == 200 and reply["tokens"] == tokenizer.encode(text, add_special_tokens=False).ids, reply
+    status, reply = _post(server, "/detokenize", {"model": "out", "tokens": want})
+    assert status == 200 and reply == {"prompt": tokenizer.decode(want)}
+    status, _, reply = http(f"{server.url}/version")
+    assert status == 200 and reply == {"version": quiver.__version__}
+    refused = {
+        "/tokenize": [({"prompt": PROMPT, "messages": messages}, "prompt"), ({"prompt": PROMPT, "echo": True}, "echo"),
+                      ({"prompt": PROMPT, "model": "nope"}, "model"), ({"prompt": 5}, "prompt"),
+                      ({"messages": messages, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs")],
+        "/detokenize": [({"tokens": [10**9]}, "tokens"), ({"tokens": ["a"]}, "tokens"),
+                        ({"tokens": [1] * 65}, "tokens"), ({"tokens": [1], "prompt": "x"}, "prompt")],
+    }  # fmt: skip
+    for route, cases in refused.items():
+        for body, param in cases:
+            status, reply = _post(server, route, body)
+            assert status in (400, 404) and reply["error"]["param"] == param, (route, body, reply)
+    assert http(f"{server.url}/tokenize", "POST", b"{}", key=None)[0] == 401
+
+
 def test_a_clients_defaults_for_fields_not_implemented_pass(server: Running) -> None:
     neutral = {
         "presence_penalty": 0,

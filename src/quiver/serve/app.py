@@ -2,10 +2,11 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream` as server-sent
 events ending in `data: [DONE]`), vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
-`GET /health`, `GET /metrics`. With an API key every route but `/health` needs `Authorization: Bearer
-KEY`, checked before a byte of the body is read; bodies are read up to `max_body_bytes`. Bad requests,
-unknown routes and methods get OpenAI's error object (400/401/404/405/413); a full queue gets 429 with
-`Retry-After`. A client that goes away cancels its request at the engine's next step.
+`POST /tokenize` and `/detokenize`, `GET /version`, `GET /health`, `GET /metrics`. With an API key
+every route but `/health` needs `Authorization: Bearer KEY`, checked before a byte of the body is read;
+bodies are read up to `max_body_bytes`. Bad requests, unknown routes and methods get OpenAI's error
+object (400/401/404/405/413); a full queue gets 429 with `Retry-After`. A client that goes away cancels
+its request at the engine's next step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import quiver
 from quiver import portable
 from quiver.errors import QuiverError
 from quiver.serve.browsers import BrowserGuard
@@ -41,9 +43,11 @@ from quiver.serve.openai_api import (
     chunk,
     completion,
     completion_prompt,
+    detokenize_request,
     generation,
     include_usage,
     new_id,
+    tokenize_request,
     usage_chunk,
 )
 from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
@@ -144,6 +148,9 @@ class Server:
             Route("/v1/chat/completions", self._counted("/v1/chat/completions", self._chat), methods=["POST"]),
             Route("/v1/load_lora_adapter", self._counted("/v1/load_lora_adapter", self._load), methods=["POST"]),
             Route("/v1/unload_lora_adapter", self._counted("/v1/unload_lora_adapter", self._unload), methods=["POST"]),
+            Route("/tokenize", self._counted("/tokenize", self._tokenize), methods=["POST"]),
+            Route("/detokenize", self._counted("/detokenize", self._detokenize), methods=["POST"]),
+            Route("/version", self._version, methods=["GET"]),
         ]
         # the browser checks first, then CORS (its preflights carry no key) for the origins the operator names
         # alone, then the key, then a route
@@ -217,6 +224,37 @@ class Server:
 
         ids = await self._prepared(render_and_encode)
         return await self._generate(request, body, generation(body, self.served, ids, None), True)
+
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's route: a prompt's or a chat's token ids (and their strings), the context they must fit."""
+        asked = tokenize_request(await self._body(request), self.served)
+        template, tokenizer = self.chat_template, self.service.tokenizer
+        if asked.messages is not None and template is None:
+            raise ApiError(400, "this model has no chat template: tokenize a 'prompt'", "messages", "no_chat_template")
+
+        def encode() -> list[int]:
+            if asked.messages is None:
+                return tokenizer.encode(asked.text or "", add_special_tokens=asked.add_special_tokens)
+            assert template is not None
+            try:
+                text = template.render(asked.messages, asked.add_generation_prompt)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "messages", "invalid_value") from None
+            return tokenizer.encode(text, add_special_tokens=asked.add_special_tokens)
+
+        ids = await self._prepared(encode)
+        strings = [tokenizer.decode([i]) for i in ids] if asked.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.served.context_size, "tokens": ids,
+                             "token_strs": strings})  # fmt: skip
+
+    async def _detokenize(self, request: Request) -> Response:
+        """vLLM's route: token ids back to text."""
+        ids = detokenize_request(await self._body(request), self.served)
+        tokenizer = self.service.tokenizer
+        return JSONResponse({"prompt": await asyncio.to_thread(tokenizer.decode, ids)})
+
+    async def _version(self, _: Request) -> Response:
+        return JSONResponse({"version": quiver.__version__})
 
     async def _prepared(self, work: Callable[..., list[int]], *args: Any) -> list[int]:
         """Tokenizing (and rendering) off the event loop, where a long prompt stalls no stream; requests being

@@ -32,13 +32,16 @@ class ChatTemplate:
         self._special = special
         self.origin = origin
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for `messages`, ending where the assistant's reply begins. Raises ValueError
-        with the template's own message when it refuses the conversation (roles out of order...)."""
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, ending where the assistant's reply begins (unless not
+        `add_generation_prompt`). Raises ValueError with the template's own message when it refuses the
+        conversation (roles out of order...)."""
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+            )
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from None
 

@@ -111,19 +111,91 @@ def _token_id(value: Any, vocabulary: int) -> int | None:
 
 def check_fields(body: Any, chat: bool) -> None:
     """Refuses a field Quiver does not honour (or a neutral-only one at another value), naming it."""
+    honoured = _HONOURED | _HONOURED_BY_ROUTE[chat] | _METADATA
+    _check_route_fields(body, honoured, _NEUTRAL, "chat completions" if chat else "completions")
+
+
+# vLLM's /tokenize (text, or messages through the chat template) and /detokenize
+_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+_TOKENIZE_NEUTRAL = {name: _NEUTRAL[name] for name in ("continue_final_message", "chat_template_kwargs", "tools")}
+_DETOKENIZE = {"model", "tokens"}
+
+
+def _check_route_fields(body: Any, honoured: set[str], neutral: Mapping[str, tuple[Any, ...]], route: str) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
     for name, value in body.items():
-        if name in _HONOURED or name in _HONOURED_BY_ROUTE[chat] or name in _METADATA:
+        if name in honoured:
             continue
-        if name in _NEUTRAL:
-            if not any(value == off and type(value) is type(off) or value is off for off in _NEUTRAL[name]):
+        if name in neutral:
+            if not any(value == off and type(value) is type(off) or value is off for off in neutral[name]):
                 raise ApiError(400, f"'{name}' is not supported by this server (only its default is accepted)",
                                name, "unsupported_parameter")  # fmt: skip
             continue
-        route = "chat completions" if chat else "completions"
         raise ApiError(400, f"Unrecognized request argument supplied to {route}: '{str(name)[:60]}'",
                        str(name)[:60], "unsupported_parameter")  # fmt: skip
+
+
+def _served_model(body: Mapping[str, Any], served: Served, required: bool) -> str | None:
+    """`model`, one that is served (the base model's id or an adapter's name)."""
+    model = _field(body, "model", (str,))
+    if model is None and required:
+        raise ApiError(400, "'model' is required: the base model's id or an adapter's name", "model", "missing")
+    if model is not None and model not in served.model_ids():
+        raise ApiError(404, f"the model '{model[:100]}' does not exist; GET /v1/models lists them", "model",
+                       "model_not_found")  # fmt: skip
+    return model
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A checked /tokenize body: text to encode (special tokens added or not), or chat messages to render."""
+
+    text: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def tokenize_request(body: Any, served: Served) -> TokenizeRequest:
+    """vLLM's /tokenize body: `prompt` (text; `add_special_tokens` default true) or `messages` (rendered by
+    the chat template; `add_generation_prompt` default true, `add_special_tokens` default false)."""
+    _check_route_fields(body, _TOKENIZE, _TOKENIZE_NEUTRAL, "tokenize")
+    _served_model(body, served, required=False)
+    chat = "messages" in body
+    if chat == ("prompt" in body):
+        raise ApiError(400, "give either 'prompt' (text) or 'messages' (a chat)", "prompt", "invalid_value")
+    if chat:
+        messages, text = chat_messages(body, served.context_size), None
+    else:
+        text, messages = _field(body, "prompt", (str,), ""), None
+        if len(text) > served.context_size * MAX_CHARS_PER_TOKEN:
+            raise ApiError(400, f"'prompt' is longer than the model's context of {served.context_size} tokens "
+                           "could hold", "prompt", "context_length_exceeded")  # fmt: skip
+        text = _text(text, "prompt")
+    return TokenizeRequest(
+        text,
+        messages,
+        _field(body, "add_special_tokens", (bool,), not chat),
+        _field(body, "add_generation_prompt", (bool,), True),
+        _field(body, "return_token_strs", (bool,), False),
+    )
+
+
+def detokenize_request(body: Any, served: Served) -> list[int]:
+    """vLLM's /detokenize body: `tokens`, ids of this model's vocabulary (at most a context's worth)."""
+    _check_route_fields(body, _DETOKENIZE, {}, "detokenize")
+    _served_model(body, served, required=False)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in tokens):
+        raise ApiError(400, "'tokens' must be a list of token ids", "tokens", "invalid_value")
+    if len(tokens) > served.context_size:
+        raise ApiError(400, f"'tokens' holds more than the model's context of {served.context_size}", "tokens",
+                       "context_length_exceeded")  # fmt: skip
+    if not all(0 <= i < served.vocabulary for i in tokens):
+        raise ApiError(400, f"token ids in 'tokens' must be 0 to {served.vocabulary - 1}", "tokens", "invalid_value")
+    return tokens
 
 
 def include_usage(body: Mapping[str, Any]) -> bool:
@@ -149,12 +221,7 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
     if _field(body, "n", (int,), 1) != 1:
         raise ApiError(400, "'n' must be 1: this server makes one choice per request", "n", "invalid_value")
-    model = _field(body, "model", (str,))
-    if model is None:
-        raise ApiError(400, "'model' is required: the base model's id or an adapter's name", "model", "missing")
-    if model not in served.model_ids():
-        raise ApiError(404, f"the model '{model[:100]}' does not exist; GET /v1/models lists them", "model",
-                       "model_not_found")  # fmt: skip
+    model = _served_model(body, served, required=True)
     room = served.context_size - len(prompt_ids) - 1
     if room < 1:
         where = "messages" if "messages" in body else "prompt"
