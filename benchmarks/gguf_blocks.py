@@ -6,8 +6,8 @@ onnxruntime-genai's int4, side by side.
 
 Engines in fresh processes, alternated round by round (benchmarks/t2t.py's worker: prompts of 128 and 512
 tokens, 128 new tokens, greedy, 2 intra-op threads on every side): the carried blocks as exported
-(float activations: the file's values exactly), the same at accuracy level 4 (int8 activations, as
-llama.cpp multiplies Q4_1 by 8-bit activations), Quiver's default int4 (`rtn`, symmetric blocks, from
+(a prompt on float activations, decode steps on int8 activations with their remainder as a second row:
+the file's values), Quiver's default int4 (`rtn`, symmetric blocks, from
 the float folder) and genai's int4; context sizes; 128-token greedy agreement with transformers on the
 dequantized model.
 """
@@ -36,9 +36,6 @@ def _measure_gguf(folder: Path, llms: Path, families: Path, rounds: int) -> dict
     options = ExportOptions(context_size=CONTEXT, n_threads=THREADS)
     configs = {
         "quiver GGUF Q4_1 carried": export(families / GGUF, folder / "carried", options=options).path,
-        "quiver GGUF Q4_1 carried, int8 activations": export(
-            families / GGUF, folder / "carried8", options=ExportOptions(CONTEXT, n_threads=THREADS, accuracy_level=4)
-        ).path,
         "quiver int4": export(
             llms / "smollm2", folder / "int4", options=ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4)
         ).path,
@@ -58,7 +55,7 @@ def _measure_gguf(folder: Path, llms: Path, families: Path, rounds: int) -> dict
         "ratios": {
             str(n): {
                 f"{label} / {peer} decode": _paired(runs[label], runs[peer], str(n), "decode_tok_s")
-                for label in (carried, "quiver GGUF Q4_1 carried, int8 activations")
+                for label in (carried,)
                 for peer in ("quiver int4", "genai int4")
             }
             for n in PROMPTS

@@ -4,9 +4,10 @@ onnxruntime-genai's int4 export of the same weights.
     python benchmarks/run.py --only quantizers
 
 Per quantizer of `quiver t2t export --weight-bitwidth 4 --quantizer NAME` (blocks of 32; the tied LM head
-a shortlist: 4-bit ranking, its best 32 logits from the float rows), at the accuracy level its config asks
-for (rtn-min, hqq: 0, float activations; the others: the backend's 4, int8 activations), rtn-min also at
-4, gptq and gptq-asym calibrated on tests/data/calibration_prompts.txt, and rtn with a plain 4-bit LM head
+a shortlist: 4-bit ranking, its best 32 logits from the float rows), at the backend's accuracy level (4,
+int8 activations; rtn-min's and hqq's blocks set float activations for a prompt and feed a decode step's
+activations with their remainder), gptq and gptq-asym calibrated on tests/data/calibration_prompts.txt,
+and rtn with a plain 4-bit LM head
 (`--override lm_head.weight=4`: genai's int4 layout): greedy agreement with transformers' fp32 continuation (leading
 identical tokens of 128, per prompt of the corpus, and their mean), the context's size, and prefill /
 decode tok/s for 128- and 512-token prompts (128 new tokens, greedy, 2 threads everywhere), every engine
@@ -50,9 +51,6 @@ SETUPS: dict[str, ExportOptions | None] = {  # None: genai's own int4 export, or
     "quiver int4 rtn": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn"),
     "quiver int4 rtn-asym": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn-asym"),
     "quiver int4 rtn-min": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn-min"),
-    "quiver int4 rtn-min, int8 activations": ExportOptions(
-        CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="rtn-min", accuracy_level=4
-    ),
     "quiver int4 hqq": ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="hqq"),
     "quiver int4 gptq": ExportOptions(
         CONTEXT, n_threads=THREADS, weight_bits=4, quantizer="gptq", calibration=CALIBRATION

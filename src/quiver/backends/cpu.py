@@ -109,16 +109,13 @@ def _packing_changes_results(model: proto.ModelProto) -> bool:
 
 
 def _with_accuracy_level(model: proto.ModelProto, level: int) -> proto.ModelProto:
-    """Quiver's own MatMulNBits nodes at the backend's accuracy level (the context stores none: ORT's 0)."""
+    """MatMulNBits nodes at the backend's accuracy level, but for those that set their own (as ORT runs
+    them: a float-minimum block that needs float activations, a model exported for a given level)."""
     result = proto.ModelProto()
     result.CopyFrom(model)
     for node in result.graph.node:
-        if node.op_type == "MatMulNBits":
-            kept = [a for a in node.attribute if a.name != "accuracy_level"]
-            del node.attribute[:]
-            node.attribute.extend(
-                [*kept, proto.AttributeProto(name="accuracy_level", type=proto.AttributeProto.INT, i=level)]
-            )
+        if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+            node.attribute.append(proto.AttributeProto(name="accuracy_level", type=proto.AttributeProto.INT, i=level))
     return result
 
 

@@ -52,11 +52,11 @@ def _named_path(value: str) -> tuple[str, Path]:
 @click.option("--weight-bitwidth", type=click.Choice(["4", "8"]), help="Quantize MatMul weights (MatMulNBits).")
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
 @click.option("--gguf-blocks", type=click.Choice(["carry", "dequantize"]), default="carry", show_default=True,
-              help="A GGUF file's Q4_0/Q4_1 weights without --weight-bitwidth: run its blocks as they are (4-bit, "
-                   "float activations), or as float32.")  # fmt: skip
+              help="A GGUF file's Q4_0/Q4_1 weights without --weight-bitwidth: run its blocks as they are (4-bit; "
+                   "exact, as rtn-min's), or as float32.")  # fmt: skip
 @click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
               help="rtn: symmetric blocks; rtn-asym: a 4-bit zero point per block; rtn-min: a scale and a float "
-                   "minimum per block (GGUF's Q4_1; exact for weights on such a grid, float activations); hqq: "
+                   "minimum per block (GGUF's Q4_1; exact for weights on such a grid); hqq: "
                    "the same with HQQ's fitted minimum; gptq, gptq-asym: GPTQ from --calibration prompts, "
                    "symmetric or with zero points.")  # fmt: skip
 @click.option(
@@ -66,7 +66,7 @@ def _named_path(value: str) -> tuple[str, Path]:
 )
 @click.option("--accuracy-level", type=click.IntRange(0, 4),
               help="ORT's compute for quantized weights: 0 float activations ... 4 int8 (faster) "
-                   "[default: the quantizer's; rtn-min 0, else the backend's 4].")  # fmt: skip
+                   "[default: the backend's, 4; rtn-min's blocks set their own].")  # fmt: skip
 @click.option("--override", "overrides", multiple=True, metavar="PATTERN=4|8|float",
               help="Bits for the weights whose names match (fnmatch; in order, the last match wins), e.g. "
                    "'lm_head.weight=4' or 'model.layers.0.*=8'; 'lm_head.weight=shortlist': 4-bit, its best 32 "

@@ -45,6 +45,7 @@ from quiver.t2t.quantize import (
     ACCURACY_LEVELS,
     CALIBRATED,
     DEFAULT_QUANTIZER,
+    MINIMUM_FORM,
     SHORTLIST,
     TABLE_BITS,
     Override,
@@ -57,6 +58,8 @@ from quiver.t2t.quantize import (
 from quiver.t2t.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
+    import onnx
+
     from quiver.passes.gptq import BlockWeights
     from quiver.t2t.quantize import Blocks
 
@@ -91,6 +94,13 @@ def _accuracy_level(options: ExportOptions) -> int | None:
     if options.accuracy_level is not None or options.weight_bits is None:
         return options.accuracy_level
     return ACCURACY_LEVELS.get(options.quantizer)
+
+
+def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a graph's skeleton (its large weights are placeholders: cheap)."""
+    copy = type(model)()
+    copy.CopyFrom(model)
+    return copy
 
 
 def _carried_blocks(
@@ -272,10 +282,14 @@ def export(
         if BASE_USE_CASE not in {u.name for u in cases}:  # Genie's base use case: every adapter off, selectable
             cases.append(UseCase(BASE_USE_CASE, [], [], None))
         values = {u.name: use_case_values(graph.slots, loaded, u.adapters, graph.adapter_order) for u in cases}
-    if carried:
-        if blocks:
-            on_step(f"carrying {len(blocks)} 4-bit tensors of the GGUF file as they are")
-            model, batched = (with_given_blocks(m, 32, blocks, deferred) for m in (model, batched))
+    # float-minimum blocks (carried Q4_1, rtn-min, hqq) take another form in a decode step's graph, which
+    # then is a graph of its own (sharing every weight): exact rows at int8 speed (see t2t.quantize)
+    minimum_form = bool(blocks) or (options.weight_bits is not None and options.quantizer in MINIMUM_FORM)
+    decode = _copied(model) if minimum_form else model
+    if blocks:
+        on_step(f"carrying {len(blocks)} 4-bit tensors of the GGUF file as they are")
+        model, batched = (with_given_blocks(m, 32, blocks, deferred) for m in (model, batched))
+        decode = with_given_blocks(decode, 32, blocks, deferred, exact_rows=True)
     if options.weight_bits is not None:
         moments = None
         solved: dict[str, BlockWeights] = {}  # GPTQ's blocks, found for the prefill graph, reused by the batched one
@@ -286,24 +300,24 @@ def export(
             # the float model run in memory: the one step that holds every weight at once
             moments = calibration_moments(materialized(model, deferred), prompts, updateable)
         on_step(f"quantizing weights to {options.weight_bits} bits ({options.quantizer})")
-        model, batched = (
-            quantize_weights(
-                m,
-                options.weight_bits,
-                options.block_size,
-                set(updateable),
-                LM_HEAD_NODE,
-                options.quantizer,
-                options.overrides,
-                moments,
-                solved,
-                rows,
-                deferred,
-                TABLE_BITS,
-            )
-            for m in (model, batched)
+        quantize = partial(
+            quantize_weights,
+            bits=options.weight_bits,
+            block_size=options.block_size,
+            exclude=set(updateable),
+            head=LM_HEAD_NODE,
+            quantizer=options.quantizer,
+            overrides=options.overrides,
+            moments=moments,
+            solved=solved,
+            head_rows=rows,
+            deferred=deferred,
+            table_bits=TABLE_BITS,
         )
-    stored = sorted({t.name for m in (model, batched) for t in m.graph.initializer if t.name in deferred})
+        model, batched = (quantize(m) for m in (model, batched))
+        decode = quantize(decode, exact_rows=True) if minimum_form else model
+    graphs = (model, decode, batched)
+    stored = sorted({t.name for m in graphs for t in m.graph.initializer if t.name in deferred})
     need = _check_room(
         out, sum(deferred[n].nbytes for n in stored), max((d.nbytes for d in deferred.values()), default=0)
     )
@@ -318,7 +332,7 @@ def export(
     add = partial(context.add_graph, on_weight=storing, deferred=deferred)
     try:
         add(PREFILL_GRAPH, model, updateable=updateable)
-        add(DECODE_GRAPH, model, input_shapes={INPUT_IDS: [1, 1]}, updateable=updateable)
+        add(DECODE_GRAPH, decode, input_shapes={INPUT_IDS: [1, 1]}, updateable=updateable)
         add(BATCH_GRAPH, batched)
         context.finalize()
         context.save(out / CONTEXT_FILE)
@@ -357,8 +371,7 @@ def export(
         alpha_tensor=ALPHA_INPUT if cases else None,
         adapters={c.name: LoraAdapterConfig(c.name, tuple(c.adapters), (sections[c.name],)) for c in cases},
         prefill_window=options.prefill_window,
-        # carried GGUF blocks compute with float activations unless asked otherwise: the file's own values
-        accuracy_level=0 if carried and options.accuracy_level is None else _accuracy_level(options),
+        accuracy_level=_accuracy_level(options),
     )
     write_text_atomically(dialog.path, json.dumps(dialog_config_document(dialog, out), indent=2) + "\n")
     return dialog

@@ -8,12 +8,18 @@ Quantizers, by name:
 * `rtn-min`: round to nearest with a scale and a float minimum per block, as GGUF's Q4_1 stores them:
   w = s q + m, s = (max - min) / 15, m = min. Exact for weights already on such a grid (a model
   dequantized from Q4_1, as SmolLM2's are). MatMulNBits' fast kernels take integer zero points only (a
-  float one is 16-45x slower, measured), so the minimum is added apart: x W = MatMulNBits(x; q, s, zero
-  point 8) + (x's sums per block) C, with C[b, n] = m + 8 s: one small MatMul and an Add per projection,
-  and the sums once per input (a MatMul by ones on each block). Its exactness holds with float
-  activations: configs it writes ask for accuracy level 0 (ORT's int8 activations at level 4 lose what
-  the weights kept).
-* `hqq`: the same form as `rtn-min` (a scale and a float minimum per block, float activations), the
+  float one is 50-290x slower, measured), so the minimum is added apart: x W = MatMulNBits(x; q, s, zero
+  point 8) + (x's sums per block) C, with C[b, n] = m + 8 s: one small MatMul per projection, and the
+  sums once per input (a MatMul by ones on each block). Its exactness would be lost to the int8
+  activations of ORT's fast kernel (each block of x rounded to 255 steps; SmolLM2 kept 45 and 16 of 128
+  tokens on two prompts), so its MatMulNBits nodes compute with float activations (accuracy level 0, set
+  on the node: the backend's level leaves them), which is as fast as int8 for a prompt's many rows but
+  2.5-4x slower for a decode step's one. The decode graph (`exact_rows`) feeds each input as two rows
+  instead, x and what the int8 grid loses of it (x minus x on that grid: the grid itself from
+  MatMulNBits by the identity, the kernel's own rounding), at the backend's level, and sums the two
+  results with the minimums' term: the remainder's rounding is ~255x smaller again (SmolLM2 keeps 128 of
+  128), and two rows cost a step's MatMulNBits 1.3-1.6x one row's (the weights are read once).
+* `hqq`: the same form as `rtn-min` (a scale and a float minimum per block, the same two forms), the
   minimum fitted by HQQ (Badri & Shaji, 2023: a few half-quadratic steps that make the rounding error
   sparse, an l0.7 penalty) instead of taken from the block's smallest weight; no calibration.
 * `gptq`, `gptq-asym`: 4-bit blocks by GPTQ (`quiver.passes.gptq`), symmetric or with a 4-bit zero point
@@ -42,7 +48,7 @@ import dataclasses
 import fnmatch
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -57,16 +63,16 @@ if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that
     from quiver.passes.gptq import BlockWeights
 
 QUANTIZERS = ("rtn", "rtn-asym", "rtn-min", "hqq", "gptq", "gptq-asym")
-MINIMUM_FORM = ("rtn-min", "hqq")  # quantizers whose blocks carry a float minimum (added apart, float activations)
+MINIMUM_FORM = ("rtn-min", "hqq")  # quantizers whose blocks carry a float minimum (added apart; exact rows)
 CALIBRATED = ("gptq", "gptq-asym")  # quantizers that read the float model's inputs on calibration prompts
 DEFAULT_QUANTIZER = "rtn"
 # The accuracy level (ORT's MatMulNBits compute type) each quantizer's configs ask for: None leaves the
-# backend's default (int8 activations, fastest); `rtn-min` keeps float activations, which its exactness needs.
+# backend's default (int8 activations, fastest); `rtn-min`'s and `hqq`'s blocks set their own on the node.
 ACCURACY_LEVELS: dict[str, int | None] = {
     "rtn": None,
     "rtn-asym": None,
-    "rtn-min": 0,
-    "hqq": 0,
+    "rtn-min": None,
+    "hqq": None,
     "gptq": None,
     "gptq-asym": None,
 }
@@ -126,6 +132,7 @@ def quantize_weights(
     head_rows: str | None = None,
     deferred: dict[str, Deferred] | None = None,
     table_bits: int | None = None,
+    exact_rows: bool = False,
 ) -> onnx.ModelProto:
     """Every MatMul by a constant weight at `bits` with `quantizer`, except those reading `exclude`; the
     node named `head` (the LM head) at `head_bits`; `overrides` (the module) last. `moments`: what the
@@ -135,7 +142,8 @@ def quantize_weights(
     rescores its best tokens with; without them the head is not a shortlist by default. `deferred`: the
     model's placeholders' values (a streaming export): the quantized weights are deferred too, each made
     when the context stores it. `table_bits`: the token tables' width by default (8: `TABLE_BITS`; None
-    keeps them float), a table also read as float weights (a tied head left float) staying float."""
+    keeps them float), a table also read as float weights (a tied head left float) staying float.
+    `exact_rows`: `rtn-min`'s and `hqq`'s blocks in their form for a decode step (see the module)."""
     if quantizer not in QUANTIZERS:
         raise QuantizationError(f"unknown quantizer {quantizer!r}; choose one of {', '.join(QUANTIZERS)}")
     if bits not in (4, 8) or block_size < 16 or block_size & (block_size - 1):
@@ -165,7 +173,8 @@ def quantize_weights(
     nodes = {width: {n for n, w in plan.items() if w == width} for width in (4, 8)}
     if quantizer in MINIMUM_FORM:
         fit = hqq_minimums if quantizer == "hqq" else block_minimums
-        model = _with_block_minimums(model, block_size, nodes[4], fit, deferred=deferred) if nodes[4] else model
+        if nodes[4]:
+            model = _with_block_minimums(model, block_size, nodes[4], fit, deferred=deferred, exact_rows=exact_rows)
         model = _ort_rtn(model, 8, block_size, nodes[8], True, deferred) if nodes[8] else model
     elif quantizer in CALIBRATED:
         assert moments is not None
@@ -403,6 +412,7 @@ class _Weights:
         from quiver.passes.load import weight_initializer
 
         self.graph.initializer.append(weight_initializer(name, value, self.deferred))
+        self.tensors[name] = self.graph.initializer[-1]
         return name
 
 
@@ -624,11 +634,12 @@ def with_given_blocks(
     block_size: int,
     blocks: Mapping[str, Callable[[], Blocks]],
     deferred: dict[str, Deferred] | None = None,
+    exact_rows: bool = False,
 ) -> onnx.ModelProto:
     """Each MatMul whose weight `blocks` names runs on those 4-bit blocks as they are (a GGUF file's Q4_0 and
     Q4_1 blocks: w = scale q + minimum; each read when it is stored), in the form `rtn-min` writes."""
     include = {n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in blocks}
-    return _with_block_minimums(model, block_size, include, given=blocks, deferred=deferred)
+    return _with_block_minimums(model, block_size, include, given=blocks, deferred=deferred, exact_rows=exact_rows)
 
 
 def _minimum_form(make: Callable[[], Blocks]) -> list[np.ndarray]:
@@ -647,6 +658,41 @@ def _block_ones(k: int, block_size: int) -> np.ndarray:
     return np.kron(np.eye(k // block_size, dtype=np.float32), np.ones((block_size, 1), np.float32))
 
 
+def _identity_blocks(block_size: int) -> np.ndarray:
+    """The identity [block, block] as one 4-bit block per row (q 9 on the diagonal, 8 elsewhere; scale 1)."""
+    q = np.full((block_size, 1, block_size), 8, np.uint8)
+    q[np.arange(block_size), 0, np.arange(block_size)] = 9
+    return pack_nibbles(q)
+
+
+def _exact_rows(weights: _Weights, source: str, block_size: int) -> tuple[str, list[onnx.NodeProto]]:
+    """`source`'s rows followed by what ORT's int8 activations lose of them (see the module): x's blocks
+    through MatMulNBits by the identity are x on the int8 grid the kernel quantizes it to, x minus that the
+    remainder, both as rows of one input [..., 2 S, K]."""
+    from onnx import helper
+
+    from quiver.ir.ops import MS_DOMAIN
+
+    identity = f"quiver.identity{block_size}"
+    if f"{identity}.q4" not in weights.tensors:  # one identity per graph, whatever reads it
+        weights.add(f"{identity}.q4", _identity_blocks(block_size))
+        weights.add(f"{identity}.scales", np.ones(block_size, np.float32))
+        weights.add(f"{identity}.blocks", np.array([-1, block_size], np.int64))
+    rows = f"{source}.exact_rows"
+    return rows, [
+        helper.make_node("Reshape", [source, f"{identity}.blocks"], [f"{rows}.blocks"], name=f"{rows}.blocks"),
+        helper.make_node(
+            "MatMulNBits", [f"{rows}.blocks", f"{identity}.q4", f"{identity}.scales"], [f"{rows}.grid"],
+            name=f"{rows}.grid", domain=MS_DOMAIN, K=block_size, N=block_size, bits=4, block_size=block_size,
+        ),
+        helper.make_node("Sub", [f"{rows}.blocks", f"{rows}.grid"], [f"{rows}.lost"], name=f"{rows}.lost"),
+        helper.make_node("Shape", [source], [f"{rows}.shape"], name=f"{rows}.shape"),
+        helper.make_node("Reshape", [f"{rows}.lost", f"{rows}.shape"], [f"{rows}.remainder"],
+                         name=f"{rows}.remainder"),
+        helper.make_node("Concat", [source, f"{rows}.remainder"], [rows], name=rows, axis=-2),
+    ]  # fmt: skip
+
+
 def _with_block_minimums(
     model: onnx.ModelProto,
     block_size: int,
@@ -654,10 +700,13 @@ def _with_block_minimums(
     fit: Callable[[np.ndarray, int], Blocks] = block_minimums,
     given: Mapping[str, Callable[[], Blocks]] | None = None,
     deferred: dict[str, Deferred] | None = None,
+    exact_rows: bool = False,
 ) -> onnx.ModelProto:
     """`rtn-min` and `hqq` (see the module): each MatMul named in `include` that fits (a [K, N] weight, K a
     multiple of the block) becomes MatMulNBits + the minimums' MatMul, its blocks by `fit` (or `given`,
-    by weight name); the others stay as they are."""
+    by weight name); the others stay as they are. MatMulNBits computes with float activations (its
+    accuracy level set to 0 on the node), or with `exact_rows` on its input's exact rows at the backend's
+    level (a decode step's few rows: see the module)."""
     from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
@@ -666,6 +715,7 @@ def _with_block_minimums(
     graph = model.graph
     weights = _Weights(graph, deferred)
     block_sums: dict[str, str] = {}  # input -> its sums per block (one per input, whatever reads it)
+    inputs: dict[str, str] = {}  # input -> what MatMulNBits reads of it: itself, or its exact rows
     nodes: list[onnx.NodeProto] = []
     replaced: set[str] = set()
     for node in graph.node:
@@ -691,14 +741,24 @@ def _with_block_minimums(
                 f"{sums}.blocks", Deferred((k, k // block_size), np.float32, partial(_block_ones, k, block_size))
             )
             nodes.append(helper.make_node("MatMul", [source, f"{sums}.blocks"], [sums], name=sums))
+            inputs[source] = source
+            if exact_rows:
+                inputs[source], made = _exact_rows(weights, source, block_size)
+                nodes += made
+        level: dict[str, Any] = {} if exact_rows else {"accuracy_level": 0}
+        nodes.append(helper.make_node(
+            "MatMulNBits", [inputs[source], f"{name}.q4", f"{name}.scales"], [f"{out}.q4"], name=f"{node.name}.q4",
+            domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=block_size, **level,
+        ))  # fmt: skip
+        terms = [f"{out}.q4"]
+        if exact_rows:  # the rows' products, x's and its remainder's, summed
+            terms = [f"{out}.grid", f"{out}.remainder"]
+            nodes.append(helper.make_node("Split", [f"{out}.q4"], terms, name=f"{node.name}.split", axis=-2,
+                                          num_outputs=2))  # fmt: skip
         nodes += [
-            helper.make_node(
-                "MatMulNBits", [source, f"{name}.q4", f"{name}.scales"], [f"{out}.q4"], name=f"{node.name}.q4",
-                domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=block_size, accuracy_level=0,
-            ),
             helper.make_node("MatMul", [block_sums[source], f"{name}.offsets"], [f"{out}.minimums"],
                              name=f"{node.name}.minimums"),
-            helper.make_node("Add", [f"{out}.q4", f"{out}.minimums"], [out], name=node.name),
+            helper.make_node("Sum", [*terms, f"{out}.minimums"], [out], name=node.name),
         ]  # fmt: skip
     del graph.node[:]
     graph.node.extend(nodes)
