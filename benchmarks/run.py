@@ -28,6 +28,7 @@ import quiver
 from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accurate_int4 import measure_accurate_int4  # noqa: E402
 from families import measure_families  # noqa: E402
 from gguf_blocks import measure_gguf  # noqa: E402  (a sibling script, not a package; not `gguf`: that is the package)
 from int4_profile import measure_int4_profile  # noqa: E402
@@ -296,6 +297,7 @@ SECTIONS = (
     "gguf",
     "families",
     "real_size",
+    "accurate_int4",
     "kv_memory",
     "quantizers",
     "int4_profile",
@@ -400,6 +402,11 @@ def main() -> None:
             cache = Path.home() / ".cache" / "quiver" / "size-models"
             tokenizer = _corpus("llms") / "smollm2" / "tokenizer.json"
             report["real_size"] = measure_real_size(folder, cache, tokenizer)
+        if "accurate_int4" in sections:
+            print("accurate 4-bit at 1B ...", file=sys.stderr)
+            cache = Path.home() / ".cache" / "quiver" / "size-models"
+            tokenizer = _corpus("llms") / "smollm2" / "tokenizer.json"
+            report["accurate_int4"] = measure_accurate_int4(folder, cache, tokenizer)
         if "minilm_quantizers" in sections:
             corpus = _corpus()
             print("4-bit quantizers on MiniLM ...", file=sys.stderr)
