@@ -23,7 +23,7 @@ import pytest
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.export import ExportOptions, export
 from tests.support.serving import KEY, MALLOC_ON_HUGE_PAGES, Running, http, start_server, stop_server, t2t_greedy
-from tests.support.tiny_llm import tiny_adapter, tiny_decoder
+from tests.support.tiny_llm import forward, tiny_adapter, tiny_decoder
 
 PROMPT = "the quick brown fox"
 CHAT_TEMPLATE = (
@@ -133,7 +133,8 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT, "n": 2}).encode(), 400, "n"),
         (json.dumps({"model": "out", "prompt": PROMPT, "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({"model": "out", "prompt": PROMPT, "stop": ["a"] * 5}).encode(), 400, "stop"),
-        (json.dumps({"model": "out", "prompt": PROMPT, "logprobs": 3}).encode(), 400, "logprobs"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "logprobs": 21}).encode(), 400, "logprobs"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "echo": True}).encode(), 400, "echo"),
         (json.dumps({"model": "out", "prompt": ""}).encode(), 400, "prompt"),
         (json.dumps({"model": "out", "prompt": [10**9]}).encode(), 400, "prompt"),
         (json.dumps({"model": "all", "prompt": PROMPT, "lora": {"all": "x"}}).encode(), 400, "lora"),
@@ -176,6 +177,61 @@ def test_unknown_routes_and_methods_answer_openais_error_object(server: Running)
     status, headers, reply = http(f"{server.url}/v1/completions", "GET")
     assert status == 405 and reply["error"]["code"] == "method_not_allowed" and "POST" in headers["Allow"], reply
     assert http(f"{server.url}/v1/embeddings", "POST", b"{}", key=None)[0] == 401  # the key first, as before
+
+
+def test_logprobs_are_the_models_log_softmax_and_stream_as_they_come(server: Running) -> None:
+    """Each generated token's log-probability and the most likely tokens', from the model's logits before
+    any sampling control: the first token's equal the numpy forward pass's log-softmax."""
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    weights = load_file(str(server.config.parent.parent / "model" / "model.safetensors"))
+    tokenizer = Tokenizer.from_file(str(server.config.parent / "tokenizer.json"))
+    ids = tokenizer.encode(PROMPT).ids
+    logits = forward(weights, ids)
+    want = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    best = np.argsort(-want)[:3]
+    client = server.client()
+    reply = client.completions.create(model="out", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    assert "".join(logprobs.tokens) == reply.choices[0].text and len(logprobs.tokens) == 6
+    np.testing.assert_allclose(logprobs.token_logprobs[0], want[best[0]], atol=1e-4)
+    first = logprobs.top_logprobs[0]
+    assert list(first) == [tokenizer.decode([int(i)]) for i in best]
+    np.testing.assert_allclose(sorted(first.values(), reverse=True), want[best], atol=1e-4)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    streamed = client.completions.create(model="out", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                         stream=True)  # fmt: skip
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens or []] == logprobs.tokens
+    assert [v for p in pieces for v in p.token_logprobs or []] == logprobs.token_logprobs
+    assert [o for p in pieces for o in p.text_offset or []] == logprobs.text_offset
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="qv", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and "".join(c.token for c in content) == chat.choices[0].message.content
+    for entry in content:  # greedy: the chosen token is the most likely
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob <= 0
+        assert (
+            entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+            and bytes(entry.bytes or []).decode() == entry.token
+        )
+    plain = client.chat.completions.create(model="qv", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+    streamed_chat = client.chat.completions.create(model="qv", messages=messages, max_tokens=5, temperature=0,
+                                                   logprobs=True, stream=True)  # fmt: skip
+    tokens = [
+        c.token
+        for e in streamed_chat
+        if e.choices and e.choices[0].logprobs
+        for c in e.choices[0].logprobs.content or []
+    ]
+    assert tokens == [c.token for c in content]
+    status, reply_ = _post(server, "/v1/chat/completions", {"model": "out", "messages": messages, "top_logprobs": 2})
+    assert status == 400 and reply_["error"]["param"] == "top_logprobs"
 
 
 def _post(server: Running, route: str, body: dict[str, Any]) -> tuple[int, Any]:

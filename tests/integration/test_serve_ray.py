@@ -107,6 +107,12 @@ def test_greedy_through_ray_serve_is_what_t2t_run_gives(served: Running) -> None
     chat = client.chat.completions.create(model="adapter_all", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0)  # fmt: skip
     assert chat.choices[0].message.content and chat.usage is not None and chat.usage.completion_tokens == 4
+    # log-probabilities cross from the replicas too, streamed and whole alike
+    asked = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    whole = client.completions.create(**asked).choices[0].logprobs
+    assert whole is not None and whole.token_logprobs is not None and len(whole.token_logprobs) == 4
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**asked, stream=True) if c.choices]
+    assert [v for p in streamed if p for v in p.token_logprobs or []] == whole.token_logprobs
     assert sorted(m.id for m in client.models.list().data) == ["adapter_all", "adapter_qv", "smollm2"]
     assert http(f"{served.url}/health", key=None)[0] == 200
 

@@ -47,6 +47,7 @@ from quiver.serve.openai_api import (
     generation,
     include_usage,
     new_id,
+    reply_logprobs,
     tokenize_request,
     usage_chunk,
 )
@@ -395,7 +396,7 @@ class Server:
         finally:
             watcher.cancel()
             self.service.cancel(job)  # a no-op once it is done
-        return JSONResponse(completion(request_id, model, done, chat))
+        return JSONResponse(completion(request_id, model, done, chat, self.service.tokenizer.token_text))
 
     async def _cancel_when_gone(self, http: Request, job: Job) -> None:
         """A client that hangs up before its whole reply frees the engine at the next step."""
@@ -423,6 +424,8 @@ class Server:
         (`stream_options.include_usage`, OpenAI's: no choices); the request is cancelled if the client goes
         away."""
         first, previous, ended = True, job.submitted, False
+        asked, text_of = job.generation.logprobs is not None, self.service.tokenizer.token_text
+        sent = offset = 0  # log-probabilities sent, and the characters of the reply before the next piece
         try:
             while not ended:
                 out = []
@@ -430,13 +433,17 @@ class Server:
                 for event in pending:
                     if isinstance(event, Token):
                         previous = self._timed(job, event, previous)
-                        out.append(_sse(chunk(request_id, model, chat, text=event.text, first=first)))
+                        logprobs = reply_logprobs(event.logprobs if asked else None, text_of, chat, offset)
+                        sent, offset = sent + len(event.logprobs), offset + len(event.text)
+                        out.append(_sse(chunk(request_id, model, chat, event.text, first=first, logprobs=logprobs)))
                     elif isinstance(event, Failed):
                         out.append(_sse(_failure(event.error).body()))
                         ended = True
                     else:
                         self._count(event)
-                        out.append(_sse(chunk(request_id, model, chat, done=event, first=first)))
+                        rest = event.logprobs[sent:] if event.logprobs is not None else None
+                        logprobs = reply_logprobs(rest or None, text_of, chat, offset)
+                        out.append(_sse(chunk(request_id, model, chat, done=event, first=first, logprobs=logprobs)))
                         if usage:
                             out.append(_sse(usage_chunk(request_id, model, chat, event)))
                         ended = True

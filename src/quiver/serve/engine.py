@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from quiver.errors import QuiverError
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.continuation import Continuation, ending_tokens
 from quiver.t2t.external_batch import ExternalBatch
-from quiver.t2t.sampling import Sampler, Sampling
+from quiver.t2t.sampling import Sampler, Sampling, log_probabilities
 
 FinishReason = Literal["stop", "length", "cancelled"]
 _FINISH: dict[str, FinishReason] = {
@@ -74,12 +74,23 @@ class Generation:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # end the reply as eos tokens do
     ignore_eos: bool = False  # the model's eos tokens do not end the reply
+    logprobs: int | None = None  # each token's log-probability and the this many most likely's (None: none)
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability (the log-softmax of the model's logits before any sampling
+    control, as vLLM's default), and the most likely tokens' at that position, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class Token:
     text: str
     at: float  # time.perf_counter() when it was decided
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens' decided since the last event, where asked
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,7 @@ class Done:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] | None = None  # the reply's tokens', where asked (not an ending one)
 
 
 @dataclass(frozen=True)
@@ -118,6 +130,8 @@ class _Sequence:
     reply: Continuation
     cached: int = 0  # tokens in its cache row
     began: float = math.inf  # when its prompt was all in (its stream began)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each content token's
+    sent: int = 0  # of `logprobs`, those its Token events carried
 
 
 class Engine:
@@ -366,17 +380,23 @@ class Engine:
                 "the model's output for this request was not finite (an adapter's weights or strengths overflow "
                 "it); the request ended, the others go on")))  # fmt: skip
             return
+        asked = sequence.job.generation.logprobs
+        scores = log_probabilities(logits) if asked is not None else None  # before step masks or biases them
         piece = sequence.reply.step(logits)
-        if piece:
-            self._send(sequence.job, Token(piece, time.perf_counter()))
         reason = sequence.reply.reason
+        if scores is not None and reason != "eos":  # an ending token is no part of the content
+            sequence.logprobs.append(_entry(scores, sequence.reply.new_ids[-1], asked or 0))
+        if piece:
+            entries, sequence.sent = tuple(sequence.logprobs[sequence.sent :]), len(sequence.logprobs)
+            self._send(sequence.job, Token(piece, time.perf_counter(), entries))
         if reason is not None:
             self._leave(sequence, self._done(sequence, _FINISH.get(reason, "stop")))
 
     @staticmethod
     def _done(sequence: _Sequence, reason: FinishReason) -> Done:
-        reply = sequence.reply
-        return Done(len(sequence.job.generation.prompt_ids), list(reply.new_ids), reply.text, reason)
+        reply, asked = sequence.reply, sequence.job.generation.logprobs is not None
+        logprobs = tuple(sequence.logprobs) if asked else None
+        return Done(len(sequence.job.generation.prompt_ids), list(reply.new_ids), reply.text, reason, logprobs)
 
     def _leave(self, sequence: _Sequence, event: Event) -> None:
         """The sequence gives its row (to the last one, moved into it) and its slot back; its client gets
@@ -409,6 +429,16 @@ class Engine:
                 sink(event)
             except Exception:  # noqa: BLE001  a sink that fails loses its own event; the worker goes on
                 pass
+
+
+def _entry(scores: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability among `scores` and the `top` most likely tokens'."""
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        ids = np.argpartition(scores, -top)[-top:]
+        ids = ids[np.argsort(-scores[ids], kind="stable")]
+        best = tuple((int(i), float(scores[i])) for i in ids)
+    return TokenLogprob(token, float(scores[token]), best)
 
 
 def _unrun(job: Job) -> Done:

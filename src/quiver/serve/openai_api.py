@@ -13,15 +13,16 @@ tokens), `repetition_penalty` (vLLM's and transformers', over prompt and reply),
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from quiver.runtime.state import MAX_LORA_STRENGTH
-from quiver.serve.engine import Done, Generation
+from quiver.serve.engine import Done, Generation, TokenLogprob
 from quiver.t2t.tokenizer import is_utf8
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -33,13 +34,14 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 # is refused as OpenAI refuses it ("Unrecognized request argument"): nothing is silently ignored.
 _HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream",
              "stream_options", "n", "min_tokens", "lora", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos"}  # fmt: skip
+             "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "logprobs"}  # fmt: skip
 MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS = 1024, 64  # entries a request may give
-_HONOURED_BY_ROUTE = {True: {"messages"}, False: {"prompt"}}  # chat, completions
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs (and vLLM's default max_logprobs)
+_HONOURED_BY_ROUTE = {True: {"messages", "top_logprobs"}, False: {"prompt"}}  # chat, completions
 _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
+    "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
     "tools": _OFF, "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": _OFF, "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
     "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "add_generation_prompt": (None, True),
@@ -214,6 +216,25 @@ def include_usage(body: Mapping[str, Any]) -> bool:
     return value
 
 
+def _logprobs(body: Mapping[str, Any]) -> int | None:
+    """How many of the most likely tokens to report beside each generated one's log-probability (None: no
+    log-probabilities): chat's `logprobs` (true) and `top_logprobs`, completions' `logprobs` (a count)."""
+    if "messages" in body:
+        top = _field(body, "top_logprobs", (int,))
+        if not _field(body, "logprobs", (bool,), False):
+            if top:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+            return None
+        top, param = top or 0, "top_logprobs"
+    else:
+        top, param = _field(body, "logprobs", (int,)), "logprobs"
+        if top is None:
+            return None
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"'{param}' must be 0 to {MAX_TOP_LOGPROBS}", param, "invalid_value")
+    return int(top)
+
+
 def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tokens: int | None) -> Generation:
     """A request body's sampling fields and adapter, checked against what is served (its fields checked
     first by `check_fields`)."""
@@ -267,6 +288,7 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
     if len(stop_ids) > MAX_STOP_TOKEN_IDS or not all(_token_id(i, served.vocabulary) is not None for i in stop_ids):
         raise ApiError(400, f"'stop_token_ids' lists up to {MAX_STOP_TOKEN_IDS} token ids, 0 to "
                        f"{served.vocabulary - 1}", "stop_token_ids", "invalid_value")  # fmt: skip
+    logprobs = _logprobs(body)
     top_k = _field(body, "top_k", (int,), 0)
     if top_k < -1:
         raise ApiError(400, "'top_k' must be -1 or 0 (every token) or a count of tokens", "top_k", "invalid_value")
@@ -288,6 +310,7 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         logit_bias=tuple(sorted((int(k), float(v)) for k, v in bias.items())),
         stop_token_ids=tuple(int(i) for i in stop_ids),
         ignore_eos=_field(body, "ignore_eos", (bool,), False),
+        logprobs=logprobs,
     )
 
 
@@ -362,21 +385,60 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def completion(request_id: str, model: str, done: Done, chat: bool) -> dict[str, Any]:
+TokenText = Callable[[int], str]  # a token id's text (the tokenizer's, special tokens written out)
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf (vLLM's floor)
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _chat_logprobs(entries: Sequence[TokenLogprob], text_of: TokenText) -> dict[str, Any]:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(*t) for t in e.top]} for e in entries]}
+
+
+def _completion_logprobs(entries: Sequence[TokenLogprob], text_of: TokenText, offset: int) -> dict[str, Any]:
+    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset (each
+    token's start in the reply's text, from `offset`)."""
+    tokens = [text_of(e.token) for e in entries]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": [{text_of(i): _logprob(v) for i, v in e.top} for e in entries],
+        "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
+    }
+
+
+def reply_logprobs(entries: Sequence[TokenLogprob] | None, text_of: TokenText, chat: bool, offset: int = 0) -> Any:
+    """A choice's `logprobs` for `entries` (None where the request asked for none)."""
+    if entries is None:
+        return None
+    return _chat_logprobs(entries, text_of) if chat else _completion_logprobs(entries, text_of, offset)
+
+
+def completion(request_id: str, model: str, done: Done, chat: bool, text_of: TokenText) -> dict[str, Any]:
     """The whole reply of a non-streaming request."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "token_ids": done.token_ids}
     if chat:
         choice["message"] = {"role": "assistant", "content": done.text}
     else:
-        choice |= {"text": done.text, "logprobs": None}
+        choice["text"] = done.text
+    choice["logprobs"] = reply_logprobs(done.logprobs, text_of, chat)
     kind = "chat.completion" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": _usage(done)}  # fmt: skip
 
 
 def chunk(request_id: str, model: str, chat: bool, text: str | None = None, done: Done | None = None,
-          first: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One server-sent event of a streaming reply: a piece of text, or the end (finish reason, usage)."""
+          first: bool = False, logprobs: Any = None) -> dict[str, Any]:  # fmt: skip
+    """One server-sent event of a streaming reply: a piece of text (and its tokens' `logprobs`, made by
+    `reply_logprobs`), or the end (finish reason)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason if done else None}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -384,7 +446,8 @@ def chunk(request_id: str, model: str, chat: bool, text: str | None = None, done
             delta["content"] = text
         choice["delta"] = delta
     else:
-        choice |= {"text": text or "", "logprobs": None}
+        choice["text"] = text or ""
+    choice["logprobs"] = logprobs
     kind = "chat.completion.chunk" if chat else "text_completion"
     event = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
     return event

@@ -42,7 +42,7 @@ from quiver.serve.app import BODY_TIMEOUT_S, Server, base_name
 from quiver.serve.app import serve as serve_http
 from quiver.serve.browsers import allowed_hosts
 from quiver.serve.chat import find_chat_template
-from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token, TokenLogprob
 from quiver.serve.guard import Limits
 from quiver.serve.metrics import Metrics
 from quiver.serve.service import LocalService, Outbox, ServiceUnavailableError, drained
@@ -100,7 +100,7 @@ def _event(event: Event, held: bool | None = None) -> dict[str, Any]:
     """An engine event as plain data (Ray sends it to the ingress); the end says whether the replica held
     the request's adapter already (None: the base model)."""
     if isinstance(event, Token):
-        return {"text": event.text}
+        return {"text": event.text, "logprobs": event.logprobs}
     if isinstance(event, Done):
         return {"done": dataclasses.asdict(event), "held": held}
     return {"error": str(event.error), "queue_full": isinstance(event.error, QueueFullError)}
@@ -108,9 +108,12 @@ def _event(event: Event, held: bool | None = None) -> dict[str, Any]:
 
 def _from_event(data: Mapping[str, Any]) -> Event:
     if "text" in data:
-        return Token(str(data["text"]), time.perf_counter())
+        return Token(str(data["text"]), time.perf_counter(), tuple(TokenLogprob(*e) for e in data.get("logprobs", ())))
     if "done" in data:
-        return Done(**data["done"])
+        done = dict(data["done"])
+        if done.get("logprobs") is not None:
+            done["logprobs"] = tuple(TokenLogprob(*e) for e in done["logprobs"])
+        return Done(**done)
     error = QueueFullError if data.get("queue_full") else QuiverError
     return Failed(error(str(data.get("error", "the replica failed"))))
 

@@ -106,3 +106,10 @@ class Sampler:
 def _softmax(scores: np.ndarray) -> np.ndarray:
     shifted = np.exp((scores - scores.max()).astype(np.float64))
     return shifted / shifted.sum()
+
+
+def log_probabilities(logits: np.ndarray) -> np.ndarray:
+    """The log-softmax of one position's logits, [vocab] (float32; computed in float64 for the sum)."""
+    scores = np.asarray(logits, np.float64).reshape(-1)
+    shifted = scores - scores.max()
+    return (shifted - np.log(np.exp(shifted).sum())).astype(np.float32)
