@@ -1,9 +1,12 @@
 """Chat templates: the model's own Jinja template (from `tokenizer_config.json` or `chat_template.jinja`),
-rendered in a sandbox as transformers renders it."""
+rendered in a sandbox as transformers renders it: loop controls (`{% break %}`, `{% continue %}`), the
+`{% generation %}` block (its body rendered as it is: it marks the assistant's tokens for training),
+`raise_exception`, `strftime_now`, and a `tojson` that keeps non-ASCII text (transformers' own)."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +21,18 @@ class ChatTemplate:
 
     def __init__(self, source: str, special: dict[str, str], origin: str) -> None:
         from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_generation_block(), loopcontrols]
+        )
         environment.globals["raise_exception"] = raise_exception
+        environment.globals["strftime_now"] = _strftime_now
+        environment.filters["tojson"] = _tojson
         try:
             self._template = environment.from_string(source)
         except TemplateError as exc:
@@ -44,6 +52,35 @@ class ChatTemplate:
             )
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from None
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(str(format))
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_block() -> type:
+    """transformers' `{% generation %}...{% endgeneration %}` tag, its body rendered as it is."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            line = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    return GenerationBlock
 
 
 def find_chat_template(folder: Path, explicit: Path | None = None) -> ChatTemplate | None:
