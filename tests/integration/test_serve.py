@@ -130,7 +130,10 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT, "max_tokens": 10_000}).encode(), 400, "max_tokens"),
         (json.dumps({"model": "nope", "prompt": PROMPT}).encode(), 404, "model"),
         (json.dumps({"prompt": PROMPT}).encode(), 400, "model"),
-        (json.dumps({"model": "out", "prompt": PROMPT, "n": 2}).encode(), 400, "n"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "n": 17}).encode(), 400, "n"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "n": 2, "best_of": 1}).encode(), 400, "best_of"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "best_of": 2, "stream": True}).encode(), 400, "best_of"),
+        (json.dumps({"model": "out", "prompt": [PROMPT] * 9, "n": 2}).encode(), 400, "n"),
         (json.dumps({"model": "out", "prompt": PROMPT, "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({"model": "out", "prompt": PROMPT, "stop": ["a"] * 5}).encode(), 400, "stop"),
         (json.dumps({"model": "out", "prompt": PROMPT, "logprobs": 21}).encode(), 400, "logprobs"),
@@ -153,7 +156,7 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
             "response_format",
         ),
         (json.dumps({"model": "out", "prompt": PROMPT, "stop_token_ids": [-1]}).encode(), 400, "stop_token_ids"),
-        (json.dumps({"model": "out", "prompt": PROMPT, "seed": 1, "best_of": 2}).encode(), 400, "best_of"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "best_of": 17}).encode(), 400, "best_of"),
         (json.dumps({"model": "out", "prompt": PROMPT, "temprature": 0}).encode(), 400, "temprature"),
         (json.dumps({"model": "out", "prompt": PROMPT, "messages": []}).encode(), 400, "messages"),
         (
@@ -232,6 +235,46 @@ def test_logprobs_are_the_models_log_softmax_and_stream_as_they_come(server: Run
     assert tokens == [c.token for c in content]
     status, reply_ = _post(server, "/v1/chat/completions", {"model": "out", "messages": messages, "top_logprobs": 2})
     assert status == 400 and reply_["error"]["param"] == "top_logprobs"
+
+
+def test_n_choices_prompt_lists_and_best_of_are_indexed_as_openai_does(server: Running) -> None:
+    """`n` choices per prompt (choice j seeded seed + j), lists of prompts (choice index prompt x n + j),
+    `best_of` (the n most likely of best_of), usage over them all; streamed choices under their index."""
+    client = server.client()
+    greedy = client.completions.create(model="out", prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    other = "hello there"
+    other_greedy = client.completions.create(model="out", prompt=other, max_tokens=6, temperature=0).choices[0].text
+    both = client.completions.create(model="out", prompt=[PROMPT, other], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [greedy, greedy, other_greedy, other_greedy]
+    assert both.usage is not None and both.usage.completion_tokens == 24
+    prompt_tokens = [client.completions.create(model="out", prompt=p, max_tokens=1).usage for p in (PROMPT, other)]
+    assert both.usage.prompt_tokens == sum(u.prompt_tokens for u in prompt_tokens if u is not None)
+    sampled = client.completions.create(model="out", prompt=PROMPT, max_tokens=12, temperature=1.5, n=3, seed=7)
+    alone = [client.completions.create(model="out", prompt=PROMPT, max_tokens=12, temperature=1.5, seed=7 + j)
+             for j in range(3)]  # fmt: skip
+    assert [c.text for c in sampled.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in sampled.choices}) > 1  # seeded choices differ from each other
+    best = client.completions.create(model="out", prompt=PROMPT, max_tokens=8, temperature=1.5, n=2, best_of=3, seed=1,
+                                     logprobs=0)  # fmt: skip
+    candidates = client.completions.create(model="out", prompt=PROMPT, max_tokens=8, temperature=1.5, n=3, seed=1,
+                                           logprobs=0)  # fmt: skip
+    totals = sorted((sum((c.logprobs.token_logprobs or []) if c.logprobs else []), c.text) for c in candidates.choices)
+    assert [c.text for c in best.choices] == [text for _, text in totals[::-1][:2]]
+    hi = [{"role": "user", "content": "hi"}]
+    streamed = client.chat.completions.create(model="qv", messages=hi, max_tokens=5, temperature=0, n=2, stream=True,
+                                              stream_options={"include_usage": True})  # fmt: skip
+    texts: dict[int, str] = {}
+    usage = None
+    for event in streamed:
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        usage = event.usage or usage
+    whole = client.chat.completions.create(model="qv", messages=hi, max_tokens=5, temperature=0)
+    assert texts == {0: whole.choices[0].message.content, 1: whole.choices[0].message.content}
+    assert (
+        usage is not None and whole.usage is not None and usage.completion_tokens == 2 * whole.usage.completion_tokens
+    )
 
 
 def _post(server: Running, route: str, body: dict[str, Any]) -> tuple[int, Any]:

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,15 +41,17 @@ from quiver.serve.openai_api import (
     Served,
     chat_messages,
     check_fields,
+    choice_counts,
     chunk,
     completion,
-    completion_prompt,
+    completion_prompts,
     detokenize_request,
     generation,
     include_usage,
     new_id,
     reply_logprobs,
     tokenize_request,
+    usage,
     usage_chunk,
 )
 from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
@@ -202,10 +205,11 @@ class Server:
         body = await self._body(request)
         check_fields(body, chat=False)
         served = self.served
-        prompt = completion_prompt(body, served.vocabulary, served.context_size)
-        ids = await self._prepared(self.service.tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
-        generation_ = generation(body, served, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await self._generate(request, body, generation_, False)
+        prompts = completion_prompts(body, served.vocabulary, served.context_size)
+        encode = self.service.tokenizer.encode
+        ids = [await self._prepared(encode, p) if isinstance(p, str) else p for p in prompts]
+        return await self._generate(request, body, [generation(body, served, i, COMPLETIONS_DEFAULT_MAX_TOKENS)
+                                                    for i in ids], False)  # fmt: skip
 
     async def _chat(self, request: Request) -> Response:
         body = await self._body(request)
@@ -224,7 +228,7 @@ class Server:
             return self.service.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
 
         ids = await self._prepared(render_and_encode)
-        return await self._generate(request, body, generation(body, self.served, ids, None), True)
+        return await self._generate(request, body, [generation(body, self.served, ids, None)], True)
 
     async def _tokenize(self, request: Request) -> Response:
         """vLLM's route: a prompt's or a chat's token ids (and their strings), the context they must fit."""
@@ -371,7 +375,8 @@ class Server:
                 return ApiError(503, "the server is reading too many bodies at once; retry", None, "busy")
         return None
 
-    async def _generate(self, http: Request, body: dict[str, Any], request: Generation, chat: bool) -> Response:
+    async def _generate(self, http: Request, body: dict[str, Any], prompts: list[Generation], chat: bool) -> Response:
+        """Runs each prompt's generations (`n`, `best_of`) and answers with their choices, whole or streamed."""
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be true or false", "stream", "invalid_type")
@@ -379,79 +384,110 @@ class Server:
         if usage and not stream:
             raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
                            "invalid_value")  # fmt: skip
+        counts = choice_counts(body, len(prompts), stream)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._outbox = outbox = Outbox.on(self._outbox, loop)
+        jobs: list[Job] = []
         try:
-            self._outbox = outbox = Outbox.on(self._outbox, loop)
-            job = self.service.submit(request, outbox.sink(events))
+            for index, one in enumerate(g for p in prompts for g in counts.expanded(p)):
+                jobs.append(self.service.submit(one, partial(self._tagged, outbox, events, index)))
         except QueueFullError as exc:
+            for job in jobs:
+                self.service.cancel(job)
             raise ApiError(429, str(exc), None, "queue_full") from None
         request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])
+        prompt_tokens = sum(len(p.prompt_ids) for p in prompts)
         if stream:
-            replies = self._events(job, events, request_id, model, chat, usage)
+            replies = self._events(jobs, events, request_id, model, chat, prompt_tokens if usage else None)
             return StreamingResponse(replies, media_type="text/event-stream")
-        watcher = asyncio.create_task(self._cancel_when_gone(http, job))
+        watcher = asyncio.create_task(self._cancel_when_gone(http, jobs))
         try:
-            done = await self._collect(job, events)
+            dones = await self._collect(jobs, events)
         finally:
             watcher.cancel()
-            self.service.cancel(job)  # a no-op once it is done
-        return JSONResponse(completion(request_id, model, done, chat, self.service.tokenizer.token_text))
+            for job in jobs:
+                self.service.cancel(job)  # a no-op once it is done
+        asked = prompts[0].logprobs is not None
+        choices = [
+            c for p in range(len(prompts)) for c in counts.chosen(dones[p * counts.best_of :][: counts.best_of], asked)
+        ]
+        text_of = self.service.tokenizer.token_text
+        return JSONResponse(completion(request_id, model, choices, chat, text_of, prompt_tokens))
 
-    async def _cancel_when_gone(self, http: Request, job: Job) -> None:
+    @staticmethod
+    def _tagged(outbox: Outbox, events: asyncio.Queue[tuple[int, Event]], index: int, event: Event) -> None:
+        outbox.put(events, (index, event))
+
+    async def _cancel_when_gone(self, http: Request, jobs: list[Job]) -> None:
         """A client that hangs up before its whole reply frees the engine at the next step."""
         while not await http.is_disconnected():
             await asyncio.sleep(0.25)
-        self.service.cancel(job)
+        for job in jobs:
+            self.service.cancel(job)
 
-    async def _collect(self, job: Job, events: asyncio.Queue[Event]) -> Done:
-        previous = job.submitted
-        while True:
-            event = await events.get()
+    async def _collect(self, jobs: list[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Done]:
+        """Every generation's end, in the order of `jobs`; the first failure fails the request."""
+        previous = [job.submitted for job in jobs]
+        dones: dict[int, Done] = {}
+        while len(dones) < len(jobs):
+            index, event = await events.get()
             if isinstance(event, Token):
-                previous = self._timed(job, event, previous)
+                previous[index] = self._timed(jobs[index], event, previous[index])
             elif isinstance(event, Failed):
                 raise _failure(event.error)
             else:
                 self._count(event)
-                return event
+                dones[index] = event
+        return [dones[i] for i in range(len(jobs))]
 
     async def _events(
-        self, job: Job, events: asyncio.Queue[Event], request_id: str, model: str, chat: bool, usage: bool
+        self,
+        jobs: list[Job],
+        events: asyncio.Queue[tuple[int, Event]],
+        request_id: str,
+        model: str,
+        chat: bool,
+        prompt_tokens: int | None,
     ) -> AsyncIterator[str]:
-        """The stream's server-sent events, those decided while the last were sent in one write (a client
-        or a hop that falls behind gets fewer, larger writes), with a last chunk of the usage where asked
-        (`stream_options.include_usage`, OpenAI's: no choices); the request is cancelled if the client goes
-        away."""
-        first, previous, ended = True, job.submitted, False
-        asked, text_of = job.generation.logprobs is not None, self.service.tokenizer.token_text
-        sent = offset = 0  # log-probabilities sent, and the characters of the reply before the next piece
+        """The stream's server-sent events, each choice's under its index, those decided while the last were
+        sent in one write (a client or a hop that falls behind gets fewer, larger writes), with a last chunk
+        of the usage where asked (`prompt_tokens` given: `stream_options.include_usage`, OpenAI's: no
+        choices); the request is cancelled if the client goes away."""
+        count = len(jobs)
+        first, previous = [True] * count, [job.submitted for job in jobs]
+        asked, text_of = jobs[0].generation.logprobs is not None, self.service.tokenizer.token_text
+        sent, offset = [0] * count, [0] * count  # log-probabilities sent, the characters before the next piece
+        dones: dict[int, Done] = {}
         try:
-            while not ended:
+            while len(dones) < count:
                 out = []
-                pending = await drained(events)
-                for event in pending:
+                for i, event in await drained(events):
                     if isinstance(event, Token):
-                        previous = self._timed(job, event, previous)
-                        logprobs = reply_logprobs(event.logprobs if asked else None, text_of, chat, offset)
-                        sent, offset = sent + len(event.logprobs), offset + len(event.text)
-                        out.append(_sse(chunk(request_id, model, chat, event.text, first=first, logprobs=logprobs)))
+                        previous[i] = self._timed(jobs[i], event, previous[i])
+                        logprobs = reply_logprobs(event.logprobs if asked else None, text_of, chat, offset[i])
+                        sent[i], offset[i] = sent[i] + len(event.logprobs), offset[i] + len(event.text)
+                        out.append(_sse(chunk(request_id, model, chat, event.text, first=first[i], logprobs=logprobs,
+                                              index=i)))  # fmt: skip
                     elif isinstance(event, Failed):
                         out.append(_sse(_failure(event.error).body()))
-                        ended = True
+                        yield "".join(out)
+                        return
                     else:
                         self._count(event)
-                        rest = event.logprobs[sent:] if event.logprobs is not None else None
-                        logprobs = reply_logprobs(rest or None, text_of, chat, offset)
-                        out.append(_sse(chunk(request_id, model, chat, done=event, first=first, logprobs=logprobs)))
-                        if usage:
-                            out.append(_sse(usage_chunk(request_id, model, chat, event)))
-                        ended = True
-                    first = False
+                        dones[i] = event
+                        rest = event.logprobs[sent[i] :] if event.logprobs is not None else None
+                        logprobs = reply_logprobs(rest or None, text_of, chat, offset[i])
+                        out.append(_sse(chunk(request_id, model, chat, done=event, first=first[i], logprobs=logprobs,
+                                              index=i)))  # fmt: skip
+                    first[i] = False
+                if len(dones) == count and prompt_tokens is not None:
+                    out.append(_sse(usage_chunk(request_id, model, chat, usage(prompt_tokens, list(dones.values())))))
                 yield "".join(out)
             yield "data: [DONE]\n\n"
         finally:
-            self.service.cancel(job)  # a no-op once it is done; a client gone stops it at the next step
+            for job in jobs:
+                self.service.cancel(job)  # a no-op once it is done; a client gone stops it at the next step
 
     def _timed(self, job: Job, token: Token, previous: float) -> float:
         (self.metrics.first_token if previous == job.submitted else self.metrics.between_tokens).observe(

@@ -18,7 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from quiver.runtime.state import MAX_LORA_STRENGTH
@@ -37,7 +37,8 @@ _HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top
              "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "logprobs"}  # fmt: skip
 MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS = 1024, 64  # entries a request may give
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs (and vLLM's default max_logprobs)
-_HONOURED_BY_ROUTE = {True: {"messages", "top_logprobs"}, False: {"prompt"}}  # chat, completions
+_HONOURED_BY_ROUTE = {True: {"messages", "top_logprobs"}, False: {"prompt", "best_of"}}  # chat, completions
+MAX_CHOICES = 16  # generations one request may ask for: prompts x (best_of or n)
 _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -240,8 +241,6 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
     first by `check_fields`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", None, "invalid_body")
-    if _field(body, "n", (int,), 1) != 1:
-        raise ApiError(400, "'n' must be 1: this server makes one choice per request", "n", "invalid_value")
     model = _served_model(body, served, required=True)
     room = served.context_size - len(prompt_ids) - 1
     if room < 1:
@@ -329,12 +328,18 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def completion_prompt(body: Any, vocabulary: int, context_size: int) -> str | list[int]:
-    """`prompt`: text, or token ids (one prompt: lists of prompts would need `n` choices); one that could
-    not fit the context is refused before any work on it."""
+def completion_prompts(body: Any, vocabulary: int, context_size: int) -> list[str | list[int]]:
+    """`prompt`: text, token ids, or a list of either (OpenAI's prompt lists: a choice per prompt); one that
+    could not fit the context is refused before any work on it."""
     prompt = body.get("prompt") if isinstance(body, dict) else None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = list(prompt) if many and isinstance(prompt, list) else [prompt]
+    if len(prompts) > MAX_CHOICES:
+        raise ApiError(400, f"'prompt' lists {len(prompts)} prompts; at most {MAX_CHOICES}", "prompt", "invalid_value")
+    return [_one_prompt(p, vocabulary, context_size) for p in prompts]
+
+
+def _one_prompt(prompt: Any, vocabulary: int, context_size: int) -> str | list[int]:
     if isinstance(prompt, (str, list)) and len(prompt) > context_size * (
         MAX_CHARS_PER_TOKEN if isinstance(prompt, str) else 1
     ):
@@ -346,7 +351,51 @@ def completion_prompt(body: Any, vocabulary: int, context_size: int) -> str | li
         if not all(0 <= i < vocabulary for i in prompt):
             raise ApiError(400, f"token ids in 'prompt' must be 0 to {vocabulary - 1}", "prompt", "invalid_value")
         return list(prompt)
-    raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", "prompt", "invalid_value")
+    raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt",
+                   "invalid_value")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChoiceCounts:
+    """Per prompt, `best_of` generations of which the `n` most likely (by the sum of their tokens'
+    log-probabilities) are the choices; `best_of` is `n` unless asked."""
+
+    n: int
+    best_of: int
+
+    def expanded(self, request: Generation) -> list[Generation]:
+        """The generations of one prompt: generation j samples with seed + j (a seeded request's choices
+        differ, each reproducible); ranking them needs their log-probabilities."""
+        ranked = self.best_of > self.n and request.logprobs is None
+        return [
+            replace(request, seed=None if request.seed is None else (request.seed + j) % 2**63,
+                                logprobs=0 if ranked else request.logprobs)
+            for j in range(self.best_of)
+        ]  # fmt: skip
+
+    def chosen(self, dones: Sequence[Done], report_logprobs: bool) -> list[Done]:
+        """Of one prompt's generations, its choices: the `n` most likely where `best_of` > `n`."""
+        kept = list(dones)
+        if self.best_of > self.n:
+            kept = sorted(kept, key=lambda d: -sum(e.logprob for e in d.logprobs or ()))[: self.n]
+        return kept if report_logprobs else [replace(d, logprobs=None) for d in kept]
+
+
+def choice_counts(body: Mapping[str, Any], prompts: int, stream: bool) -> ChoiceCounts:
+    """`n` (choices per prompt) and completions' `best_of`, bounded: prompts x best_of <= MAX_CHOICES."""
+    n = _field(body, "n", (int,), 1)
+    best_of = _field(body, "best_of", (int,), n)
+    if n < 1 or best_of < n:
+        raise ApiError(400, "'n' must be at least 1, and 'best_of' at least 'n'", "n" if n < 1 else "best_of",
+                       "invalid_value")  # fmt: skip
+    if best_of > n and stream:
+        raise ApiError(400, "'best_of' above 'n' cannot stream (the choices are known at the end)", "best_of",
+                       "invalid_value")  # fmt: skip
+    if prompts * best_of > MAX_CHOICES:
+        param = "best_of" if "best_of" in body else "n"
+        raise ApiError(400, f"{prompts} prompt(s) x {best_of} choices is more than this server's {MAX_CHOICES} "
+                       "generations a request", param, "invalid_value")  # fmt: skip
+    return ChoiceCounts(n, best_of)
 
 
 def chat_messages(body: Any, context_size: int) -> list[dict[str, str]]:
@@ -375,10 +424,10 @@ def chat_messages(body: Any, context_size: int) -> list[dict[str, str]]:
     return checked
 
 
-def _usage(done: Done) -> dict[str, int]:
-    generated = len(done.token_ids)
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": generated,
-            "total_tokens": done.prompt_tokens + generated}  # fmt: skip
+def usage(prompt_tokens: int, choices: Sequence[Done]) -> dict[str, int]:
+    """The usage of a request: its prompts' tokens (each once), its choices' tokens."""
+    generated = sum(len(done.token_ids) for done in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
 
 
 def new_id(prefix: str) -> str:
@@ -422,24 +471,29 @@ def reply_logprobs(entries: Sequence[TokenLogprob] | None, text_of: TokenText, c
     return _chat_logprobs(entries, text_of) if chat else _completion_logprobs(entries, text_of, offset)
 
 
-def completion(request_id: str, model: str, done: Done, chat: bool, text_of: TokenText) -> dict[str, Any]:
-    """The whole reply of a non-streaming request."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "token_ids": done.token_ids}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": done.text}
-    else:
-        choice["text"] = done.text
-    choice["logprobs"] = reply_logprobs(done.logprobs, text_of, chat)
+def completion(
+    request_id: str, model: str, choices: Sequence[Done], chat: bool, text_of: TokenText, prompt_tokens: int
+) -> dict[str, Any]:
+    """The whole reply of a non-streaming request: its choices, indexed in order."""
+    made = []
+    for index, done in enumerate(choices):
+        choice: dict[str, Any] = {"index": index, "finish_reason": done.finish_reason, "token_ids": done.token_ids}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": done.text}
+        else:
+            choice["text"] = done.text
+        choice["logprobs"] = reply_logprobs(done.logprobs, text_of, chat)
+        made.append(choice)
     kind = "chat.completion" if chat else "text_completion"
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": _usage(done)}  # fmt: skip
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": made,
+            "usage": usage(prompt_tokens, choices)}  # fmt: skip
 
 
 def chunk(request_id: str, model: str, chat: bool, text: str | None = None, done: Done | None = None,
-          first: bool = False, logprobs: Any = None) -> dict[str, Any]:  # fmt: skip
-    """One server-sent event of a streaming reply: a piece of text (and its tokens' `logprobs`, made by
-    `reply_logprobs`), or the end (finish reason)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason if done else None}
+          first: bool = False, logprobs: Any = None, index: int = 0) -> dict[str, Any]:  # fmt: skip
+    """One server-sent event of a streaming reply's choice `index`: a piece of text (and its tokens'
+    `logprobs`, made by `reply_logprobs`), or its end (finish reason)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": done.finish_reason if done else None}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
@@ -453,8 +507,8 @@ def chunk(request_id: str, model: str, chat: bool, text: str | None = None, done
     return event
 
 
-def usage_chunk(request_id: str, model: str, chat: bool, done: Done) -> dict[str, Any]:
+def usage_chunk(request_id: str, model: str, chat: bool, used: dict[str, int]) -> dict[str, Any]:
     """The last event of a stream whose request asked for its usage: no choices, the usage."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": [],
-            "usage": _usage(done)}  # fmt: skip
+            "usage": used}  # fmt: skip
