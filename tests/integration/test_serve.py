@@ -277,6 +277,29 @@ def test_n_choices_prompt_lists_and_best_of_are_indexed_as_openai_does(server: R
     )
 
 
+def test_a_chat_may_continue_its_last_message_and_pass_the_template_its_names(server: Running) -> None:
+    """`continue_final_message` (transformers' cut right after the last message's text) and
+    `chat_template_kwargs`: the same tokens as a completion of the text rendered so (by jinja2 here)."""
+    from jinja2 import Template
+
+    client = server.client()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the quick"}]
+    rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=False, bos_token="<s>")
+    cut = rendered[: rendered.rindex("the quick") + len("the quick")]
+    status, tokens = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                                 "continue_final_message": True})  # fmt: skip
+    assert status == 200, tokens
+    chat = _post(server, "/v1/chat/completions", {"model": "out", "messages": messages, "max_tokens": 6,
+                                                  "temperature": 0, "add_generation_prompt": False,
+                                                  "continue_final_message": True})[1]  # fmt: skip
+    plain = client.completions.create(model="out", prompt=tokens["tokens"], max_tokens=6, temperature=0)
+    assert chat["choices"][0]["message"]["content"] == plain.choices[0].text
+    assert tokens["tokens"] == _post(server, "/tokenize", {"prompt": cut, "add_special_tokens": False})[1]["tokens"]
+    asked = {"model": "out", "messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    status, reply = _post(server, "/v1/chat/completions", asked)  # a name this template does not read: no change
+    assert status == 200, reply
+
+
 def _post(server: Running, route: str, body: dict[str, Any]) -> tuple[int, Any]:
     status, _, reply = http(f"{server.url}{route}", "POST", json.dumps(body).encode())
     return status, reply
@@ -310,7 +333,9 @@ def test_tokenize_detokenize_and_version_answer_as_vllms_routes(server: Running)
     refused = {
         "/tokenize": [({"prompt": PROMPT, "messages": messages}, "prompt"), ({"prompt": PROMPT, "echo": True}, "echo"),
                       ({"prompt": PROMPT, "model": "nope"}, "model"), ({"prompt": 5}, "prompt"),
-                      ({"messages": messages, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs")],
+                      ({"messages": messages, "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),
+                      ({"messages": messages, "continue_final_message": True, "add_generation_prompt": True},
+                       "continue_final_message")],
         "/detokenize": [({"tokens": [10**9]}, "tokens"), ({"tokens": ["a"]}, "tokens"),
                         ({"tokens": [1] * 65}, "tokens"), ({"tokens": [1], "prompt": "x"}, "prompt")],
     }  # fmt: skip

@@ -45,3 +45,20 @@ def test_strftime_now_is_todays_date_and_raise_exception_refuses() -> None:
 def test_a_template_that_does_not_compile_is_one_line() -> None:
     with pytest.raises(ModelFolderError, match="does not compile"):
         ChatTemplate("{% for m in messages %}", {}, "test")
+
+
+def test_continue_final_message_cuts_after_its_text_and_names_reach_the_template() -> None:
+    source = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}{% if think %}<think>{% endif %}"
+    )
+    template = ChatTemplate(source, {}, "test")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon "}]
+    assert (
+        template.render(chat, add_generation_prompt=False, continue_final_message=True)
+        == "<user>hi</s><assistant>Once upon "
+    )
+    assert template.render(chat[:1], variables={"think": True}) == "<user>hi</s><think>"
+    with pytest.raises(ValueError, match="cannot both be set"):
+        template.render(chat, continue_final_message=True)
+    trimmed = ChatTemplate("{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}", {}, "test")
+    assert trimmed.render(chat, add_generation_prompt=False, continue_final_message=True) == "[hi][Once upon"

@@ -40,6 +40,7 @@ from quiver.serve.openai_api import (
     ApiError,
     Served,
     chat_messages,
+    chat_rendering,
     check_fields,
     choice_counts,
     chunk,
@@ -215,6 +216,7 @@ class Server:
         body = await self._body(request)
         check_fields(body, chat=True)
         messages = chat_messages(body, self.served.context_size)
+        rendering = chat_rendering(body)
         template = self.chat_template
         if template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with "
@@ -222,7 +224,7 @@ class Server:
 
         def render_and_encode() -> list[int]:
             try:
-                text = template.render(messages)
+                text = template.render(messages, **vars(rendering))
             except ValueError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_value") from None
             return self.service.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
@@ -242,7 +244,7 @@ class Server:
                 return tokenizer.encode(asked.text or "", add_special_tokens=asked.add_special_tokens)
             assert template is not None
             try:
-                text = template.render(asked.messages, asked.add_generation_prompt)
+                text = template.render(asked.messages, **vars(asked.rendering))
             except ValueError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_value") from None
             return tokenizer.encode(text, add_special_tokens=asked.add_special_tokens)

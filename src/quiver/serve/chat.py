@@ -6,6 +6,7 @@ rendered in a sandbox as transformers renders it: loop controls (`{% break %}`, 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,18 +41,35 @@ class ChatTemplate:
         self._special = special
         self.origin = origin
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
         """The prompt text for `messages`, ending where the assistant's reply begins (unless not
-        `add_generation_prompt`). Raises ValueError with the template's own message when it refuses the
-        conversation (roles out of order...)."""
+        `add_generation_prompt`), or, with `continue_final_message`, right after the last message's text
+        (the reply continues it: transformers' cut). `variables`: more names for the template (a request's
+        `chat_template_kwargs`, e.g. `enable_thinking`). Raises ValueError with the template's own message
+        when it refuses the conversation (roles out of order...)."""
         from jinja2 import TemplateError
 
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+        names = {**(variables or {}), **self._special}
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
-            )
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **names)
         except TemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from None
+        if not continue_final_message:
+            return text
+        final = messages[-1]["content"]
+        at = text.rfind(final.strip())
+        if not final.strip() or at < 0:
+            raise ValueError("continue_final_message: the last message's text does not appear in the rendered chat")
+        kept = len(final.lstrip()) if text[at : at + len(final.lstrip())] == final.lstrip() else len(final.strip())
+        return text[: at + kept]
 
 
 def _strftime_now(format: str) -> str:

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from dataclasses import field as dataclasses_field
 from typing import Any
 
 from quiver.runtime.state import MAX_LORA_STRENGTH
@@ -37,7 +38,15 @@ _HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top
              "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "logprobs"}  # fmt: skip
 MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS = 1024, 64  # entries a request may give
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs (and vLLM's default max_logprobs)
-_HONOURED_BY_ROUTE = {True: {"messages", "top_logprobs"}, False: {"prompt", "best_of"}}  # chat, completions
+_RENDERING = {
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+}  # how the chat template renders
+_HONOURED_BY_ROUTE = {
+    True: {"messages", "top_logprobs", *_RENDERING},
+    False: {"prompt", "best_of"},
+}  # chat, completions
 MAX_CHOICES = 16  # generations one request may ask for: prompts x (best_of or n)
 _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
@@ -45,7 +54,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
     "tools": _OFF, "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": _OFF, "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "chat_template_kwargs": _OFF, "continue_final_message": _OFF, "add_generation_prompt": (None, True),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": _OFF, "guided_json": _OFF, "guided_regex": _OFF, "guided_choice": _OFF,
     "guided_grammar": _OFF, "structured_outputs": _OFF, "grammar": _OFF, "json_schema": _OFF,
@@ -119,8 +127,9 @@ def check_fields(body: Any, chat: bool) -> None:
 
 
 # vLLM's /tokenize (text, or messages through the chat template) and /detokenize
-_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
-_TOKENIZE_NEUTRAL = {name: _NEUTRAL[name] for name in ("continue_final_message", "chat_template_kwargs", "tools")}
+_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *_RENDERING}
+_TOKENIZE_NEUTRAL = {name: _NEUTRAL[name] for name in ("tools",)}
+_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception"}
 _DETOKENIZE = {"model", "tokens"}
 
 
@@ -151,13 +160,38 @@ def _served_model(body: Mapping[str, Any], served: Served, required: bool) -> st
 
 
 @dataclass(frozen=True)
+class ChatRendering:
+    """How a request asks the chat template to render: `add_generation_prompt` (default true),
+    `continue_final_message` (the reply continues the last message), `chat_template_kwargs` (more names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: Mapping[str, Any] = dataclasses_field(default_factory=dict)
+
+
+def chat_rendering(body: Mapping[str, Any]) -> ChatRendering:
+    """A chat request's rendering fields, checked (transformers' and vLLM's rules)."""
+    cont = _field(body, "continue_final_message", (bool,), False)
+    prompt = _field(body, "add_generation_prompt", (bool,), not cont)
+    if prompt and cont:
+        raise ApiError(400, "'continue_final_message' needs 'add_generation_prompt': false", "continue_final_message",
+                       "invalid_value")  # fmt: skip
+    variables = _field(body, "chat_template_kwargs", (dict,), {})
+    bad = [k for k in variables if not isinstance(k, str) or not k.isidentifier() or k in _RESERVED]
+    if bad or len(variables) > 64:
+        raise ApiError(400, "'chat_template_kwargs' maps up to 64 names (not messages, tools, the special tokens) to "
+                       "values", "chat_template_kwargs", "invalid_value")  # fmt: skip
+    return ChatRendering(prompt, cont, dict(variables))
+
+
+@dataclass(frozen=True)
 class TokenizeRequest:
     """A checked /tokenize body: text to encode (special tokens added or not), or chat messages to render."""
 
     text: str | None
     messages: list[dict[str, str]] | None
     add_special_tokens: bool
-    add_generation_prompt: bool
+    rendering: ChatRendering
     return_token_strs: bool
 
 
@@ -181,7 +215,7 @@ def tokenize_request(body: Any, served: Served) -> TokenizeRequest:
         text,
         messages,
         _field(body, "add_special_tokens", (bool,), not chat),
-        _field(body, "add_generation_prompt", (bool,), True),
+        chat_rendering(body),
         _field(body, "return_token_strs", (bool,), False),
     )
 
