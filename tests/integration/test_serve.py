@@ -137,7 +137,7 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT, "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({"model": "out", "prompt": PROMPT, "stop": ["a"] * 5}).encode(), 400, "stop"),
         (json.dumps({"model": "out", "prompt": PROMPT, "logprobs": 21}).encode(), 400, "logprobs"),
-        (json.dumps({"model": "out", "prompt": PROMPT, "echo": True}).encode(), 400, "echo"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "echo": True, "stream": True}).encode(), 400, "echo"),
         (json.dumps({"model": "out", "prompt": ""}).encode(), 400, "prompt"),
         (json.dumps({"model": "out", "prompt": [10**9]}).encode(), 400, "prompt"),
         (json.dumps({"model": "all", "prompt": PROMPT, "lora": {"all": "x"}}).encode(), 400, "lora"),
@@ -235,6 +235,40 @@ def test_logprobs_are_the_models_log_softmax_and_stream_as_they_come(server: Run
     assert tokens == [c.token for c in content]
     status, reply_ = _post(server, "/v1/chat/completions", {"model": "out", "messages": messages, "top_logprobs": 2})
     assert status == 400 and reply_["error"]["param"] == "top_logprobs"
+
+
+def test_echo_gives_the_prompts_log_probabilities_as_lm_eval_asks_for_them(server: Running) -> None:
+    """lm-eval's loglikelihood request (token ids, `echo`, `max_tokens` 0, `logprobs` 1): each prompt token's
+    log-probability after the ones before it (the numpy forward pass's), the first's null; with new tokens,
+    the prompt's then theirs."""
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    weights = load_file(str(server.config.parent.parent / "model" / "model.safetensors"))
+    tokenizer = Tokenizer.from_file(str(server.config.parent / "tokenizer.json"))
+    ids = tokenizer.encode(PROMPT).ids
+    client = server.client()
+    scored = client.completions.create(model="out", prompt=ids, echo=True, max_tokens=0, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == tokenizer.decode(ids) and choice.logprobs is not None
+    values = choice.logprobs.token_logprobs or []
+    assert len(values) == len(ids) and values[0] is None and (choice.logprobs.top_logprobs or [0])[0] is None
+    for position in (1, len(ids) // 2, len(ids) - 1):
+        logits = forward(weights, ids[:position])
+        want = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        np.testing.assert_allclose(values[position], want[ids[position]], atol=1e-4)
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    more = client.completions.create(model="out", prompt=PROMPT, echo=True, max_tokens=3, logprobs=0, temperature=0)
+    alone = client.completions.create(model="out", prompt=PROMPT, max_tokens=3, logprobs=0, temperature=0)
+    assert more.choices[0].text == PROMPT + alone.choices[0].text
+    tail = (more.choices[0].logprobs.token_logprobs or [])[len(ids) :] if more.choices[0].logprobs else None
+    # the prompt fed a token at a time: the same values but for the order of float additions
+    np.testing.assert_allclose(
+        tail or [], (alone.choices[0].logprobs.token_logprobs or []) if alone.choices[0].logprobs else [1], atol=1e-4
+    )
+    for refused in ({"echo": True, "stream": True}, {"max_tokens": 0}):
+        status, reply = _post(server, "/v1/completions", {"model": "out", "prompt": PROMPT, **refused})
+        assert status == 400 and reply["error"]["param"] in ("echo", "max_tokens"), reply
 
 
 def test_n_choices_prompt_lists_and_best_of_are_indexed_as_openai_does(server: Running) -> None:

@@ -38,6 +38,7 @@ from quiver.serve.guard import Guard, Limits, guarded
 from quiver.serve.metrics import Metrics
 from quiver.serve.openai_api import (
     ApiError,
+    Echo,
     Served,
     chat_messages,
     chat_rendering,
@@ -47,6 +48,7 @@ from quiver.serve.openai_api import (
     completion,
     completion_prompts,
     detokenize_request,
+    echoed,
     generation,
     include_usage,
     new_id,
@@ -207,10 +209,13 @@ class Server:
         check_fields(body, chat=False)
         served = self.served
         prompts = completion_prompts(body, served.vocabulary, served.context_size)
-        encode = self.service.tokenizer.encode
-        ids = [await self._prepared(encode, p) if isinstance(p, str) else p for p in prompts]
-        return await self._generate(request, body, [generation(body, served, i, COMPLETIONS_DEFAULT_MAX_TOKENS)
-                                                    for i in ids], False)  # fmt: skip
+        tokenizer = self.service.tokenizer
+        ids = [await self._prepared(tokenizer.encode, p) if isinstance(p, str) else p for p in prompts]
+        requests = [generation(body, served, i, COMPLETIONS_DEFAULT_MAX_TOKENS) for i in ids]
+        echoes = None
+        if echoed(body):  # the prompt as given, or its ids' text
+            echoes = [Echo(p if isinstance(p, str) else tokenizer.decode(i), i) for p, i in zip(prompts, ids)]
+        return await self._generate(request, body, requests, False, echoes)
 
     async def _chat(self, request: Request) -> Response:
         body = await self._body(request)
@@ -377,8 +382,16 @@ class Server:
                 return ApiError(503, "the server is reading too many bodies at once; retry", None, "busy")
         return None
 
-    async def _generate(self, http: Request, body: dict[str, Any], prompts: list[Generation], chat: bool) -> Response:
-        """Runs each prompt's generations (`n`, `best_of`) and answers with their choices, whole or streamed."""
+    async def _generate(
+        self,
+        http: Request,
+        body: dict[str, Any],
+        prompts: list[Generation],
+        chat: bool,
+        echoes: list[Echo] | None = None,
+    ) -> Response:
+        """Runs each prompt's generations (`n`, `best_of`) and answers with their choices, whole or streamed
+        (`echoes`: each prompt, echoed before its choices)."""
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be true or false", "stream", "invalid_type")
@@ -415,7 +428,8 @@ class Server:
             c for p in range(len(prompts)) for c in counts.chosen(dones[p * counts.best_of :][: counts.best_of], asked)
         ]
         text_of = self.service.tokenizer.token_text
-        return JSONResponse(completion(request_id, model, choices, chat, text_of, prompt_tokens))
+        echoed_ = [echo for echo in echoes for _ in range(counts.n)] if echoes else None
+        return JSONResponse(completion(request_id, model, choices, chat, text_of, prompt_tokens, echoed_))
 
     @staticmethod
     def _tagged(outbox: Outbox, events: asyncio.Queue[tuple[int, Event]], index: int, event: Event) -> None:

@@ -75,6 +75,7 @@ class Generation:
     stop_token_ids: tuple[int, ...] = ()  # end the reply as eos tokens do
     ignore_eos: bool = False  # the model's eos tokens do not end the reply
     logprobs: int | None = None  # each token's log-probability and the this many most likely's (None: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (its first has none), fed one by one
 
 
 class TokenLogprob(NamedTuple):
@@ -100,6 +101,7 @@ class Done:
     text: str
     finish_reason: FinishReason
     logprobs: tuple[TokenLogprob, ...] | None = None  # the reply's tokens', where asked (not an ending one)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # the prompt's tokens' but its first, where asked
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class _Sequence:
     cached: int = 0  # tokens in its cache row
     began: float = math.inf  # when its prompt was all in (its stream began)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each content token's
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each prompt token's but the first
     sent: int = 0  # of `logprobs`, those its Token events carried
 
 
@@ -340,11 +343,19 @@ class Engine:
         if sequence.job.cancelled.is_set():
             self._leave(sequence, self._done(sequence, "cancelled"))
             return
-        prompt = sequence.job.generation.prompt_ids
-        window = prompt[sequence.cached : sequence.cached + self._window]
+        request = sequence.job.generation
+        prompt, scored = request.prompt_ids, request.prompt_logprobs
+        # a prompt whose tokens' log-probabilities are asked goes in a token at a time: each run's logits are
+        # those of one position (the graphs give the last position's alone)
+        window = prompt[sequence.cached : sequence.cached + (1 if scored is not None else self._window)]
         logits = self.decoder.prefill(sequence.row, window, sequence.cached, sequence.slot)
         sequence.cached += len(window)
+        if scored is not None and sequence.cached < len(prompt):
+            sequence.prompt_logprobs.append(_entry(log_probabilities(logits), prompt[sequence.cached], scored))
         if sequence.cached < len(prompt):
+            return
+        if request.max_tokens == 0:  # the prompt's log-probabilities alone (an echo with nothing more)
+            self._leave(sequence, self._done(sequence, "length"))
             return
         self._prefilling = None
         row = len(self._rows)  # rows may have left while it was prefilled: it joins right after the others
@@ -394,9 +405,10 @@ class Engine:
 
     @staticmethod
     def _done(sequence: _Sequence, reason: FinishReason) -> Done:
-        reply, asked = sequence.reply, sequence.job.generation.logprobs is not None
-        logprobs = tuple(sequence.logprobs) if asked else None
-        return Done(len(sequence.job.generation.prompt_ids), list(reply.new_ids), reply.text, reason, logprobs)
+        reply, request = sequence.reply, sequence.job.generation
+        logprobs = tuple(sequence.logprobs) if request.logprobs is not None else None
+        scored = tuple(sequence.prompt_logprobs) if request.prompt_logprobs is not None else None
+        return Done(len(request.prompt_ids), list(reply.new_ids), reply.text, reason, logprobs, scored)
 
     def _leave(self, sequence: _Sequence, event: Event) -> None:
         """The sequence gives its row (to the last one, moved into it) and its slot back; its client gets

@@ -45,7 +45,7 @@ _RENDERING = {
 }  # how the chat template renders
 _HONOURED_BY_ROUTE = {
     True: {"messages", "top_logprobs", *_RENDERING},
-    False: {"prompt", "best_of"},
+    False: {"prompt", "best_of", "echo"},
 }  # chat, completions
 MAX_CHOICES = 16  # generations one request may ask for: prompts x (best_of or n)
 _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
@@ -251,6 +251,16 @@ def include_usage(body: Mapping[str, Any]) -> bool:
     return value
 
 
+def echoed(body: Mapping[str, Any]) -> bool:
+    """Completions' `echo`: the prompt's text (and with `logprobs`, its tokens') before the completion's."""
+    echo = _field(body, "echo", (bool,), False)
+    if echo and "messages" in body:
+        raise ApiError(400, "'echo' is a completions field", "echo", "unsupported_parameter")
+    if echo and body.get("stream"):
+        raise ApiError(400, "'echo' cannot stream yet: ask without 'stream'", "echo", "unsupported_parameter")
+    return bool(echo)
+
+
 def _logprobs(body: Mapping[str, Any]) -> int | None:
     """How many of the most likely tokens to report beside each generated one's log-probability (None: no
     log-probabilities): chat's `logprobs` (true) and `top_logprobs`, completions' `logprobs` (a count)."""
@@ -285,8 +295,10 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
     max_tokens = given if given is not None else body.get("max_tokens")  # a null field is an absent one
     if max_tokens is None:  # chat: until the context is full; completions: OpenAI's 16
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= room:
-        raise ApiError(400, f"'max_tokens' must be 1 to {room} (the context's room after the prompt), not "
+    echo = echoed(body)
+    least = 0 if echo else 1  # an echo may ask for the prompt's log-probabilities alone (lm-eval's requests)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not least <= max_tokens <= room:
+        raise ApiError(400, f"'max_tokens' must be {least} to {room} (the context's room after the prompt), not "
                        f"{str(max_tokens)[:40]}", "max_tokens", "invalid_value")  # fmt: skip
     min_tokens = _field(body, "min_tokens", (int,), 0)
     if not 0 <= min_tokens <= max_tokens:
@@ -344,6 +356,7 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         stop_token_ids=tuple(int(i) for i in stop_ids),
         ignore_eos=_field(body, "ignore_eos", (bool,), False),
         logprobs=logprobs,
+        prompt_logprobs=logprobs if echo and logprobs is not None else None,
     )
 
 
@@ -486,37 +499,64 @@ def _chat_logprobs(entries: Sequence[TokenLogprob], text_of: TokenText) -> dict[
     return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(*t) for t in e.top]} for e in entries]}
 
 
-def _completion_logprobs(entries: Sequence[TokenLogprob], text_of: TokenText, offset: int) -> dict[str, Any]:
+def _completion_logprobs(
+    entries: Sequence[TokenLogprob], text_of: TokenText, offset: int, echo: Echo | None = None
+) -> dict[str, Any]:
     """Completions' `logprobs`: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset (each
-    token's start in the reply's text, from `offset`)."""
-    tokens = [text_of(e.token) for e in entries]
+    token's start in the text, from `offset`); an echoed prompt's tokens first (its first token has none)."""
+    scored: list[TokenLogprob | None] = [None, *echo.logprobs] if echo else []
+    tokens = [text_of(t) for t in echo.ids] if echo else []
+    tokens += [text_of(e.token) for e in entries]
+    every = [*scored, *entries]
     return {
         "tokens": tokens,
-        "token_logprobs": [_logprob(e.logprob) for e in entries],
-        "top_logprobs": [{text_of(i): _logprob(v) for i, v in e.top} for e in entries],
+        "token_logprobs": [None if e is None else _logprob(e.logprob) for e in every],
+        "top_logprobs": [None if e is None else {text_of(i): _logprob(v) for i, v in e.top} for e in every],
         "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
     }
 
 
-def reply_logprobs(entries: Sequence[TokenLogprob] | None, text_of: TokenText, chat: bool, offset: int = 0) -> Any:
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, echoed before its text: the prompt's text, its ids and (asked) their
+    log-probabilities (but the first's)."""
+
+    text: str
+    ids: Sequence[int]
+    logprobs: Sequence[TokenLogprob] = ()
+
+
+def reply_logprobs(
+    entries: Sequence[TokenLogprob] | None, text_of: TokenText, chat: bool, offset: int = 0, echo: Echo | None = None
+) -> Any:
     """A choice's `logprobs` for `entries` (None where the request asked for none)."""
     if entries is None:
         return None
-    return _chat_logprobs(entries, text_of) if chat else _completion_logprobs(entries, text_of, offset)
+    return _chat_logprobs(entries, text_of) if chat else _completion_logprobs(entries, text_of, offset, echo)
 
 
 def completion(
-    request_id: str, model: str, choices: Sequence[Done], chat: bool, text_of: TokenText, prompt_tokens: int
+    request_id: str,
+    model: str,
+    choices: Sequence[Done],
+    chat: bool,
+    text_of: TokenText,
+    prompt_tokens: int,
+    echoes: Sequence[Echo] | None = None,
 ) -> dict[str, Any]:
-    """The whole reply of a non-streaming request: its choices, indexed in order."""
+    """The whole reply of a non-streaming request: its choices, indexed in order (`echoes`: each one's
+    prompt, echoed before it)."""
     made = []
     for index, done in enumerate(choices):
         choice: dict[str, Any] = {"index": index, "finish_reason": done.finish_reason, "token_ids": done.token_ids}
+        echo = echoes[index] if echoes else None
+        if echo is not None and done.prompt_logprobs is not None:
+            echo = replace(echo, logprobs=done.prompt_logprobs)
         if chat:
             choice["message"] = {"role": "assistant", "content": done.text}
         else:
-            choice["text"] = done.text
-        choice["logprobs"] = reply_logprobs(done.logprobs, text_of, chat)
+            choice["text"] = (echo.text if echo else "") + done.text
+        choice["logprobs"] = reply_logprobs(done.logprobs, text_of, chat, echo=echo)
         made.append(choice)
     kind = "chat.completion" if chat else "text_completion"
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": made,

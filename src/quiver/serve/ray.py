@@ -111,8 +111,9 @@ def _from_event(data: Mapping[str, Any]) -> Event:
         return Token(str(data["text"]), time.perf_counter(), tuple(TokenLogprob(*e) for e in data.get("logprobs", ())))
     if "done" in data:
         done = dict(data["done"])
-        if done.get("logprobs") is not None:
-            done["logprobs"] = tuple(TokenLogprob(*e) for e in done["logprobs"])
+        for key in ("logprobs", "prompt_logprobs"):
+            if done.get(key) is not None:
+                done[key] = tuple(TokenLogprob(*e) for e in done[key])
         return Done(**done)
     error = QueueFullError if data.get("queue_full") else QuiverError
     return Failed(error(str(data.get("error", "the replica failed"))))
