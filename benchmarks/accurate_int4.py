@@ -14,12 +14,14 @@ random weights lie on no grid.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from quiver.t2t.export import ExportOptions, export
 from size_models import make_model
 from t2t import PROMPTS, THREADS, _medians, _paired, _worker
+from timing import alternating_runs
 
 CONTEXT = 1024  # the 512-token prompt and its 128 new tokens
 KINDS = ("decode_tok_s", "prefill_tok_s")
@@ -32,12 +34,8 @@ def measure_accurate_int4(folder: Path, cache: Path, tokenizer: Path, rounds: in
         print(f"  accurate int4: exporting 1b {quantizer}", file=sys.stderr)
         options = ExportOptions(CONTEXT, n_threads=THREADS, weight_bits=4, quantizer=quantizer)
         configs[quantizer] = export(model, folder / f"1b-{quantizer}", options=options).path
-    runs: dict[str, list[dict[str, Any]]] = {}
-    plan = list(configs.items())
-    for round_ in range(rounds):
-        for label, path in plan if round_ % 2 == 0 else plan[::-1]:
-            print(f"  accurate int4 round {round_ + 1}/{rounds}: {label}", file=sys.stderr)
-            runs.setdefault(label, []).append(_worker("quiver", str(path), "both"))
+    runs = alternating_runs({label: partial(_worker, "quiver", str(path), "both") for label, path in configs.items()},
+                            rounds, "accurate int4")  # fmt: skip
     return {
         "model": f"Llama-3.2-1B's shapes, random bf16 weights, context {CONTEXT}, int4 blocks of 32",
         "threads": THREADS,

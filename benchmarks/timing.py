@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +37,18 @@ def alternating_medians(
         for name in names if round_ % 2 == 0 else names[::-1]:
             samples[name].append(median_ms(candidates[name], iterations, warm_up))
     return samples
+
+
+def alternating_runs(candidates: dict[str, Callable[[], Any]], rounds: int, tag: str) -> dict[str, list[Any]]:
+    """Per candidate, what each call of it gives (a fresh process's measures), one a round, the order
+    turning round by round (`alternating_medians`' reason); progress on stderr under `tag`."""
+    runs: dict[str, list[Any]] = {name: [] for name in candidates}
+    names = list(candidates)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            print(f"  {tag} round {round_ + 1}/{rounds}: {name}", file=sys.stderr)
+            runs[name].append(candidates[name]())
+    return runs
 
 
 @contextlib.contextmanager
