@@ -74,7 +74,7 @@ class Generation:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # end the reply as eos tokens do
     ignore_eos: bool = False  # the model's eos tokens do not end the reply
-    logprobs: int | None = None  # each token's log-probability and the this many most likely's (None: none)
+    logprobs: int | None = None  # each token's log-probability and this many most likely tokens' (None: none)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (its first has none), fed one by one
 
 
