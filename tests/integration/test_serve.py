@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -151,9 +152,22 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT, "logit_bias": {"999999": 10}}).encode(), 400, "logit_bias"),
         (json.dumps({"model": "out", "prompt": PROMPT, "logit_bias": {"5": 101}}).encode(), 400, "logit_bias"),
         (
-            json.dumps({"model": "out", "prompt": PROMPT, "response_format": {"type": "json_object"}}).encode(),
+            json.dumps({"model": "out", "prompt": PROMPT, "response_format": {"type": "xml"}}).encode(),
             400,
             "response_format",
+        ),
+        (json.dumps({"model": "out", "prompt": PROMPT, "guided_regex": "[a-z"}).encode(), 400, "guided_regex"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "guided_choice": ["x"] * 1025}).encode(), 400, "guided_choice"),
+        (json.dumps({"model": "out", "prompt": PROMPT, "grammar": "root ::= ("}).encode(), 400, "grammar"),
+        (
+            json.dumps({"model": "out", "prompt": PROMPT, "json_schema": {"type": "strnig"}}).encode(),
+            400,
+            "json_schema",
+        ),
+        (
+            json.dumps({"model": "out", "prompt": PROMPT, "guided_regex": "a", "guided_choice": ["a"]}).encode(),
+            400,
+            "guided_choice",
         ),
         (json.dumps({"model": "out", "prompt": PROMPT, "stop_token_ids": [-1]}).encode(), 400, "stop_token_ids"),
         (json.dumps({"model": "out", "prompt": PROMPT, "best_of": 17}).encode(), 400, "best_of"),
@@ -269,6 +283,67 @@ def test_echo_gives_the_prompts_log_probabilities_as_lm_eval_asks_for_them(serve
     for refused in ({"echo": True, "stream": True}, {"max_tokens": 0}):
         status, reply = _post(server, "/v1/completions", {"model": "out", "prompt": PROMPT, **refused})
         assert status == 400 and reply["error"]["param"] in ("echo", "max_tokens"), reply
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["colour", "size", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _valid(reply: Any) -> bool:
+    """SCHEMA checked by hand (a reference apart from the grammar engine)."""
+    return (
+        isinstance(reply, dict) and set(reply) == {"colour", "size", "tags", "ok"} and reply["colour"] in
+        ("red", "green", "blue") and type(reply["size"]) is int and 1 <= reply["size"] <= 9 and
+        isinstance(reply["tags"], list) and len(reply["tags"]) <= 2 and set(reply["tags"]) <= {"a", "b"}
+        and isinstance(reply["ok"], bool)
+    )  # fmt: skip
+
+
+def _completion_text(server: Running, **fields: Any) -> str:
+    status, reply = _post(server, "/v1/completions", {"model": "out", "prompt": PROMPT, "temperature": 1.0, **fields})
+    assert status == 200 and reply["choices"][0]["finish_reason"] == "stop", (fields, reply["choices"][0])
+    return str(reply["choices"][0]["text"])
+
+
+def test_structured_outputs_hold_the_schema_regex_choice_and_grammar_asked(server: Running) -> None:
+    """Every reply of a random-weight model, sampled, matches its constraint: OpenAI's json_schema (strict),
+    vLLM's guided regex and choice and structured_outputs, llama.cpp's GBNF grammar; rows without one are
+    untouched."""
+    client = server.client()
+    small = {"type": "object", "properties": {"c": {"enum": ["r", "g"]}, "n": {"type": "integer", "minimum": 1,
+             "maximum": 9}}, "required": ["c", "n"], "additionalProperties": False}  # fmt: skip
+    form = {"type": "json_schema", "json_schema": {"name": "thing", "schema": small, "strict": True}}
+    messages = [{"role": "user", "content": "a thing"}]
+    for seed in range(8):
+        chat = client.chat.completions.create(model="qv", messages=messages, max_tokens=25, temperature=1.2,
+                                              seed=seed, response_format=form)  # type: ignore[arg-type]  # fmt: skip
+        reply = json.loads(chat.choices[0].message.content or "")
+        assert chat.choices[0].finish_reason == "stop" and reply["c"] in ("r", "g") and 1 <= reply["n"] <= 9, reply
+    for seed in range(6):
+        assert _valid(json.loads(_completion_text(server, max_tokens=50, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})))  # fmt: skip
+    assert _valid(json.loads(_completion_text(server, max_tokens=50, seed=9, structured_outputs={"json": SCHEMA})))
+    for seed in range(4):
+        assert re.fullmatch("[0-9]{3}-[a-c]{2,4}", _completion_text(server, max_tokens=20, seed=seed,
+                                                                guided_regex="[0-9]{3}-[a-c]{2,4}"))  # fmt: skip
+        assert _completion_text(server, max_tokens=9, seed=seed, guided_choice=["yes", "no"]) in ("yes", "no")
+        assert _completion_text(server, max_tokens=9, seed=seed, grammar='root ::= "on" | "off"') in ("on", "off")
+    expected = _t2t_greedy(server.config, tokens=8)  # unconstrained rows beside constrained ones: unchanged
+    with ThreadPoolExecutor(4) as pool:
+        plain = pool.submit(client.completions.create, model="out", prompt=PROMPT, max_tokens=8, temperature=0)
+        constrained = [pool.submit(_completion_text, server, max_tokens=50, seed=s, guided_json=SCHEMA)
+                       for s in range(3)]  # fmt: skip
+        assert (plain.result().choices[0].model_extra or {})["token_ids"] == expected
+        assert all(_valid(json.loads(c.result())) for c in constrained)
 
 
 def test_n_choices_prompt_lists_and_best_of_are_indexed_as_openai_does(server: Running) -> None:

@@ -34,6 +34,7 @@ from quiver.errors import QuiverError
 from quiver.serve.browsers import BrowserGuard
 from quiver.serve.chat import ChatTemplate
 from quiver.serve.engine import Done, EngineFaultError, Event, Failed, Generation, Job, QueueFullError, Token
+from quiver.serve.grammar import GrammarError, Grammars
 from quiver.serve.guard import Guard, Limits, guarded
 from quiver.serve.metrics import Metrics
 from quiver.serve.openai_api import (
@@ -47,6 +48,7 @@ from quiver.serve.openai_api import (
     chunk,
     completion,
     completion_prompts,
+    constraint_field,
     detokenize_request,
     echoed,
     generation,
@@ -145,6 +147,7 @@ class Server:
         self.max_queue = max_queue  # requests being tokenized and waiting, together
         self.max_loaded_adapters = max_loaded_adapters
         self._preparing = 0  # requests being tokenized (off the loop) now
+        self._grammar_check: Grammars | None = None
         self.metrics = Metrics(lambda: service.waiting, lambda: service.batch_size)
         service.watch(self.metrics)
         routes = [
@@ -400,6 +403,12 @@ class Server:
             raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
                            "invalid_value")  # fmt: skip
         counts = choice_counts(body, len(prompts), stream)
+        grammar = prompts[0].grammar  # one per request, the same for each prompt
+        if grammar is not None:  # built once here, off the loop, within its limits: a bad one is the client's 400
+            try:
+                await asyncio.to_thread(self._grammars().check, grammar)
+            except GrammarError as exc:
+                raise ApiError(400, str(exc), constraint_field(body), "invalid_value") from None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self._outbox = outbox = Outbox.on(self._outbox, loop)
@@ -430,6 +439,12 @@ class Server:
         text_of = self.service.tokenizer.token_text
         echoed_ = [echo for echo in echoes for _ in range(counts.n)] if echoes else None
         return JSONResponse(completion(request_id, model, choices, chat, text_of, prompt_tokens, echoed_))
+
+    def _grammars(self) -> Grammars:
+        """llguidance's view of the tokenizer, made at the first constrained request (~0.2 s, off the loop)."""
+        if self._grammar_check is None:
+            self._grammar_check = Grammars(self.service.tokenizer, (), self.served.vocabulary)
+        return self._grammar_check
 
     @staticmethod
     def _tagged(outbox: Outbox, events: asyncio.Queue[tuple[int, Event]], index: int, event: Event) -> None:

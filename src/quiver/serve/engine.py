@@ -29,6 +29,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from quiver.errors import QuiverError
+from quiver.serve.grammar import Constraint, Grammars
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.continuation import Continuation, ending_tokens
 from quiver.t2t.external_batch import ExternalBatch
@@ -76,6 +77,7 @@ class Generation:
     ignore_eos: bool = False  # the model's eos tokens do not end the reply
     logprobs: int | None = None  # each token's log-probability and this many most likely tokens' (None: none)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (its first has none), fed one by one
+    grammar: str | None = None  # llguidance's grammar the reply must match (`serve.grammar`), checked already
 
 
 class TokenLogprob(NamedTuple):
@@ -135,6 +137,7 @@ class _Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each content token's
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each prompt token's but the first
     sent: int = 0  # of `logprobs`, those its Token events carried
+    constraint: Constraint | None = None  # its grammar's matcher, where it has one
 
 
 class Engine:
@@ -152,6 +155,7 @@ class Engine:
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._rows: list[_Sequence] = []  # decoding: row i is self._rows[i]
         self._prefilling: _Sequence | None = None  # in the row after them
+        self._grammar_cache: Grammars | None = None  # llguidance's view of the tokenizer, at the first grammar
         # taken from the queue, waiting for an adapter slot to come free, oldest first; requests behind them
         # that need no new slot (the base model, an adapter a slot holds) go ahead
         self._held: collections.deque[Job] = collections.deque()
@@ -292,8 +296,22 @@ class Engine:
             return True
         if slot is None:  # every slot holds an adapter in use: wait for a sequence to end
             return False
-        self._prefilling = _Sequence(job, len(self._rows), slot, self._reply(request))
+        constraint = None
+        if request.grammar is not None:
+            try:
+                constraint = self._grammars().constraint(request.grammar)
+            except QuiverError as exc:
+                self.decoder.release_slot(slot)
+                job.sink(Failed(exc))
+                return True
+        self._prefilling = _Sequence(job, len(self._rows), slot, self._reply(request), constraint=constraint)
         return True
+
+    def _grammars(self) -> Grammars:
+        if self._grammar_cache is None:
+            config = self.decoder.config
+            self._grammar_cache = Grammars(self.decoder.tokenizer, config.eos_tokens, config.n_vocab)
+        return self._grammar_cache
 
     def _reply(self, request: Generation) -> Continuation:
         sampled = request.temperature > 0
@@ -393,8 +411,17 @@ class Engine:
             return
         asked = sequence.job.generation.logprobs
         scores = log_probabilities(logits) if asked is not None else None  # before step masks or biases them
-        piece = sequence.reply.step(logits)
-        reason = sequence.reply.reason
+        constraint = sequence.constraint
+        try:
+            if constraint is not None:
+                constraint.mask(logits)
+            piece = sequence.reply.step(logits)
+            reason = sequence.reply.reason
+            if constraint is not None and reason != "eos":
+                constraint.advance(sequence.reply.new_ids[-1])
+        except QuiverError as exc:  # the grammar failed (its limits): this request ends, the others go on
+            self._leave(sequence, Failed(exc))
+            return
         if scores is not None and reason != "eos":  # an ending token is no part of the content
             sequence.logprobs.append(_entry(scores, sequence.reply.new_ids[-1], asked or 0))
         if piece:

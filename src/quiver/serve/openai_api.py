@@ -24,6 +24,7 @@ from typing import Any
 
 from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.serve.engine import Done, Generation, TokenLogprob
+from quiver.serve.grammar import GrammarError, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from quiver.t2t.tokenizer import is_utf8
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -33,9 +34,13 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 # OpenAI's schemas or vLLM's extras that Quiver does not implement yet, accepted only at the value that
 # asks for nothing (a client library sending its defaults), else a 400 naming the field. Anything else
 # is refused as OpenAI refuses it ("Unrecognized request argument"): nothing is silently ignored.
+# the fields that constrain a reply to a grammar (one at most): OpenAI's, vLLM's, llama.cpp's
+_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs", "grammar", "json_schema")  # fmt: skip
 _HONOURED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "stream",
              "stream_options", "n", "min_tokens", "lora", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "logprobs"}  # fmt: skip
+             "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "logprobs",
+             *_CONSTRAINTS}  # fmt: skip
 MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS = 1024, 64  # entries a request may give
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs (and vLLM's default max_logprobs)
 _RENDERING = {
@@ -48,15 +53,15 @@ _HONOURED_BY_ROUTE = {
     False: {"prompt", "best_of", "echo"},
 }  # chat, completions
 MAX_CHOICES = 16  # generations one request may ask for: prompts x (best_of or n)
+MAX_CHOICE_STRINGS = 1024
 _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "request_id"}
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
     "tools": _OFF, "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "functions": _OFF, "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "functions": _OFF, "function_call": (None, "none", "auto"),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "include_stop_str_in_output": _OFF, "guided_json": _OFF, "guided_regex": _OFF, "guided_choice": _OFF,
-    "guided_grammar": _OFF, "structured_outputs": _OFF, "grammar": _OFF, "json_schema": _OFF,
+    "include_stop_str_in_output": _OFF,
     "modalities": (None, ["text"]), "prediction": _OFF, "audio": _OFF, "reasoning_effort": (None,),
     "web_search_options": _OFF, "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": _OFF,
     "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,),
@@ -251,6 +256,63 @@ def include_usage(body: Mapping[str, Any]) -> bool:
     return value
 
 
+def _constrains(value: Any) -> bool:
+    return value is not None and value != {"type": "text"}  # response_format text: no constraint
+
+
+def constraint_field(body: Mapping[str, Any]) -> str | None:
+    """The field of `body` that constrains its reply (`constraint_grammar` allows one)."""
+    return next((n for n in _CONSTRAINTS if _constrains(body.get(n))), None)
+
+
+def constraint_grammar(body: Mapping[str, Any]) -> str | None:
+    """The grammar (llguidance's) a request's reply must match, from whichever field asks: OpenAI's
+    `response_format` (json_object, json_schema), vLLM's guided json / regex / choice / grammar and its
+    `structured_outputs`, llama.cpp's `grammar` (GBNF) and `json_schema`; None where none does."""
+    asked = [n for n in _CONSTRAINTS if _constrains(body.get(n))]
+    if len(asked) > 1:
+        raise ApiError(400, f"give one constraint, not {' and '.join(asked)}", asked[1], "invalid_value")
+    if not asked:
+        return None
+    name = asked[0]
+    kind, value = name, body[name]
+    if name == "response_format":
+        kind, value = _response_format(value)
+    elif name == "structured_outputs":
+        given = [k for k in ("json", "regex", "choice", "grammar") if isinstance(value, dict) and k in value]
+        if len(given) != 1 or len(value) != 1:
+            raise ApiError(400, "'structured_outputs' holds one of json, regex, choice, grammar", name, "invalid_value")
+        kind, value = f"guided_{given[0]}", value[given[0]]
+    try:
+        if kind in ("guided_json", "json_schema"):
+            if not isinstance(value, (dict, str)):
+                raise GrammarError("a JSON schema is an object")
+            return json_schema_grammar(value)
+        if kind == "guided_regex" and isinstance(value, str):
+            return regex_grammar(value)
+        if kind == "guided_choice" and isinstance(value, list) and 0 < len(value) <= MAX_CHOICE_STRINGS:
+            if all(isinstance(c, str) and c for c in value):
+                return choice_grammar(value)
+        if kind in ("guided_grammar", "grammar") and isinstance(value, str) and value.strip():
+            return lark_grammar(value)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), name, "invalid_value") from None
+    raise ApiError(400, f"'{name}' is not a constraint this server reads (a regex, up to {MAX_CHOICE_STRINGS} "
+                   "choices, a grammar, a JSON schema)", name, "invalid_value")  # fmt: skip
+
+
+def _response_format(value: Any) -> tuple[str, Any]:
+    """OpenAI's `response_format`: json_object (any JSON object) or json_schema ({name, schema, strict})."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return "json_schema", {"type": "object"}
+    if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+        schema = value["json_schema"].get("schema", {})
+        return "json_schema", schema if schema is not None else {}
+    raise ApiError(400, "'response_format' must be text, json_object or json_schema with a 'json_schema' object",
+                   "response_format", "invalid_value")  # fmt: skip
+
+
 def echoed(body: Mapping[str, Any]) -> bool:
     """Completions' `echo`: the prompt's text (and with `logprobs`, its tokens') before the completion's."""
     echo = _field(body, "echo", (bool,), False)
@@ -357,6 +419,7 @@ def generation(body: Any, served: Served, prompt_ids: list[int], default_max_tok
         ignore_eos=_field(body, "ignore_eos", (bool,), False),
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo and logprobs is not None else None,
+        grammar=constraint_grammar(body),
     )
 
 

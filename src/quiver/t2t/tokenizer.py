@@ -39,6 +39,10 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what a grammar engine reads)."""
+        return str(self._tokenizer.to_str())
+
     def token_text(self, token: int) -> str:
         """One token's text, a special token's written out (a log-probability's label)."""
         return str(self._tokenizer.decode([token], skip_special_tokens=False))
