@@ -346,6 +346,93 @@ def test_structured_outputs_hold_the_schema_regex_choice_and_grammar_asked(serve
         assert all(_valid(json.loads(c.result())) for c in constrained)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+    "maximum": 3}}, "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+    "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+
+
+def _weather(arguments: str) -> bool:
+    given = json.loads(arguments)
+    return set(given) == {"city", "days"} and given["city"] in ("Oslo", "Lima") and given["days"] in (1, 2, 3)
+
+
+def test_a_required_or_named_tool_choice_returns_valid_calls_whole_and_streamed(server: Running) -> None:
+    client = server.client()
+    messages = [{"role": "user", "content": "weather?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(4):
+        reply = client.chat.completions.create(model="out", messages=messages, max_tokens=25, temperature=1.0,
+                                               seed=seed, tools=[WEATHER, CLOCK], tool_choice=named)  # type: ignore[list-item,arg-type]  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        calls = choice.message.tool_calls or []
+        assert len(calls) == 1 and calls[0].function.name == "get_weather" and _weather(calls[0].function.arguments)
+    tiny = {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}  # fmt: skip
+    required = {"model": "out", "messages": [{"role": "user", "content": "w"}], "max_tokens": 34, "seed": 1,
+                "tools": [tiny], "tool_choice": "required", "parallel_tool_calls": False}  # fmt: skip
+    choice = _post(server, "/v1/chat/completions", required)[1]["choices"][0]  # the context is 64 characters
+    assert choice["finish_reason"] == "tool_calls" and [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "t", "arguments": "{}"}], choice  # fmt: skip
+    streamed = client.chat.completions.create(model="out", messages=messages, max_tokens=25, temperature=1.0, seed=2,
+                                              tools=[WEATHER], tool_choice=named, stream=True)  # type: ignore[list-item,arg-type]  # fmt: skip
+    deltas = [c.choices[0] for c in streamed if c.choices]
+    parts = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert deltas[-1].finish_reason == "tool_calls" and len(parts) == 1 and _weather(parts[0].function.arguments or "")
+    assert not any(d.delta.content for d in deltas)
+    # the calls and their result go back into the conversation as OpenAI's clients send them
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+    }
+    turn = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    assert _post(server, "/v1/chat/completions", {"model": "out", "messages": turn, "max_tokens": 2})[0] == 200
+    refused = _post(server, "/v1/chat/completions", {"model": "out", "messages": messages, "tools": [WEATHER]})[1]
+    assert refused["error"]["param"] == "tool_choice" and "--tool-call-parser" in refused["error"]["message"]
+    both = {"model": "out", "messages": messages, "tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}
+    assert _post(server, "/v1/chat/completions", both)[1]["error"]["param"] == "guided_regex"
+
+
+HERMES = (  # no newline after a block tag: the server trims those as transformers does, jinja2's default not
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>"
+    "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function']['name'] }}:"
+    "{{ c['function']['arguments']['zone'] }}</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_tools_reach_the_template_and_auto_reads_its_format(exported: Path, tmp_path: Path) -> None:
+    """A template that writes hermes calls: the server reads that format for tool_choice auto, the template
+    lists the tools, and an assistant's calls reach it with their arguments as objects."""
+    from jinja2 import Template
+    from tokenizers import Tokenizer
+
+    template = tmp_path / "hermes.jinja"
+    template.write_text(HERMES)
+    running = start_server(exported, "--chat-template", str(template))
+    try:
+        call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+        messages = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        status, tokens = _post(running, "/tokenize", {"messages": messages, "tools": [WEATHER, CLOCK],
+                                                      "add_generation_prompt": False})  # fmt: skip
+        shown = [{**m, "tool_calls": [{**call, "function": {"name": "get_time", "arguments": {"zone": "utc"}}}]}
+                 if m.get("tool_calls") else m for m in messages]  # fmt: skip
+        text = Template(HERMES).render(messages=shown, tools=[WEATHER, CLOCK], add_generation_prompt=False)
+        assert "get_weather;get_time;" in text and "<tool_call>get_time:utc</tool_call>" in text
+        tokenizer = Tokenizer.from_file(str(exported.parent / "tokenizer.json"))
+        assert status == 200 and tokens["tokens"] == tokenizer.encode(text, add_special_tokens=False).ids
+        auto = _post(running, "/v1/chat/completions", {"model": "out", "messages": messages[:1], "max_tokens": 4,
+                                                       "tools": [CLOCK], "temperature": 0})  # fmt: skip
+        assert auto[0] == 200 and auto[1]["choices"][0]["message"]["content"] is not None  # a random model: text
+    finally:
+        stop_server(running)
+
+
 def test_n_choices_prompt_lists_and_best_of_are_indexed_as_openai_does(server: Running) -> None:
     """`n` choices per prompt (choice j seeded seed + j), lists of prompts (choice index prompt x n + j),
     `best_of` (the n most likely of best_of), usage over them all; streamed choices under their index."""

@@ -13,6 +13,7 @@ import click
 
 from quiver.cli.common import cli, console
 from quiver.errors import QuiverError
+from quiver.serve.tools import PARSERS as TOOL_PARSERS  # names only: the serve extra loads with a server
 
 if TYPE_CHECKING:
     from quiver.serve.guard import Limits
@@ -71,6 +72,9 @@ class ServeError(QuiverError):
               help="Host names requests may give besides the listening address (others: 400).")  # fmt: skip
 @click.option("--allowed-origins", "origins", multiple=True, metavar="ORIGIN[,ORIGIN...]",
               help="Web origins whose pages may call the server (CORS); none by default.")  # fmt: skip
+@click.option("--tool-call-parser", type=click.Choice(["auto", "none", *TOOL_PARSERS]), default="auto",
+              show_default=True,
+              help="How a reply's tool calls are written (vLLM's names); auto: as the template shows.")  # fmt: skip
 @click.option("--http", "parser", type=click.Choice(["auto", "h11", "httptools"]), default="auto", show_default=True,
               help="uvicorn's HTTP parser (auto: httptools where installed); the limits hold with either.")  # fmt: skip
 @click.option("--model-source", metavar="FOLDER|URL",
@@ -101,6 +105,7 @@ def serve_command(
     hosts: tuple[str, ...],
     origins: tuple[str, ...],
     max_loaded_adapters: int,
+    tool_call_parser: str,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
@@ -156,6 +161,7 @@ def serve_command(
             "allowed_hosts": given_hosts,
             "allowed_origins": given_origins,
             "max_loaded_adapters": max_loaded_adapters,
+            "tool_call_parser": tool_call_parser,
         }
         try:
             _serve_on_ray(config_path, host, port, args, ready, limits, parser, body_timeout)
@@ -166,7 +172,8 @@ def serve_command(
                                 folder_from(packed_weights))  # fmt: skip
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading,
                     body_timeout_s=body_timeout, max_queue=max_queue, hosts=allowed_hosts(host, given_hosts),
-                    allowed_origins=given_origins, max_loaded_adapters=max_loaded_adapters)  # fmt: skip
+                    allowed_origins=given_origins, max_loaded_adapters=max_loaded_adapters,
+                    tool_call_parser=tool_call_parser)  # fmt: skip
     try:
         serve(server, host, port, lambda h, p: ready(h, p, server.served.model_ids()), limits, parser)
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -34,7 +35,7 @@ from quiver.errors import QuiverError
 from quiver.serve.browsers import BrowserGuard
 from quiver.serve.chat import ChatTemplate
 from quiver.serve.engine import Done, EngineFaultError, Event, Failed, Generation, Job, QueueFullError, Token
-from quiver.serve.grammar import GrammarError, Grammars
+from quiver.serve.grammar import GrammarError, Grammars, json_schema_grammar
 from quiver.serve.guard import Guard, Limits, guarded
 from quiver.serve.metrics import Metrics
 from quiver.serve.openai_api import (
@@ -60,6 +61,7 @@ from quiver.serve.openai_api import (
     usage_chunk,
 )
 from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
+from quiver.serve.tools import ToolError, ToolRequest, ToolStream, parser_for, template_messages, tool_request
 from quiver.t2t.tokenizer import is_utf8
 
 MAX_BODY_BYTES = 4 << 20
@@ -133,11 +135,13 @@ class Server:
         hosts: frozenset[str] | None = None,
         allowed_origins: Sequence[str] = (),
         max_loaded_adapters: int = MAX_LOADED_ADAPTERS,
+        tool_call_parser: str = "auto",
     ) -> None:
         self.service = service
         self._outbox: Outbox | None = None  # the engine's tokens to the event loop
         self.base = base
         self.chat_template = chat_template
+        self.tool_parser = parser_for(chat_template.source if chat_template else None, tool_call_parser)
         self.adapter_loading = adapter_loading
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -230,15 +234,33 @@ class Server:
             raise ApiError(400, "this model has no chat template: use /v1/completions, or start the server with "
                            "--chat-template", "messages", "no_chat_template")  # fmt: skip
 
+        try:
+            tools = tool_request(body, self.tool_parser)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), exc.param, "invalid_value") from None
+        forced = tools.grammar_schema() if tools else None
+        if forced is not None and constraint_field(body):
+            raise ApiError(400, "a required or named tool_choice is a constraint already: drop "
+                           f"'{constraint_field(body)}'", constraint_field(body), "invalid_value")  # fmt: skip
+        if tools is not None:  # the template lists them (its `tools`)
+            rendering = replace(rendering, variables={**rendering.variables, "tools": tools.tools})
+        shown = template_messages(messages)
+
         def render_and_encode() -> list[int]:
             try:
-                text = template.render(messages, **vars(rendering))
+                text = template.render(shown, **vars(rendering))
             except ValueError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_value") from None
             return self.service.tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
 
         ids = await self._prepared(render_and_encode)
-        return await self._generate(request, body, [generation(body, self.served, ids, None)], True)
+        request_ = generation(body, self.served, ids, None)
+        if forced is not None:
+            try:
+                request_ = replace(request_, grammar=json_schema_grammar(forced))
+            except GrammarError as exc:
+                raise ApiError(400, str(exc), "tools", "invalid_value") from None
+        return await self._generate(request, body, [request_], True, tools=tools)
 
     async def _tokenize(self, request: Request) -> Response:
         """vLLM's route: a prompt's or a chat's token ids (and their strings), the context they must fit."""
@@ -252,7 +274,7 @@ class Server:
                 return tokenizer.encode(asked.text or "", add_special_tokens=asked.add_special_tokens)
             assert template is not None
             try:
-                text = template.render(asked.messages, **vars(asked.rendering))
+                text = template.render(template_messages(asked.messages), **vars(asked.rendering))
             except ValueError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_value") from None
             return tokenizer.encode(text, add_special_tokens=asked.add_special_tokens)
@@ -392,6 +414,7 @@ class Server:
         prompts: list[Generation],
         chat: bool,
         echoes: list[Echo] | None = None,
+        tools: ToolRequest | None = None,
     ) -> Response:
         """Runs each prompt's generations (`n`, `best_of`) and answers with their choices, whole or streamed
         (`echoes`: each prompt, echoed before its choices)."""
@@ -423,7 +446,7 @@ class Server:
         request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])
         prompt_tokens = sum(len(p.prompt_ids) for p in prompts)
         if stream:
-            replies = self._events(jobs, events, request_id, model, chat, prompt_tokens if usage else None)
+            replies = self._events(jobs, events, request_id, model, chat, prompt_tokens if usage else None, tools)
             return StreamingResponse(replies, media_type="text/event-stream")
         watcher = asyncio.create_task(self._cancel_when_gone(http, jobs))
         try:
@@ -438,7 +461,7 @@ class Server:
         ]
         text_of = self.service.tokenizer.token_text
         echoed_ = [echo for echo in echoes for _ in range(counts.n)] if echoes else None
-        return JSONResponse(completion(request_id, model, choices, chat, text_of, prompt_tokens, echoed_))
+        return JSONResponse(completion(request_id, model, choices, chat, text_of, prompt_tokens, echoed_, tools))
 
     def _grammars(self) -> Grammars:
         """llguidance's view of the tokenizer, made at the first constrained request (~0.2 s, off the loop)."""
@@ -480,15 +503,18 @@ class Server:
         model: str,
         chat: bool,
         prompt_tokens: int | None,
+        tools: ToolRequest | None = None,
     ) -> AsyncIterator[str]:
         """The stream's server-sent events, each choice's under its index, those decided while the last were
         sent in one write (a client or a hop that falls behind gets fewer, larger writes), with a last chunk
         of the usage where asked (`prompt_tokens` given: `stream_options.include_usage`, OpenAI's: no
-        choices); the request is cancelled if the client goes away."""
+        choices); a chat's tool calls as one delta at the end of their choice (`tools`); the request is
+        cancelled if the client goes away."""
         count = len(jobs)
         first, previous = [True] * count, [job.submitted for job in jobs]
         asked, text_of = jobs[0].generation.logprobs is not None, self.service.tokenizer.token_text
         sent, offset = [0] * count, [0] * count  # log-probabilities sent, the characters before the next piece
+        streams = [ToolStream(tools) for _ in jobs] if tools is not None else None
         dones: dict[int, Done] = {}
         try:
             while len(dones) < count:
@@ -498,7 +524,10 @@ class Server:
                         previous[i] = self._timed(jobs[i], event, previous[i])
                         logprobs = reply_logprobs(event.logprobs if asked else None, text_of, chat, offset[i])
                         sent[i], offset[i] = sent[i] + len(event.logprobs), offset[i] + len(event.text)
-                        out.append(_sse(chunk(request_id, model, chat, event.text, first=first[i], logprobs=logprobs,
+                        text = streams[i].feed(event.text) if streams else event.text
+                        if not text and logprobs is None:
+                            continue  # held back: the beginning of a tool call, perhaps
+                        out.append(_sse(chunk(request_id, model, chat, text, first=first[i], logprobs=logprobs,
                                               index=i)))  # fmt: skip
                     elif isinstance(event, Failed):
                         out.append(_sse(_failure(event.error).body()))
@@ -509,8 +538,14 @@ class Server:
                         dones[i] = event
                         rest = event.logprobs[sent[i] :] if event.logprobs is not None else None
                         logprobs = reply_logprobs(rest or None, text_of, chat, offset[i])
+                        held, calls = streams[i].end() if streams else ("", [])
+                        finish = "tool_calls" if calls and event.finish_reason == "stop" else None
+                        if held or calls:
+                            out.append(_sse(chunk(request_id, model, chat, held, first=first[i], index=i,
+                                                  tool_calls=calls)))  # fmt: skip
+                            first[i] = False
                         out.append(_sse(chunk(request_id, model, chat, done=event, first=first[i], logprobs=logprobs,
-                                              index=i)))  # fmt: skip
+                                              index=i, finish_reason=finish)))  # fmt: skip
                     first[i] = False
                 if len(dones) == count and prompt_tokens is not None:
                     out.append(_sse(usage_chunk(request_id, model, chat, usage(prompt_tokens, list(dones.values())))))

@@ -6,7 +6,7 @@ rendered in a sandbox as transformers renders it: loop controls (`{% break %}`, 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,10 +40,11 @@ class ChatTemplate:
             raise ModelFolderError(f"the chat template of {origin} does not compile: {exc}") from None
         self._special = special
         self.origin = origin
+        self.source = source  # what it says (a tool-call format is read from it)
 
     def render(
         self,
-        messages: list[dict[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         variables: Mapping[str, Any] | None = None,

@@ -14,6 +14,7 @@ tokens), `repetition_penalty` (vLLM's and transformers', over prompt and reply),
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 import uuid
@@ -25,6 +26,7 @@ from typing import Any
 from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.serve.engine import Done, Generation, TokenLogprob
 from quiver.serve.grammar import GrammarError, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
+from quiver.serve.tools import ToolError, ToolRequest, tool_request
 from quiver.t2t.tokenizer import is_utf8
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -49,7 +51,7 @@ _RENDERING = {
     "chat_template_kwargs",
 }  # how the chat template renders
 _HONOURED_BY_ROUTE = {
-    True: {"messages", "top_logprobs", *_RENDERING},
+    True: {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", *_RENDERING},
     False: {"prompt", "best_of", "echo"},
 }  # chat, completions
 MAX_CHOICES = 16  # generations one request may ask for: prompts x (best_of or n)
@@ -58,7 +60,6 @@ _METADATA = {"user", "metadata", "store", "service_tier", "safety_identifier", "
 _OFF: tuple[Any, ...] = (None, False, 0, 0.0, [], {}, "")
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": _OFF, "best_of": (None, 1), "suffix": _OFF,
-    "tools": _OFF, "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
     "functions": _OFF, "function_call": (None, "none", "auto"),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "include_stop_str_in_output": _OFF,
@@ -132,8 +133,7 @@ def check_fields(body: Any, chat: bool) -> None:
 
 
 # vLLM's /tokenize (text, or messages through the chat template) and /detokenize
-_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *_RENDERING}
-_TOKENIZE_NEUTRAL = {name: _NEUTRAL[name] for name in ("tools",)}
+_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", "tools", *_RENDERING}
 _RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception"}
 _DETOKENIZE = {"model", "tokens"}
 
@@ -203,7 +203,7 @@ class TokenizeRequest:
 def tokenize_request(body: Any, served: Served) -> TokenizeRequest:
     """vLLM's /tokenize body: `prompt` (text; `add_special_tokens` default true) or `messages` (rendered by
     the chat template; `add_generation_prompt` default true, `add_special_tokens` default false)."""
-    _check_route_fields(body, _TOKENIZE, _TOKENIZE_NEUTRAL, "tokenize")
+    _check_route_fields(body, _TOKENIZE, {}, "tokenize")
     _served_model(body, served, required=False)
     chat = "messages" in body
     if chat == ("prompt" in body):
@@ -220,9 +220,18 @@ def tokenize_request(body: Any, served: Served) -> TokenizeRequest:
         text,
         messages,
         _field(body, "add_special_tokens", (bool,), not chat),
-        chat_rendering(body),
+        _with_tools(chat_rendering(body), body),
         _field(body, "return_token_strs", (bool,), False),
     )
+
+
+def _with_tools(rendering: ChatRendering, body: Mapping[str, Any]) -> ChatRendering:
+    """The rendering with a body's `tools` for the template to list (checked as a chat's are)."""
+    try:
+        tools = tool_request({"tools": body.get("tools"), "tool_choice": "none"}, None)
+    except ToolError as exc:
+        raise ApiError(400, str(exc), exc.param, "invalid_value") from None
+    return replace(rendering, variables={**rendering.variables, "tools": tools.tools}) if tools else rendering
 
 
 def detokenize_request(body: Any, served: Served) -> list[int]:
@@ -508,30 +517,59 @@ def choice_counts(body: Mapping[str, Any], prompts: int, stream: bool) -> Choice
     return ChoiceCounts(n, best_of)
 
 
-def chat_messages(body: Any, context_size: int) -> list[dict[str, str]]:
-    """`messages`: a list of {role, content} with text content (parts of type text are joined); a chat that
-    could not fit the context is refused before it is rendered."""
+MAX_TOOL_CALLS = 64  # calls one assistant message may hold
+
+
+def chat_messages(body: Any, context_size: int) -> list[dict[str, Any]]:
+    """`messages`: a list of {role, content} with text content (parts of type text are joined), an
+    assistant's `tool_calls` and a tool's reply (`tool_call_id`); a chat that could not fit the context is
+    refused before it is rendered."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages", "invalid_value")
     if len(messages) > context_size:
         raise ApiError(400, f"{len(messages)} messages cannot fit the model's context of {context_size} tokens",
                        "messages", "context_length_exceeded")  # fmt: skip
-    checked = []
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):  # [{"type": "text", "text": ...}]
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            content = "".join(p for p in parts if isinstance(p, str)) if len(parts) == len(content) else None
-        if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
-            raise ApiError(400, f"messages[{index}] must have a role (system, user, assistant) and text content",
-                           f"messages[{index}]", "invalid_value")  # fmt: skip
-        checked.append({"role": "system" if role == "developer" else role, "content": _text(content, "messages")})
-    if sum(len(m["content"]) for m in checked) > context_size * MAX_CHARS_PER_TOKEN:
+    checked = [_message(message, index) for index, message in enumerate(messages)]
+    if sum(len(json.dumps(m)) for m in checked) > context_size * MAX_CHARS_PER_TOKEN:
         raise ApiError(400, f"the messages are longer than the model's context of {context_size} tokens could hold",
                        "messages", "context_length_exceeded")  # fmt: skip
     return checked
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    role = message.get("role") if isinstance(message, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):  # [{"type": "text", "text": ...}]
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = "".join(p for p in parts if isinstance(p, str)) if len(parts) == len(content) else None
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls and content is None:
+        content = ""  # an assistant's turn of calls alone
+    if role not in ("system", "developer", "user", "assistant", "tool") or not isinstance(content, str):
+        raise ApiError(400, f"{where} must have a role (system, user, assistant, tool) and text content", where,
+                       "invalid_value")  # fmt: skip
+    checked: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _text(content, where)}
+    if calls:
+        if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS or not all(_a_call(c) for c in calls):
+            raise ApiError(400, f"{where}.tool_calls must be up to {MAX_TOOL_CALLS} of {{id, type: function, "
+                           "function: {name, arguments}}}", where, "invalid_value")  # fmt: skip
+        checked["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["function"]["name"],
+                                  "arguments": c["function"]["arguments"]}} for c in calls]  # fmt: skip
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                checked[key] = message[key]
+    return checked
+
+
+def _a_call(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return (
+        isinstance(function, dict) and isinstance(call.get("id"), str) and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments"), str)
+    )  # fmt: skip
 
 
 def usage(prompt_tokens: int, choices: Sequence[Done]) -> dict[str, int]:
@@ -606,9 +644,10 @@ def completion(
     text_of: TokenText,
     prompt_tokens: int,
     echoes: Sequence[Echo] | None = None,
+    tools: ToolRequest | None = None,
 ) -> dict[str, Any]:
     """The whole reply of a non-streaming request: its choices, indexed in order (`echoes`: each one's
-    prompt, echoed before it)."""
+    prompt, echoed before it; `tools`: a chat's tool calls read from each)."""
     made = []
     for index, done in enumerate(choices):
         choice: dict[str, Any] = {"index": index, "finish_reason": done.finish_reason, "token_ids": done.token_ids}
@@ -616,7 +655,11 @@ def completion(
         if echo is not None and done.prompt_logprobs is not None:
             echo = replace(echo, logprobs=done.prompt_logprobs)
         if chat:
-            choice["message"] = {"role": "assistant", "content": done.text}
+            content, calls = tools.calls(done.text) if tools else (done.text, [])
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                choice["finish_reason"] = "tool_calls" if done.finish_reason == "stop" else done.finish_reason
         else:
             choice["text"] = (echo.text if echo else "") + done.text
         choice["logprobs"] = reply_logprobs(done.logprobs, text_of, chat, echo=echo)
@@ -627,14 +670,17 @@ def completion(
 
 
 def chunk(request_id: str, model: str, chat: bool, text: str | None = None, done: Done | None = None,
-          first: bool = False, logprobs: Any = None, index: int = 0) -> dict[str, Any]:  # fmt: skip
+          first: bool = False, logprobs: Any = None, index: int = 0, tool_calls: list[dict[str, Any]] | None = None,
+          finish_reason: str | None = None) -> dict[str, Any]:  # fmt: skip
     """One server-sent event of a streaming reply's choice `index`: a piece of text (and its tokens'
-    `logprobs`, made by `reply_logprobs`), or its end (finish reason)."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": done.finish_reason if done else None}
+    `logprobs`, made by `reply_logprobs`), tool calls, or its end (finish reason: `done`'s, or as given)."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason or (done.finish_reason if done else None)}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

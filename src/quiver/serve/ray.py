@@ -83,6 +83,7 @@ class RayOptions:
     allowed_hosts: Sequence[str] = ()
     allowed_origins: Sequence[str] = ()
     max_loaded_adapters: int = 256
+    tool_call_parser: str = "auto"
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> RayOptions:
@@ -297,7 +298,8 @@ def ray_server(replicas: DeploymentHandle, options: RayOptions, body_timeout_s: 
     return Server(RayService(replicas, options), base_name(config), template, options.api_key,
                   adapter_loading=options.allow_adapter_loading, max_queue=options.max_queue,
                   hosts=allowed_hosts(options.host, options.allowed_hosts), allowed_origins=options.allowed_origins,
-                  max_loaded_adapters=options.max_loaded_adapters, body_timeout_s=body_timeout_s)  # fmt: skip
+                  max_loaded_adapters=options.max_loaded_adapters, body_timeout_s=body_timeout_s,
+                  tool_call_parser=options.tool_call_parser)  # fmt: skip
 
 
 class QuiverIngress:
