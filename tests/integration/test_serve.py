@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from quiver.serve.prefix_cache import BLOCK
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.export import ExportOptions, export
 from tests.support.serving import KEY, MALLOC_ON_HUGE_PAGES, Running, http, start_server, stop_server, t2t_greedy
@@ -1032,3 +1033,43 @@ def test_adapters_load_and_unload_while_serving_when_allowed(exported: Path, ser
         assert http(f"{running.url}/v1/unload_lora_adapter", "POST", unload, None)[0] == 404
     finally:
         stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """The tiny model with a context long enough for prefixes of whole blocks, and an adapter."""
+    root = tmp_path_factory.mktemp("prefixes")
+    weights = tiny_decoder(root / "model", "LlamaForCausalLM")
+    tiny_adapter(root / "qv", weights, 2, ["q_proj", "v_proj"], seed=2)
+    config = export(root / "model", root / "long", {"qv": root / "qv"}, options=ExportOptions(context_size=320)).path
+    running = start_server(config, "--api-key", KEY)
+    yield running
+    stop_server(running)
+
+
+def test_a_prompt_that_begins_as_a_recent_one_reuses_its_rows_and_gives_the_same_tokens(long_context: Running) -> None:
+    """Prefixes kept by adapter and strengths: every reply equals `quiver t2t run`'s (no cache there), the
+    hits and tokens spared counted in /metrics."""
+    client = long_context.client()
+    shared = "the quick brown fox jumps over the lazy dog " * 6
+    first, second = shared + "and runs away", shared[:200] + "but the cat sleeps"
+    length = _post(long_context, "/tokenize", {"prompt": first})[1]["count"]
+    assert length > 2 * BLOCK  # whole blocks to keep
+
+    def greedy(prompt: str, model: str = "long") -> list[int]:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        return list((reply.choices[0].model_extra or {})["token_ids"])
+
+    def hits() -> tuple[float, float]:
+        text = http(f"{long_context.url}/metrics")[2]
+        found = dict(re.findall(r"^(quiver_prefix_cache_(?:hits|reused_tokens)) (\S+)$", text, re.M))
+        return float(found["quiver_prefix_cache_hits"]), float(found["quiver_prefix_cache_reused_tokens"])
+
+    assert greedy(first) == t2t_greedy(long_context.config, first) and hits() == (0, 0)
+    assert greedy(first) == t2t_greedy(long_context.config, first)
+    spared = hits()
+    assert spared == (1, (length - 1) // BLOCK * BLOCK)
+    assert greedy(second) == t2t_greedy(long_context.config, second) and hits()[0] == 2
+    assert greedy(first, "qv") == t2t_greedy(long_context.config, first, "-l", "qv")  # the base's rows: not its
+    assert hits()[0] == 2
+    assert greedy(first, "qv") == t2t_greedy(long_context.config, first, "-l", "qv") and hits()[0] == 3

@@ -72,6 +72,8 @@ class ServeError(QuiverError):
               help="Host names requests may give besides the listening address (others: 400).")  # fmt: skip
 @click.option("--allowed-origins", "origins", multiple=True, metavar="ORIGIN[,ORIGIN...]",
               help="Web origins whose pages may call the server (CORS); none by default.")  # fmt: skip
+@click.option("--prefix-cache-mb", default=256, show_default=True, type=click.IntRange(0, 1 << 20),
+              help="Memory for recent prompts' cache rows, reused by prompts that begin alike (0: off).")  # fmt: skip
 @click.option("--tool-call-parser", type=click.Choice(["auto", "none", *TOOL_PARSERS]), default="auto",
               show_default=True,
               help="How a reply's tool calls are written (vLLM's names); auto: as the template shows.")  # fmt: skip
@@ -106,6 +108,7 @@ def serve_command(
     origins: tuple[str, ...],
     max_loaded_adapters: int,
     tool_call_parser: str,
+    prefix_cache_mb: int,
 ) -> None:
     """Serve a model and its adapters with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models."""
     try:
@@ -162,6 +165,7 @@ def serve_command(
             "allowed_origins": given_origins,
             "max_loaded_adapters": max_loaded_adapters,
             "tool_call_parser": tool_call_parser,
+            "prefix_cache_mb": prefix_cache_mb,
         }
         try:
             _serve_on_ray(config_path, host, port, args, ready, limits, parser, body_timeout)
@@ -169,7 +173,7 @@ def serve_command(
             pass
         return
     service = LocalService.open(config_path, max_batch, max_loras, dict(added), max_queue, prefill_window,
-                                folder_from(packed_weights))  # fmt: skip
+                                folder_from(packed_weights), prefix_cache_mb << 20)  # fmt: skip
     server = Server(service, base_name(config_path), template, key, adapter_loading=allow_adapter_loading,
                     body_timeout_s=body_timeout, max_queue=max_queue, hosts=allowed_hosts(host, given_hosts),
                     allowed_origins=given_origins, max_loaded_adapters=max_loaded_adapters,

@@ -30,6 +30,7 @@ import numpy as np
 
 from quiver.errors import QuiverError
 from quiver.serve.grammar import Constraint, Grammars
+from quiver.serve.prefix_cache import DEFAULT_BUDGET_BYTES, PrefixCache, prefix_key
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.continuation import Continuation, ending_tokens
 from quiver.t2t.external_batch import ExternalBatch
@@ -149,9 +150,13 @@ class Engine:
         max_queue: int = 64,
         on_step: Callable[[int], object] | None = None,
         prefill_window: int | None = None,
+        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         self.decoder = decoder
         self._window = prefill_window or decoder.config.prefill_window
+        # recent prompts' cache rows, where the decoder's rows can be copied (Quiver's own batched graph)
+        reusable = isinstance(decoder, BatchDecoder) and prefix_cache_bytes > 0
+        self.prefixes: PrefixCache | None = PrefixCache(prefix_cache_bytes) if reusable else None
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._rows: list[_Sequence] = []  # decoding: row i is self._rows[i]
         self._prefilling: _Sequence | None = None  # in the row after them
@@ -304,7 +309,14 @@ class Engine:
                 self.decoder.release_slot(slot)
                 job.sink(Failed(exc))
                 return True
-        self._prefilling = _Sequence(job, len(self._rows), slot, self._reply(request), constraint=constraint)
+        sequence = _Sequence(job, len(self._rows), slot, self._reply(request), constraint=constraint)
+        if self.prefixes is not None and request.prompt_logprobs is None:  # an echo scores every prompt token
+            found = self.prefixes.lookup(prefix_key(request.adapter, request.strengths), request.prompt_ids)
+            if found is not None:
+                assert isinstance(self.decoder, BatchDecoder)
+                self.decoder.copy_in(sequence.row, *found)
+                sequence.cached = found[1]
+        self._prefilling = sequence
         return True
 
     def _grammars(self) -> Grammars:
@@ -372,6 +384,11 @@ class Engine:
             sequence.prompt_logprobs.append(_entry(log_probabilities(logits), prompt[sequence.cached], scored))
         if sequence.cached < len(prompt):
             return
+        if self.prefixes is not None:  # its rows kept for the next prompt that begins as it does
+            decoder, row = self.decoder, sequence.row
+            assert isinstance(decoder, BatchDecoder)
+            key = prefix_key(request.adapter, request.strengths)
+            self.prefixes.store(key, prompt, lambda length: decoder.copy_out(row, length))
         if request.max_tokens == 0:  # the prompt's log-probabilities alone (an echo with nothing more)
             self._leave(sequence, self._done(sequence, "length"))
             return

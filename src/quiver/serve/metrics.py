@@ -35,5 +35,15 @@ class Metrics:
         self.between_tokens = Histogram("quiver_inter_token_latency_seconds", "Between two tokens of a stream",
                                         buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
 
+    def watch_prefixes(self, hits: Callable[[], float], reused: Callable[[], float], held: Callable[[], float]) -> None:
+        """The prefix cache's hits, the prompt tokens they spared, and the bytes it holds (read when scraped)."""
+        r = self.registry
+        Gauge("quiver_prefix_cache_hits", "Prompts that began as a kept prefix (since start)", registry=r).set_function(
+            hits
+        )
+        Gauge("quiver_prefix_cache_reused_tokens", "Prompt tokens taken from kept prefixes (since start)",
+              registry=r).set_function(reused)  # fmt: skip
+        Gauge("quiver_prefix_cache_bytes", "Cache rows the prefix cache holds", registry=r).set_function(held)
+
     def text(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -45,6 +45,7 @@ from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token, TokenLogprob
 from quiver.serve.guard import Limits
 from quiver.serve.metrics import Metrics
+from quiver.serve.prefix_cache import DEFAULT_BUDGET_BYTES
 from quiver.serve.service import LocalService, Outbox, ServiceUnavailableError, drained
 from quiver.t2t.config import adapter_use_cases, read_dialog_config
 from quiver.t2t.model_source import ensure_model_folder
@@ -84,6 +85,7 @@ class RayOptions:
     allowed_origins: Sequence[str] = ()
     max_loaded_adapters: int = 256
     tool_call_parser: str = "auto"
+    prefix_cache_mb: int = DEFAULT_BUDGET_BYTES >> 20
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> RayOptions:
@@ -135,7 +137,8 @@ class QuiverReplica:
         config = ensure_model_folder(options.config, options.model_source)
         self._service = LocalService.open(config, options.max_batch, options.max_loras, options.loras,
                                           options.max_queue, options.prefill_window,
-                                          folder_from(options.packed_weights))  # fmt: skip
+                                          folder_from(options.packed_weights),
+                                          options.prefix_cache_mb << 20)  # fmt: skip
         self._decoder = self._service.decoder
         self._sources: dict[str, str] = {}  # adapters registered from a path given by the ingress
         self._loads: dict[str, int] = {}  # per adapter: how often Ray had to load it here
@@ -155,6 +158,7 @@ class QuiverReplica:
         if name in self._sources:
             self._decoder.remove_adapter(name)
         self._decoder.add_adapter(name, Path(source))
+        self._service.forget_prefixes(name)
         self._sources[name] = source
 
     def check_adapter(self, name: str, source: str) -> None:

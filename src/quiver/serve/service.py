@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 from quiver.errors import QuiverError
 from quiver.serve.engine import Engine, Event, Generation, Job
 from quiver.serve.metrics import Metrics
+from quiver.serve.prefix_cache import DEFAULT_BUDGET_BYTES
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.config import read_dialog_config
 from quiver.t2t.external_batch import ExternalBatch
@@ -124,6 +125,7 @@ class LocalService:
         max_queue: int = 64,
         prefill_window: int | None = None,
         packed_weights: str | Path | None = None,
+        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> LocalService:
         """The engine over a dialog config, with more adapters (NAME -> PEFT folder or .qsec) checked now;
         `packed_weights`: a folder where its packed weights are kept, shared by the processes that serve it."""
@@ -140,13 +142,17 @@ class LocalService:
         except QuiverError:
             decoder.close()
             raise
-        return cls(decoder, max_queue, prefill_window)
+        return cls(decoder, max_queue, prefill_window, prefix_cache_bytes)
 
     def __init__(
-        self, decoder: BatchDecoder | ExternalBatch, max_queue: int = 64, prefill_window: int | None = None
+        self,
+        decoder: BatchDecoder | ExternalBatch,
+        max_queue: int = 64,
+        prefill_window: int | None = None,
+        prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         self.decoder = decoder
-        self.engine = Engine(decoder, max_queue, prefill_window=prefill_window)
+        self.engine = Engine(decoder, max_queue, prefill_window=prefill_window, prefix_cache_bytes=prefix_cache_bytes)
         self.tokenizer = decoder.tokenizer
         self.context_size = decoder.config.context_size
         self.vocabulary = decoder.config.n_vocab
@@ -170,9 +176,16 @@ class LocalService:
 
     def add_adapter(self, name: str, path: str) -> None:
         self.decoder.add_adapter(name, Path(path))
+        self.forget_prefixes(name)
 
     def remove_adapter(self, name: str) -> None:
         self.decoder.remove_adapter(name)
+        self.forget_prefixes(name)
+
+    def forget_prefixes(self, adapter: str) -> None:
+        """Prompts computed under an adapter of that name: its weights changed, their rows no longer hold."""
+        if self.engine.prefixes is not None:
+            self.engine.prefixes.forget(adapter)
 
     def watch(self, metrics: Metrics) -> None:
         def filled(seconds: float) -> None:
@@ -181,6 +194,9 @@ class LocalService:
 
         self.decoder.on_fill = filled
         self.engine.on_step = lambda rows: metrics.decode_steps.labels(str(rows)).inc()
+        prefixes = self.engine.prefixes
+        if prefixes is not None:
+            metrics.watch_prefixes(lambda: prefixes.hits, lambda: prefixes.reused_tokens, lambda: prefixes.nbytes)
 
     def close(self) -> None:
         """Stops the engine (requests not finished end cancelled) and unmaps the context."""

@@ -419,6 +419,17 @@ class BatchDecoder:
                 array[target, :, :cached] = array[source, :, :cached]
             self._cache_memory.drop_rows([source])
 
+    def copy_out(self, row: int, length: int) -> dict[str, np.ndarray]:
+        """A copy of a row's first `length` cache positions (a prompt prefix kept for reuse)."""
+        with self._lock:
+            return {name: array[row, :, :length].copy() for name, array in self._cache.items()}
+
+    def copy_in(self, row: int, rows: Mapping[str, np.ndarray], length: int) -> None:
+        """Writes `length` positions kept by `copy_out` into a row: its sequence goes on after them."""
+        with self._lock:
+            for name, array in self._cache.items():
+                array[row, :, :length] = rows[name][:, :length]
+
     def free(self, rows: Sequence[int]) -> None:
         """These rows' sequences ended: their cache memory goes back to the OS."""
         with self._lock:
