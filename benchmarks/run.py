@@ -36,6 +36,7 @@ from kv_memory import measure_kv_memory  # noqa: E402
 from lora import measure_lora  # noqa: E402
 from minilm_quantizers import measure_minilm_quantizers  # noqa: E402
 from ort_api import measure_ort_api  # noqa: E402
+from prefix_reuse import measure_prefix_reuse  # noqa: E402
 from quantization import measure_quantization  # noqa: E402
 from quantizers import measure_quantizers  # noqa: E402
 from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: E402
@@ -298,6 +299,7 @@ SECTIONS = (
     "families",
     "real_size",
     "accurate_int4",
+    "prefix_reuse",
     "kv_memory",
     "quantizers",
     "int4_profile",
@@ -402,6 +404,9 @@ def main() -> None:
             cache = Path.home() / ".cache" / "quiver" / "size-models"
             tokenizer = _corpus("llms") / "smollm2" / "tokenizer.json"
             report["real_size"] = measure_real_size(folder, cache, tokenizer)
+        if "prefix_reuse" in sections:
+            print("prefix reuse in quiver serve ...", file=sys.stderr)
+            report["prefix_reuse"] = measure_prefix_reuse(folder, _corpus("llms"))
         if "accurate_int4" in sections:
             print("accurate 4-bit at 1B ...", file=sys.stderr)
             cache = Path.home() / ".cache" / "quiver" / "size-models"
