@@ -286,6 +286,12 @@ def _corpus(kind: str = "") -> Path:
     return Path(made.stdout.strip())
 
 
+def _size_models() -> tuple[Path, Path]:
+    """Where the real-shape random-weight models are kept (benchmarks/size_models.py), and the tokenizer
+    they are given."""
+    return Path.home() / ".cache" / "quiver" / "size-models", _corpus("llms") / "smollm2" / "tokenizer.json"
+
+
 SECTIONS = (
     "family",
     "real_models",
@@ -401,17 +407,13 @@ def main() -> None:
             report["kv_memory"] = measure_kv_memory(folder, _corpus("llms"))
         if "real_size" in sections:
             print("models of real size ...", file=sys.stderr)
-            cache = Path.home() / ".cache" / "quiver" / "size-models"
-            tokenizer = _corpus("llms") / "smollm2" / "tokenizer.json"
-            report["real_size"] = measure_real_size(folder, cache, tokenizer)
+            report["real_size"] = measure_real_size(folder, *_size_models())
         if "prefix_reuse" in sections:
             print("prefix reuse in quiver serve ...", file=sys.stderr)
             report["prefix_reuse"] = measure_prefix_reuse(folder, _corpus("llms"))
         if "accurate_int4" in sections:
             print("accurate 4-bit at 1B ...", file=sys.stderr)
-            cache = Path.home() / ".cache" / "quiver" / "size-models"
-            tokenizer = _corpus("llms") / "smollm2" / "tokenizer.json"
-            report["accurate_int4"] = measure_accurate_int4(folder, cache, tokenizer)
+            report["accurate_int4"] = measure_accurate_int4(folder, *_size_models())
         if "minilm_quantizers" in sections:
             corpus = _corpus()
             print("4-bit quantizers on MiniLM ...", file=sys.stderr)
