@@ -14,6 +14,7 @@ chosen (about a millisecond), everything else is untouched.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Sequence
@@ -39,13 +40,42 @@ class GrammarError(QuiverError):
 
 
 def json_schema_grammar(schema: Any) -> str:
-    """The grammar of JSON text valid under `schema` (a dict, or a JSON string of one)."""
+    """The grammar of JSON text valid under `schema` (a dict, or a JSON string of one); an object that lists
+    its properties and says nothing of others allows no others (xgrammar's strict mode, vLLM's default:
+    a model would otherwise write keys of its own until its tokens run out)."""
     from llguidance import LLMatcher
 
     try:
-        return str(LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS))  # type: ignore[arg-type]
-    except (ValueError, TypeError) as exc:
-        raise GrammarError(f"the JSON schema is not a JSON object ({exc})") from None
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+        return str(LLMatcher.grammar_from_json_schema(_closed(parsed), defaults=JSON_DEFAULTS))  # type: ignore[arg-type]
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise GrammarError(f"the JSON schema is not a JSON object ({str(exc)[:200]})") from None
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else",
+            "contains", "propertyNames")  # fmt: skip
+
+
+def _closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` wherever an object lists properties and leaves it unsaid
+    (walking only the keywords whose values are schemas: an `enum`'s or a `default`'s values stay)."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: _closed(value) for name, value in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            closed[key] = [_closed(value) for value in schema[key]]
+    for key in _SCHEMAS:
+        if key in schema:
+            closed[key] = _closed(schema[key])
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def regex_grammar(pattern: str) -> str:
