@@ -29,6 +29,7 @@ from quiver.tools.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accurate_int4 import measure_accurate_int4  # noqa: E402
+from clients import measure_clients  # noqa: E402
 from families import measure_families  # noqa: E402
 from gguf_blocks import measure_gguf  # noqa: E402  (a sibling script, not a package; not `gguf`: that is the package)
 from int4_profile import measure_int4_profile  # noqa: E402
@@ -306,6 +307,7 @@ SECTIONS = (
     "real_size",
     "accurate_int4",
     "prefix_reuse",
+    "clients",
     "kv_memory",
     "quantizers",
     "int4_profile",
@@ -408,6 +410,9 @@ def main() -> None:
         if "real_size" in sections:
             print("models of real size ...", file=sys.stderr)
             report["real_size"] = measure_real_size(folder, *_size_models())
+        if "clients" in sections:
+            print("the clients people use, against quiver serve ...", file=sys.stderr)
+            report["clients"] = measure_clients(folder, _corpus("llms"))
         if "prefix_reuse" in sections:
             print("prefix reuse in quiver serve ...", file=sys.stderr)
             report["prefix_reuse"] = measure_prefix_reuse(folder, _corpus("llms"))
