@@ -59,10 +59,19 @@ def _texts(values: Any) -> list[str] | None:
     return None if values is None else [_text(v) for v in values]
 
 
+def _regex_parser() -> Any:
+    """The standard library's regex parser: `re._parser` from Python 3.11, `sre_parse` before it."""
+    try:
+        from re import _parser  # type: ignore[attr-defined]
+    except ImportError:  # Python 3.10
+        import sre_parse as _parser  # type: ignore[no-redef]
+    return _parser
+
+
 def _check_regex(pattern: str, source: str) -> None:
     """Refuses a pattern that does not compile, or that nests repeats (exponential backtracking)."""
     try:
-        parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
+        parsed = _regex_parser().parse(pattern)
     except (re.error, RecursionError, OverflowError) as exc:
         raise AdapterError(f"{source}: {pattern!r} is not a valid regular expression ({exc})") from None
 
