@@ -242,8 +242,7 @@ class Server:
         if forced is not None and constraint_field(body):
             raise ApiError(400, "a required or named tool_choice is a constraint already: drop "
                            f"'{constraint_field(body)}'", constraint_field(body), "invalid_value")  # fmt: skip
-        if tools is not None:  # the template lists them (its `tools`)
-            rendering = replace(rendering, variables={**rendering.variables, "tools": tools.tools})
+        rendering = rendering.with_tools(tools)  # the template lists them
         shown = template_messages(messages)
 
         def render_and_encode() -> list[int]:

@@ -173,6 +173,10 @@ class ChatRendering:
     continue_final_message: bool = False
     variables: Mapping[str, Any] = dataclasses_field(default_factory=dict)
 
+    def with_tools(self, tools: ToolRequest | None) -> ChatRendering:
+        """The rendering with the request's tools for the template to list (its `tools`)."""
+        return replace(self, variables={**self.variables, "tools": tools.tools}) if tools else self
+
 
 def chat_rendering(body: Mapping[str, Any]) -> ChatRendering:
     """A chat request's rendering fields, checked (transformers' and vLLM's rules)."""
@@ -231,7 +235,7 @@ def _with_tools(rendering: ChatRendering, body: Mapping[str, Any]) -> ChatRender
         tools = tool_request({"tools": body.get("tools"), "tool_choice": "none"}, None)
     except ToolError as exc:
         raise ApiError(400, str(exc), exc.param, "invalid_value") from None
-    return replace(rendering, variables={**rendering.variables, "tools": tools.tools}) if tools else rendering
+    return rendering.with_tools(tools)
 
 
 def detokenize_request(body: Any, served: Served) -> list[int]:

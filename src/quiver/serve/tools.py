@@ -263,10 +263,10 @@ class ToolStream:
     def feed(self, piece: str) -> str:
         """The content `piece` lets go out now."""
         self._text += piece
-        if self._start is None or self._calling:
-            if self._start is None:
-                self._sent = len(self._text)
-            return piece if self._start is None else ""
+        if self._start is None:  # no call can come: all of it is content
+            return piece
+        if self._calling:
+            return ""
         at = self._text.find(self._start, self._sent)
         if at >= 0:
             self._calling = True
