@@ -44,6 +44,7 @@ from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: 
 from real_size import measure_real_size  # noqa: E402
 from serve import measure_serve  # noqa: E402
 from serve_ray import measure_serve_ray  # noqa: E402
+from structured import measure_structured  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
 from timing import alternating_medians  # noqa: E402
 from tuning import measure_tuning  # noqa: E402
@@ -307,6 +308,7 @@ SECTIONS = (
     "real_size",
     "accurate_int4",
     "prefix_reuse",
+    "structured",
     "clients",
     "kv_memory",
     "quantizers",
@@ -416,6 +418,9 @@ def main() -> None:
         if "prefix_reuse" in sections:
             print("prefix reuse in quiver serve ...", file=sys.stderr)
             report["prefix_reuse"] = measure_prefix_reuse(folder, _corpus("llms"))
+        if "structured" in sections:
+            print("structured outputs in quiver serve ...", file=sys.stderr)
+            report["structured"] = measure_structured(folder, _corpus("llms"))
         if "accurate_int4" in sections:
             print("accurate 4-bit at 1B ...", file=sys.stderr)
             report["accurate_int4"] = measure_accurate_int4(folder, *_size_models())

@@ -109,6 +109,7 @@ def _burst(
     decoding = max(r["arrivals"][-1] for r in results) - min(r["arrivals"][0] for r in results)
     measured = {
         "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
+        "tokens_per_stream": sum(r["tokens"] for r in results) / len(results),
         # decode only: the tokens after each stream's first, over the time from the first token to the last
         "aggregate_decode_tok_s": sum(r["tokens"] - 1 for r in results) / decoding,
         "stream_decode_tok_s": (lone["tokens"] - 1) / (lone["arrivals"][-1] - lone["arrivals"][0]),

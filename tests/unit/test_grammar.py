@@ -4,10 +4,13 @@ schemas; a constraint refuses what its grammar does not allow; a grammar that do
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from quiver.serve.grammar import GrammarError, Grammars, _closed, json_schema_grammar, regex_grammar
+from quiver.serve.grammar import Constraint, GrammarError, Grammars, _closed, json_schema_grammar, regex_grammar
 from quiver.t2t.tokenizer import TextTokenizer
 from tests.support.tiny_llm import tiny_decoder
 
@@ -54,3 +57,32 @@ def test_a_bad_constraint_is_one_line(grammars: tuple[Grammars, TextTokenizer]) 
     with pytest.raises(GrammarError, match="not a JSON object"):
         json_schema_grammar("{not json")
     assert _accepts(grammars, regex_grammar("ab+"), "abbb") and not _accepts(grammars, regex_grammar("ab+"), "ba")
+
+
+def test_a_mask_computed_ahead_on_another_thread_is_the_one_computed_in_place(
+    grammars: tuple[Grammars, TextTokenizer],
+) -> None:
+    """The engine computes a row's next mask while ORT runs the step: the same mask as computed in place,
+    and one computed before a token was taken is not used after it."""
+    built, _ = grammars
+    grammar = regex_grammar("(ab|cd)e+")
+
+    def masked(constraint: Constraint) -> np.ndarray:
+        logits = np.zeros(built._vocabulary + 3, np.float32)  # three rows past the vocabulary: padding
+        constraint.mask(logits)
+        return np.isinf(logits)
+
+    in_place = masked(built.constraint(grammar))
+    ahead = built.constraint(grammar)
+    worker = threading.Thread(target=ahead.compute)
+    worker.start()
+    worker.join()
+    assert np.array_equal(masked(ahead), in_place)
+    assert in_place[-3:].all() and 0 < int((~in_place).sum()) < built._vocabulary
+    first = int(np.flatnonzero(~in_place)[0])
+    stale, fresh = built.constraint(grammar), built.constraint(grammar)
+    stale.compute()  # before the token: no longer the next mask once it is taken
+    stale.advance(first)
+    fresh.advance(first)
+    after = masked(fresh)
+    assert np.array_equal(masked(stale), after) and not np.array_equal(after, in_place)

@@ -54,15 +54,15 @@ class ChatTemplate:
         (the reply continues it: transformers' cut). `variables`: more names for the template (a request's
         `chat_template_kwargs`, e.g. `enable_thinking`). Raises ValueError with the template's own message
         when it refuses the conversation (roles out of order...)."""
-        from jinja2 import TemplateError
-
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
-        names = {**(variables or {}), **self._special}
+        # as transformers: `tools` and `documents` always named (None unless given), reasoning under its names
+        names = {"tools": None, "documents": None, **(variables or {}), **self._special}
+        messages = [_reasoning_aliased(m) for m in messages]
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **names)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template refused the messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001  a template is code: whatever it raises, it refused these messages
+            raise ValueError(f"the chat template refused the messages: {type(exc).__name__}: {exc}"[:500]) from None
         if not continue_final_message:
             return text
         final = messages[-1]["content"]
@@ -71,6 +71,16 @@ class ChatTemplate:
             raise ValueError("continue_final_message: the last message's text does not appear in the rendered chat")
         kept = len(final.lstrip()) if text[at : at + len(final.lstrip())] == final.lstrip() else len(final.strip())
         return text[: at + kept]
+
+
+_REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, by the names templates read
+
+
+def _reasoning_aliased(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The message with its reasoning (under any of `_REASONING`'s names) as `thinking` and
+    `reasoning_content` too (transformers' `_alias_reasoning_fields`: gpt-oss reads `thinking`)."""
+    reasoning = next((message[k] for k in _REASONING if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _strftime_now(format: str) -> str:
@@ -112,7 +122,8 @@ def find_chat_template(folder: Path, explicit: Path | None = None) -> ChatTempla
         except (ValueError, RecursionError) as exc:
             raise ModelFolderError(f"{folder / TOKENIZER_CONFIG} is not JSON ({exc})") from None
         config = loaded if isinstance(loaded, dict) else {}
-    special = {k: v for k in ("bos_token", "eos_token") if isinstance(v := config.get(k), str)}
+    # the special tokens by name (transformers' special_tokens_map): a string, or an added token's content
+    special = {key: text for key, value in config.items() if key.endswith("_token") and (text := _token_text(value))}
     for path in (explicit, folder / TEMPLATE_FILE):
         if path is not None and path.is_file():
             return ChatTemplate(read_text(path, limit=1 << 20, what="chat template"), special, str(path))
@@ -123,3 +134,9 @@ def find_chat_template(folder: Path, explicit: Path | None = None) -> ChatTempla
     if isinstance(template, str):
         return ChatTemplate(template, special, str(folder / TOKENIZER_CONFIG))
     return None
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # an AddedToken as tokenizer_config.json writes it
+        value = value.get("content")
+    return value if isinstance(value, str) else None

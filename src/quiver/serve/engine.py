@@ -18,6 +18,7 @@ wave waits for the wave's prompts once, between its first and second token.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import queue
 import threading
@@ -161,6 +162,7 @@ class Engine:
         self._rows: list[_Sequence] = []  # decoding: row i is self._rows[i]
         self._prefilling: _Sequence | None = None  # in the row after them
         self._grammar_cache: Grammars | None = None  # llguidance's view of the tokenizer, at the first grammar
+        self._mask_worker: concurrent.futures.ThreadPoolExecutor | None = None  # at the first constrained step
         # taken from the queue, waiting for an adapter slot to come free, oldest first; requests behind them
         # that need no new slot (the base model, an adapter a slot holds) go ahead
         self._held: collections.deque[Job] = collections.deque()
@@ -227,6 +229,8 @@ class Engine:
         except queue.Full:
             pass
         self._thread.join(30)
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=False)
 
     # --- the worker -------------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -408,15 +412,27 @@ class Engine:
         if not self._rows:
             return
         rows = list(self._rows)
-        logits = self.decoder.decode(
-            [s.reply.new_ids[-1] for s in rows], [s.cached for s in rows], [s.slot for s in rows]
-        )
+        # the constrained rows' next masks, computed while ORT runs the step (both let the GIL go)
+        constraints = [s.constraint for s in rows if s.constraint is not None]
+        masks = self._masks().submit(_compute_masks, constraints) if constraints else None
+        try:
+            logits = self.decoder.decode(
+                [s.reply.new_ids[-1] for s in rows], [s.cached for s in rows], [s.slot for s in rows]
+            )
+        finally:
+            if masks is not None:
+                masks.result()
         if self.on_step is not None:
             self.on_step(len(rows))
         for sequence in rows:  # all first: a sequence that ends moves the last one, whole, into its row
             sequence.cached += 1
         for index, sequence in enumerate(rows):
             self._advance(sequence, logits[index])
+
+    def _masks(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._mask_worker is None:
+            self._mask_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quiver-serve-masks")
+        return self._mask_worker
 
     def _advance(self, sequence: _Sequence, logits: np.ndarray) -> None:
         """The sequence's next token from its logits: streamed, and the end of its reply when it ends. A row
@@ -495,6 +511,16 @@ def _entry(scores: np.ndarray, token: int, top: int) -> TokenLogprob:
         ids = ids[np.argsort(-scores[ids], kind="stable")]
         best = tuple((int(i), float(scores[i])) for i in ids)
     return TokenLogprob(token, float(scores[token]), best)
+
+
+def _compute_masks(constraints: list[Constraint]) -> None:
+    """Each constraint's next mask; one that fails is left to fail again where its row is masked (its
+    request ends there, the others go on)."""
+    for constraint in constraints:
+        try:
+            constraint.compute()
+        except Exception:  # noqa: BLE001, S112
+            continue
 
 
 def _unrun(job: Job) -> Done:

@@ -8,8 +8,10 @@ bounds the work a grammar may cost (`LLParserLimits`: a client's grammar is untr
 llama.cpp's and vLLM's servers use too. JSON is compact (no free whitespace: a model cannot wander in
 spaces until its tokens run out) unless a schema's `x-guidance` asks otherwise.
 
-Only rows with a constraint pay: their matcher computes the allowed tokens before the row's token is
-chosen (about a millisecond), everything else is untouched.
+Only rows with a constraint pay: their matcher computes the tokens it allows (about a millisecond a
+row), and the row's logits outside them are set to -inf before its token is chosen; every other row is
+untouched. The engine has the masks of a decode step computed while ORT runs that step (`compute`, on
+another thread: llguidance lets the GIL go), so they cost the step little more than applying them.
 """
 
 from __future__ import annotations
@@ -145,21 +147,31 @@ class Constraint:
 
     def __init__(self, matcher: LLMatcher, vocabulary: int) -> None:
         self._matcher = matcher
-        self._bits = np.zeros((vocabulary + 31) // 32, np.int32)
+        self._bits = np.zeros((1, (vocabulary + 31) // 32), np.int32)
         self._vocabulary = vocabulary
+        self._refused: np.ndarray | None = None  # the next token's mask, once computed: True where refused
+
+    def compute(self) -> None:
+        """Computes the mask of the next token (another thread may: llguidance lets the GIL go meanwhile)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._matcher, self._bits)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocabulary]
+        self._refused = allowed == 0
 
     def mask(self, logits: np.ndarray) -> None:
         """Sets the logits of every token the grammar does not allow next to -inf, in place."""
-        from llguidance.numpy import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self._matcher, self._bits.reshape(1, -1))
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._vocabulary].astype(bool)
+        if self._refused is None:
+            self.compute()
+        refused, self._refused = self._refused, None
+        assert refused is not None
         flat = logits.reshape(-1)
         flat[self._vocabulary :] = -np.inf  # rows past the tokenizer's vocabulary: padding no text has
-        flat[: self._vocabulary][~allowed[: flat.size]] = -np.inf
+        np.copyto(flat[: self._vocabulary], -np.inf, where=refused[: flat.size])
         if self._matcher.is_error():
             raise GrammarError(f"the constraint failed while generating: {self._matcher.get_error()[:300]}")
 
     def advance(self, token: int) -> None:
+        self._refused = None  # a mask computed before this token is no longer the next one's
         if not self._matcher.consume_token(token):
             raise GrammarError(f"the constraint refused token {token}: {self._matcher.get_error()[:300]}")
