@@ -8,8 +8,8 @@ SmolLM2-135M-Instruct fp32, context 1024, 2 threads on every side, `--max-batch 
 128-token prompt (token ids), up to 128 new tokens, greedy, streamed. The schema (an object with a title,
 an enum, a bounded integer and an array of at least 32 strings of 8 or more characters) is longer than
 128 tokens, so every stream, constrained or not, runs to 128 tokens; rates are decode rates: tokens after
-each stream's first over the time from the first token of any stream to the last (`serve._burst`). The two kinds alternate in order
-round by round; the server is fresh per round.
+each stream's first over the time from the first token of any stream to the last (`serve._burst`). The
+kinds alternate in order round by round; the server is fresh per round.
 """
 
 from __future__ import annotations
