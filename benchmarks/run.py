@@ -34,6 +34,7 @@ from families import measure_families  # noqa: E402
 from gguf_blocks import measure_gguf  # noqa: E402  (a sibling script, not a package; not `gguf`: that is the package)
 from int4_profile import measure_int4_profile  # noqa: E402
 from kv_memory import measure_kv_memory  # noqa: E402
+from lm_eval_check import measure_lm_eval  # noqa: E402
 from lora import measure_lora  # noqa: E402
 from minilm_quantizers import measure_minilm_quantizers  # noqa: E402
 from ort_api import measure_ort_api  # noqa: E402
@@ -309,6 +310,7 @@ SECTIONS = (
     "accurate_int4",
     "prefix_reuse",
     "structured",
+    "lm_eval",
     "clients",
     "kv_memory",
     "quantizers",
@@ -418,6 +420,9 @@ def main() -> None:
         if "prefix_reuse" in sections:
             print("prefix reuse in quiver serve ...", file=sys.stderr)
             report["prefix_reuse"] = measure_prefix_reuse(folder, _corpus("llms"))
+        if "lm_eval" in sections:
+            print("lm-eval against quiver serve and against transformers ...", file=sys.stderr)
+            report["lm_eval"] = measure_lm_eval(folder, _corpus("llms"))
         if "structured" in sections:
             print("structured outputs in quiver serve ...", file=sys.stderr)
             report["structured"] = measure_structured(folder, _corpus("llms"))

@@ -603,6 +603,25 @@ def test_a_logit_bias_and_stop_token_ids_act_as_they_do_in_the_dialog(server: Ru
     assert reply.choices[0].token_ids[: len(plain)] == plain  # type: ignore[attr-defined]
 
 
+def test_the_token_that_ends_a_reply_has_its_log_probability(server: Running) -> None:
+    """An ending token (here a stop token id) gives no text but is a token of the reply, with its entry in
+    `logprobs` as vLLM gives it: lm-eval reads the entry after the echoed prompt as the generated one."""
+    client = server.client()
+    plain = client.completions.create(model="out", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0)
+    ids = plain.choices[0].token_ids  # type: ignore[attr-defined]
+    assert plain.choices[0].logprobs is not None and len(plain.choices[0].logprobs.token_logprobs or []) == 8
+    end = next(i for i in range(1, 8) if ids[i] not in ids[:i])  # a token the reply has not had before
+    for stream in (False, True):
+        reply = client.completions.create(model="out", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                                          stream=stream, extra_body={"stop_token_ids": [ids[end]]})  # fmt: skip
+        chunks = list(reply) if stream else [reply]
+        values = [
+            v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
+        ]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        np.testing.assert_allclose(values, (plain.choices[0].logprobs.token_logprobs or [])[: end + 1], atol=1e-5)
+
+
 def test_a_stream_ends_with_its_usage_only_when_asked(server: Running) -> None:
     client = server.client()
     chunks = list(client.chat.completions.create(

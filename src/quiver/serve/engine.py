@@ -455,7 +455,7 @@ class Engine:
         except QuiverError as exc:  # the grammar failed (its limits): this request ends, the others go on
             self._leave(sequence, Failed(exc))
             return
-        if scores is not None and reason != "eos":  # an ending token is no part of the content
+        if scores is not None:  # an ending token's too (no text, but a token: vLLM's, and lm-eval counts on it)
             sequence.logprobs.append(_entry(scores, sequence.reply.new_ids[-1], asked or 0))
         if piece:
             entries, sequence.sent = tuple(sequence.logprobs[sequence.sent :]), len(sequence.logprobs)
