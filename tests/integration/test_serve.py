@@ -29,7 +29,8 @@ from tests.support.tiny_llm import forward, tiny_adapter, tiny_decoder
 
 PROMPT = "the quick brown fox"
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% for d in documents or [] %}<|document|>{{ d['title'] }}: {{ d['text'] }}\n{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
@@ -500,6 +501,24 @@ def test_a_chat_may_continue_its_last_message_and_pass_the_template_its_names(se
 def _post(server: Running, route: str, body: dict[str, Any]) -> tuple[int, Any]:
     status, _, reply = http(f"{server.url}{route}", "POST", json.dumps(body).encode())
     return status, reply
+
+
+def test_documents_reach_the_chat_template(server: Running) -> None:
+    """vLLM's `documents` (a retrieval template's, transformers' `documents`): rendered where the template
+    puts them; anything but a list of objects of strings is a 400 naming the field."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(server.config.parent / "tokenizer.json"))
+    documents = [{"title": "Rivers", "text": "The Loire is long."}]
+    body = {"model": "out", "messages": [{"role": "user", "content": "hi"}], "documents": documents}
+    status, reply = _post(server, "/tokenize", body)
+    assert status == 200 and tokenizer.decode(reply["tokens"]).count("Rivers: The Loire is long.") == 1, reply
+    assert tokenizer.decode(_post(server, "/tokenize", {**body, "documents": []})[1]["tokens"]).count("Loire") == 0
+    status, reply = _post(server, "/v1/chat/completions", {**body, "max_tokens": 2})
+    assert status == 200 and reply["usage"]["prompt_tokens"] > 12, reply
+    for bad in ([{"title": 3}], "text", [[]]):
+        status, reply = _post(server, "/v1/chat/completions", {**body, "documents": bad})
+        assert status == 400 and reply["error"]["param"] == "documents", reply
 
 
 def test_tokenize_detokenize_and_version_answer_as_vllms_routes(server: Running) -> None:

@@ -49,7 +49,9 @@ _RENDERING = {
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "documents",
 }  # how the chat template renders
+MAX_DOCUMENTS = 64
 _HONOURED_BY_ROUTE = {
     True: {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", *_RENDERING},
     False: {"prompt", "best_of", "echo"},
@@ -134,7 +136,7 @@ def check_fields(body: Any, chat: bool) -> None:
 
 # vLLM's /tokenize (text, or messages through the chat template) and /detokenize
 _TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", "tools", *_RENDERING}
-_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception"}
+_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents", "raise_exception"}
 _DETOKENIZE = {"model", "tokens"}
 
 
@@ -167,7 +169,8 @@ def _served_model(body: Mapping[str, Any], served: Served, required: bool) -> st
 @dataclass(frozen=True)
 class ChatRendering:
     """How a request asks the chat template to render: `add_generation_prompt` (default true),
-    `continue_final_message` (the reply continues the last message), `chat_template_kwargs` (more names)."""
+    `continue_final_message` (the reply continues the last message), `chat_template_kwargs` (more names),
+    `documents` (for retrieval templates)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -190,6 +193,13 @@ def chat_rendering(body: Mapping[str, Any]) -> ChatRendering:
     if bad or len(variables) > 64:
         raise ApiError(400, "'chat_template_kwargs' maps up to 64 names (not messages, tools, the special tokens) to "
                        "values", "chat_template_kwargs", "invalid_value")  # fmt: skip
+    documents = _field(body, "documents", (list,), None)
+    if documents is not None:  # vLLM's: for a retrieval template (transformers passes them as `documents`)
+        plain = all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)
+        if not plain or len(documents) > MAX_DOCUMENTS:
+            raise ApiError(400, f"'documents' is a list of up to {MAX_DOCUMENTS} objects of strings (e.g. title, "
+                           "text)", "documents", "invalid_value")  # fmt: skip
+        variables = {**variables, "documents": documents}
     return ChatRendering(prompt, cont, dict(variables))
 
 
