@@ -125,6 +125,50 @@ def test_echoed_prompt_logprobs_and_the_repetition_penalty_equal_transformers(se
         assert reply.choices[0].model_extra is not None and reply.choices[0].model_extra["token_ids"] == tokens
 
 
+SCHEMAS = [  # enums, nested arrays, bounded numbers, nested objects
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                               "maxItems": 3}},
+     "required": ["color", "tags"]},
+    {"type": "object", "properties": {"matrix": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": -9, "maximum": 9}}}},
+     "required": ["matrix"]},
+    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000},
+                                      "ok": {"type": "boolean"}, "kind": {"enum": [1, 2, "three"]}},
+     "required": ["price", "ok", "kind"]},
+    {"type": "object", "properties": {"person": {"type": "object", "properties": {
+        "first": {"type": "string", "maxLength": 12},
+        "langs": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3}},
+        "required": ["first", "langs"]}}, "required": ["person"]},
+]  # fmt: skip
+
+
+def test_json_schema_replies_of_the_real_model_validate_fifty_of_fifty(server: Running) -> None:
+    """50 sampled chat replies (10 per schema, each its own seed) parse as JSON and validate against their
+    schema (the `jsonschema` library's validator, not Quiver's), all ending by themselves."""
+    import jsonschema
+
+    client, base = server.client(), server.config.parent.name
+
+    def reply(index: int) -> tuple[dict[str, Any], Any, str]:
+        schema = SCHEMAS[index % len(SCHEMAS)]
+        form = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}}
+        done = client.chat.completions.create(
+            model=base, messages=[{"role": "user", "content": "Give me an example record as JSON."}], max_tokens=200,
+            temperature=1.0, seed=index, response_format=form,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return schema, json.loads(done.choices[0].message.content or ""), done.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(reply, range(50)))
+    for schema, value, finish in replies:
+        jsonschema.validate(value, schema)
+        assert finish == "stop"
+
+
 def test_a_peft_adapter_loaded_while_streams_run_serves_the_next_request(server: Running, real_llms: Path) -> None:
     """vLLM's load route with a PEFT folder (the corpus's adapter_qv, under another name): it fills a slot
     straight from PEFT's tensors, and gives what its exported section gives."""
