@@ -140,7 +140,6 @@ def test_without_the_key_only_health_answers(server: Running) -> None:
         (json.dumps({"model": "out", "prompt": PROMPT, "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({"model": "out", "prompt": PROMPT, "stop": ["a"] * 5}).encode(), 400, "stop"),
         (json.dumps({"model": "out", "prompt": PROMPT, "logprobs": 21}).encode(), 400, "logprobs"),
-        (json.dumps({"model": "out", "prompt": PROMPT, "echo": True, "stream": True}).encode(), 400, "echo"),
         (json.dumps({"model": "out", "prompt": ""}).encode(), 400, "prompt"),
         (json.dumps({"model": "out", "prompt": [10**9]}).encode(), 400, "prompt"),
         (json.dumps({"model": "all", "prompt": PROMPT, "lora": {"all": "x"}}).encode(), 400, "lora"),
@@ -282,9 +281,16 @@ def test_echo_gives_the_prompts_log_probabilities_as_lm_eval_asks_for_them(serve
     np.testing.assert_allclose(
         tail or [], (alone.choices[0].logprobs.token_logprobs or []) if alone.choices[0].logprobs else [1], atol=1e-4
     )
-    for refused in ({"echo": True, "stream": True}, {"max_tokens": 0}):
-        status, reply = _post(server, "/v1/completions", {"model": "out", "prompt": PROMPT, **refused})
-        assert status == 400 and reply["error"]["param"] in ("echo", "max_tokens"), reply
+    status, reply = _post(server, "/v1/completions", {"model": "out", "prompt": PROMPT, "max_tokens": 0})
+    assert status == 400 and reply["error"]["param"] == "max_tokens", reply  # 0 only to score an echoed prompt
+    # streamed: the prompt first (its text and log-probabilities), then the completion's, as whole
+    stream = client.completions.create(model="out", prompt=PROMPT, echo=True, max_tokens=3, logprobs=0, temperature=0,
+                                       stream=True)  # fmt: skip
+    pieces = [c.choices[0] for c in stream if c.choices]
+    assert pieces[0].text == PROMPT and "".join(p.text for p in pieces) == more.choices[0].text
+    whole = more.choices[0].logprobs
+    assert whole is not None and [t for p in pieces if p.logprobs for t in p.logprobs.tokens or []] == whole.tokens
+    assert [v for p in pieces if p.logprobs for v in p.logprobs.token_logprobs or []] == whole.token_logprobs
 
 
 SCHEMA = {

@@ -113,6 +113,10 @@ def test_greedy_through_ray_serve_is_what_t2t_run_gives(served: Running) -> None
     assert whole is not None and whole.token_logprobs is not None and len(whole.token_logprobs) == 4
     streamed = [c.choices[0].logprobs for c in client.completions.create(**asked, stream=True) if c.choices]
     assert [v for p in streamed if p for v in p.token_logprobs or []] == whole.token_logprobs
+    echoed = {**asked, "echo": True}  # the prompt's log-probabilities cross too, with the first streamed piece
+    whole = client.completions.create(**echoed).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**echoed, stream=True) if c.choices]
+    assert whole is not None and [v for p in streamed if p for v in p.token_logprobs or []] == whole.token_logprobs
     assert sorted(m.id for m in client.models.list().data) == ["adapter_all", "adapter_qv", "smollm2"]
     assert http(f"{served.url}/health", key=None)[0] == 200
 

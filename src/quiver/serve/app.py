@@ -444,8 +444,10 @@ class Server:
             raise ApiError(429, str(exc), None, "queue_full") from None
         request_id, model = new_id("chatcmpl" if chat else "cmpl"), str(body["model"])
         prompt_tokens = sum(len(p.prompt_ids) for p in prompts)
+        echoed_ = [echo for echo in echoes for _ in range(counts.n)] if echoes else None
         if stream:
-            replies = self._events(jobs, events, request_id, model, chat, prompt_tokens if usage else None, tools)
+            used = prompt_tokens if usage else None
+            replies = self._events(jobs, events, request_id, model, chat, used, tools, echoed_)
             return StreamingResponse(replies, media_type="text/event-stream")
         watcher = asyncio.create_task(self._cancel_when_gone(http, jobs))
         try:
@@ -459,7 +461,6 @@ class Server:
             c for p in range(len(prompts)) for c in counts.chosen(dones[p * counts.best_of :][: counts.best_of], asked)
         ]
         text_of = self.service.tokenizer.token_text
-        echoed_ = [echo for echo in echoes for _ in range(counts.n)] if echoes else None
         return JSONResponse(completion(request_id, model, choices, chat, text_of, prompt_tokens, echoed_, tools))
 
     def _grammars(self) -> Grammars:
@@ -503,22 +504,30 @@ class Server:
         chat: bool,
         prompt_tokens: int | None,
         tools: ToolRequest | None = None,
+        echoes: list[Echo] | None = None,
     ) -> AsyncIterator[str]:
         """The stream's server-sent events, each choice's under its index, those decided while the last were
         sent in one write (a client or a hop that falls behind gets fewer, larger writes), with a last chunk
         of the usage where asked (`prompt_tokens` given: `stream_options.include_usage`, OpenAI's: no
-        choices); a chat's tool calls as one delta at the end of their choice (`tools`); the request is
+        choices); a chat's tool calls as one delta at the end of their choice (`tools`); each choice's
+        prompt first where echoed (`echoes`: its text, and its log-probabilities where asked); the request is
         cancelled if the client goes away."""
         count = len(jobs)
         first, previous = [True] * count, [job.submitted for job in jobs]
         asked, text_of = jobs[0].generation.logprobs is not None, self.service.tokenizer.token_text
         sent, offset = [0] * count, [0] * count  # log-probabilities sent, the characters before the next piece
+        echoed = [False] * count  # each choice's prompt sent (where echoed)
         streams = [ToolStream(tools) for _ in jobs] if tools is not None else None
         dones: dict[int, Done] = {}
         try:
             while len(dones) < count:
                 out = []
                 for i, event in await drained(events):
+                    if echoes is not None and not echoed[i] and not isinstance(event, Failed):  # the prompt first
+                        echoed[i], echo = True, replace(echoes[i], logprobs=event.prompt_logprobs or ())
+                        logprobs = reply_logprobs([] if asked else None, text_of, chat, echo=echo)
+                        out.append(_sse(chunk(request_id, model, chat, echo.text, logprobs=logprobs, index=i)))
+                        offset[i] = len(echo.text)
                     if isinstance(event, Token):
                         previous[i] = self._timed(jobs[i], event, previous[i])
                         logprobs = reply_logprobs(event.logprobs if asked else None, text_of, chat, offset[i])

@@ -96,6 +96,7 @@ class Token:
     text: str
     at: float  # time.perf_counter() when it was decided
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens' decided since the last event, where asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on a sequence's first event: the prompt's, where asked
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class _Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each content token's
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each prompt token's but the first
     sent: int = 0  # of `logprobs`, those its Token events carried
+    prompt_sent: bool = False  # its prompt's log-probabilities went with a Token event (an echo that streams)
     constraint: Constraint | None = None  # its grammar's matcher, where it has one
 
 
@@ -459,7 +461,10 @@ class Engine:
             sequence.logprobs.append(_entry(scores, sequence.reply.new_ids[-1], asked or 0))
         if piece:
             entries, sequence.sent = tuple(sequence.logprobs[sequence.sent :]), len(sequence.logprobs)
-            self._send(sequence.job, Token(piece, time.perf_counter(), entries))
+            prompt = None
+            if sequence.job.generation.prompt_logprobs is not None and not sequence.prompt_sent:
+                prompt, sequence.prompt_sent = tuple(sequence.prompt_logprobs), True
+            self._send(sequence.job, Token(piece, time.perf_counter(), entries, prompt))
         if reason is not None:
             self._leave(sequence, self._done(sequence, _FINISH.get(reason, "stop")))
 

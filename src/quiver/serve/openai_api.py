@@ -341,8 +341,6 @@ def echoed(body: Mapping[str, Any]) -> bool:
     echo = _field(body, "echo", (bool,), False)
     if echo and "messages" in body:
         raise ApiError(400, "'echo' is a completions field", "echo", "unsupported_parameter")
-    if echo and body.get("stream"):
-        raise ApiError(400, "'echo' cannot stream yet: ask without 'stream'", "echo", "unsupported_parameter")
     return bool(echo)
 
 

@@ -103,7 +103,7 @@ def _event(event: Event, held: bool | None = None) -> dict[str, Any]:
     """An engine event as plain data (Ray sends it to the ingress); the end says whether the replica held
     the request's adapter already (None: the base model)."""
     if isinstance(event, Token):
-        return {"text": event.text, "logprobs": event.logprobs}
+        return {"text": event.text, "logprobs": event.logprobs, "prompt_logprobs": event.prompt_logprobs}
     if isinstance(event, Done):
         return {"done": dataclasses.asdict(event), "held": held}
     return {"error": str(event.error), "queue_full": isinstance(event.error, QueueFullError)}
@@ -111,7 +111,9 @@ def _event(event: Event, held: bool | None = None) -> dict[str, Any]:
 
 def _from_event(data: Mapping[str, Any]) -> Event:
     if "text" in data:
-        return Token(str(data["text"]), time.perf_counter(), tuple(TokenLogprob(*e) for e in data.get("logprobs", ())))
+        prompt = data.get("prompt_logprobs")
+        return Token(str(data["text"]), time.perf_counter(), tuple(TokenLogprob(*e) for e in data.get("logprobs", ())),
+                     None if prompt is None else tuple(TokenLogprob(*e) for e in prompt))  # fmt: skip
     if "done" in data:
         done = dict(data["done"])
         for key in ("logprobs", "prompt_logprobs"):
