@@ -163,6 +163,7 @@ class Engine:
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._rows: list[_Sequence] = []  # decoding: row i is self._rows[i]
         self._prefilling: _Sequence | None = None  # in the row after them
+        self._unstored: _Sequence | None = None  # prefilled, its prompt's rows kept once its first token is out
         self._grammar_cache: Grammars | None = None  # llguidance's view of the tokenizer, at the first grammar
         self._mask_worker: concurrent.futures.ThreadPoolExecutor | None = None  # at the first constrained step
         # taken from the queue, waiting for an adapter slot to come free, oldest first; requests behind them
@@ -254,6 +255,7 @@ class Engine:
                     self._send(sequence.job, Failed(failure))
             finally:
                 self._flush()
+                self._store_prefix()
         for sequence in self._batch():
             self._leave(sequence, self._done(sequence, "cancelled"))
         self._flush()
@@ -390,11 +392,7 @@ class Engine:
             sequence.prompt_logprobs.append(_entry(log_probabilities(logits), prompt[sequence.cached], scored))
         if sequence.cached < len(prompt):
             return
-        if self.prefixes is not None:  # its rows kept for the next prompt that begins as it does
-            decoder, row = self.decoder, sequence.row
-            assert isinstance(decoder, BatchDecoder)
-            key = prefix_key(request.adapter, request.strengths)
-            self.prefixes.store(key, prompt, lambda length: decoder.copy_out(row, length))
+        self._unstored = sequence  # its rows kept for the next prompt that begins as it does (`_store_prefix`)
         if request.max_tokens == 0:  # the prompt's log-probabilities alone (an echo with nothing more)
             self._leave(sequence, self._done(sequence, "length"))
             return
@@ -475,9 +473,22 @@ class Engine:
         scored = tuple(sequence.prompt_logprobs) if request.prompt_logprobs is not None else None
         return Done(len(request.prompt_ids), list(reply.new_ids), reply.text, reason, logprobs, scored)
 
+    def _store_prefix(self) -> None:
+        """Keeps the rows of the prompt prefilled last (a copy: milliseconds at a long prompt) for prompts that
+        begin as it does, once its first token has gone to its client, or before its row is given back."""
+        sequence, self._unstored = self._unstored, None
+        if sequence is None or self.prefixes is None or sequence not in self._batch():
+            return
+        decoder, row, request = self.decoder, sequence.row, sequence.job.generation
+        assert isinstance(decoder, BatchDecoder)
+        key = prefix_key(request.adapter, request.strengths)
+        self.prefixes.store(key, request.prompt_ids, lambda length: decoder.copy_out(row, length))
+
     def _leave(self, sequence: _Sequence, event: Event) -> None:
         """The sequence gives its row (to the last one, moved into it) and its slot back; its client gets
         `event`."""
+        if sequence is self._unstored:
+            self._store_prefix()
         if sequence is self._prefilling:
             self._prefilling = None
             self.decoder.free([sequence.row])

@@ -2,7 +2,7 @@
 (a multi-turn chat, a shared system prompt, lm-eval's repeated contexts) is prefilled from where they part.
 
 Prefixes are matched in blocks of `BLOCK` tokens by chained hashes of their tokens (vLLM's automatic
-prefix caching, in larger blocks: a lookup walks fewer hashes), under the adapter and strengths that
+prefix caching, at its block size: a chat's new turn recomputes at most 15 tokens it could have reused), under the adapter and strengths that
 computed them (an adapter's low-rank terms change the keys and values); a hit is checked token by token
 (a hash may collide). Each prompt stores its longest whole-block prefix once (a copy of its rows), every
 shorter block prefix pointing into it; the least recently used go past `budget_bytes`. An adapter loaded
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BLOCK = 64  # tokens a prefix is matched by
+BLOCK = 16  # tokens a prefix is matched by (64: a 10-turn chat's last turn 1.72x its first, against 1.42x)
 DEFAULT_BUDGET_BYTES = 256 << 20
 
 PrefixKey = tuple[str | None, tuple[tuple[str, float], ...]]  # the adapter (None: the base model), its strengths
