@@ -2,11 +2,11 @@
 (a multi-turn chat, a shared system prompt, lm-eval's repeated contexts) is prefilled from where they part.
 
 Prefixes are matched in blocks of `BLOCK` tokens by chained hashes of their tokens (vLLM's automatic
-prefix caching, at its block size: a chat's new turn recomputes at most 15 tokens it could have reused), under the adapter and strengths that
-computed them (an adapter's low-rank terms change the keys and values); a hit is checked token by token
-(a hash may collide). Each prompt stores its longest whole-block prefix once (a copy of its rows), every
-shorter block prefix pointing into it; the least recently used go past `budget_bytes`. An adapter loaded
-or unloaded under a name forgets that name's prefixes.
+prefix caching, at its block size: a chat's new turn recomputes at most 15 tokens it could have reused),
+under the adapter and strengths that computed them (an adapter's low-rank terms change the keys and
+values); a hit is checked token by token (a hash may collide). Each prompt stores its longest whole-block
+prefix once (a copy of its rows), every shorter block prefix pointing into it; the least recently used go
+past `budget_bytes`. An adapter loaded or unloaded under a name forgets that name's prefixes.
 """
 
 from __future__ import annotations
