@@ -76,10 +76,7 @@ def _end_forked_child() -> None:
             stream.flush()
         except Exception:  # a closed or broken stream: nothing more to write
             pass
-    try:
-        ctypes.CDLL(None).fflush(None)  # C stdio buffers, which os._exit would drop
-    except (OSError, AttributeError):
-        pass
+    portable.flush_c_streams()  # C stdio buffers, which os._exit would drop
     os._exit(_status_code(_exit_status[0]))
 
 

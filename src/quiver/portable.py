@@ -1,6 +1,7 @@
 """What differs between operating systems, in one place: file locks, fork hooks, the machine's memory,
-memory given on demand and huge pages (Windows has neither `fcntl` nor `fork` nor `sysconf`; huge pages
-on request are Linux's and glibc's), each a portable equivalent or nothing to do where the OS lacks it."""
+memory given on demand and huge pages, and every call into the C library (Windows has neither `fcntl` nor
+`fork` nor `sysconf`; huge pages on request, `madvise`, `malloc_trim` and `mallopt` are Linux's and
+glibc's), each a portable equivalent or nothing to do where the OS lacks it."""
 
 from __future__ import annotations
 
@@ -28,14 +29,80 @@ def _optional(name: str) -> ModuleType | None:
 fcntl: Any = _optional("fcntl")  # POSIX: flock, and Linux's leases (formats.file_guard)
 _msvcrt: Any = _optional("msvcrt")  # Windows: byte-range locks
 CAN_LOCK = fcntl is not None or _msvcrt is not None  # whether `lock_file` keeps processes apart here
-_C_LIBRARY = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_VOID, _SIZE, _INT = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+# the C library's calls Quiver makes, their result and argument types (set once, on the one handle)
+_PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
+    "madvise": (_INT, [_VOID, _SIZE, _INT]),
+    "malloc_trim": (_INT, [_SIZE]),
+    "mallopt": (_INT, [_INT, _INT]),
+    "fflush": (_INT, [_VOID]),
+    "mmap": (_VOID, [_VOID, _SIZE, _INT, _INT, _INT, ctypes.c_long]),
+    "mremap": (_VOID, [_VOID, _SIZE, _SIZE, _INT, _VOID]),
+    "mprotect": (_INT, [_VOID, _SIZE, _INT]),
+    "munmap": (_INT, [_VOID, _SIZE]),
+    "process_vm_readv": (ctypes.c_ssize_t, [_INT, _VOID, ctypes.c_ulong, _VOID, ctypes.c_ulong, ctypes.c_ulong]),
+}
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _c_library() -> ctypes.CDLL | None:
+    """The process's C library (Linux), with `_PROTOTYPES` set on the calls it has; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        library = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    for name, (result, arguments) in _PROTOTYPES.items():
+        call = getattr(library, name, None)  # musl has no malloc_trim nor mallopt
+        if call is not None:
+            call.restype, call.argtypes = result, arguments
+    return library
+
+
+C_LIBRARY = _c_library()  # the one handle on the C library (formats.file_guard maps and reads memory with it)
+
+
+def c_call(name: str) -> Any:
+    """The C library's `name` with its prototype (`_PROTOTYPES`), or None where the OS or library lacks it."""
+    return getattr(C_LIBRARY, name, None) if C_LIBRARY is not None else None
 
 
 def return_freed_memory() -> None:
     """Hands the heap's free pages back to the OS (glibc's malloc_trim): memory a large allocation freed
     may stay in the process's RSS without it. Nothing to do elsewhere."""
-    if _C_LIBRARY is not None and hasattr(_C_LIBRARY, "malloc_trim"):
-        _C_LIBRARY.malloc_trim(0)
+    trim = c_call("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
+def map_large_blocks_alone(threshold: int = 256 * 1024) -> None:
+    """Makes the allocator map every block of `threshold` bytes or more on its own and unmap it when freed
+    (glibc's `mallopt(M_MMAP_THRESHOLD)`; a fixed threshold also turns its dynamic one off). Nothing where
+    the C library has no `mallopt` (musl, other OSes): its own policy stands."""
+    mallopt = c_call("mallopt")
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, threshold)
+
+
+def flush_c_streams() -> None:
+    """Writes out the C library's stdio buffers (`fflush(NULL)`): `os._exit` would drop them."""
+    flush = c_call("fflush")
+    if flush is not None:
+        flush(None)
+
+
+def advise_pages(start: int, length: int, *advice: int) -> None:
+    """`madvise` with each of `advice` (mmap.MADV_* values) on the whole pages within `[start, start +
+    length)` of this process's memory (neighbours may share the edge pages: those are left); nothing where
+    the OS has no madvise."""
+    madvise = c_call("madvise")
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, (start + length) // page * page
+    if madvise is None or last <= first:
+        return
+    for each in advice:
+        madvise(first, last - first, each)
 
 
 def physical_memory() -> int | None:

@@ -141,3 +141,22 @@ def test_a_replica_started_elsewhere_gets_this_process_choice_of_huge_pages(
     monkeypatch.setattr(portable, "transparent_huge_pages", lambda: "madvise")
     monkeypatch.setattr(portable, "_libc", lambda: ("glibc", "2.36"))
     assert portable.huge_page_tunables(environ) == tunables
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise through the C library: Linux's")
+def test_the_c_library_is_reached_through_portable_alone() -> None:
+    """One handle, with the prototypes of the calls made: madvise (MADV_DONTNEED on private memory reads
+    back as zeros, whole pages only), malloc_trim, fflush; a call the library lacks is None."""
+    import ctypes
+    import mmap
+
+    memory = portable.zeros_on_demand(4 * mmap.PAGESIZE)
+    memory[:] = b"\x01" * len(memory)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    portable.advise_pages(start + 10, 2 * mmap.PAGESIZE, mmap.MADV_DONTNEED)  # covers page 1 only, whole
+    assert memory[: mmap.PAGESIZE] == b"\x01" * mmap.PAGESIZE
+    assert memory[mmap.PAGESIZE : 2 * mmap.PAGESIZE] == b"\x00" * mmap.PAGESIZE
+    assert memory[2 * mmap.PAGESIZE :] == b"\x01" * (2 * mmap.PAGESIZE)
+    portable.return_freed_memory()
+    portable.flush_c_streams()
+    assert portable.c_call("no_such_call") is None and portable.c_call("madvise") is not None

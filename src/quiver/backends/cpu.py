@@ -9,11 +9,9 @@ packed session in the background after its first output ("lazy prepacking").
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import mmap
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -70,9 +68,6 @@ _REDROP_EVERY = 256  # runs between two drops of packed weights' mapped pages (0
 _DROP_WHILE_PACKING_S = 0.02  # how often mapped pages are let go while a session packs its weights
 # Making and dropping ORT sessions, which a fork waits for (see fork_gate); for other modules that make them.
 fork_waits = _ort_capi.fork_waits
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _ort_failure(exc: Exception) -> BackendError:
@@ -177,15 +172,8 @@ def _drop_resident_pages(arrays: list[np.ndarray]) -> None:
 
 def _advise(arrays: list[np.ndarray], *advice: int) -> None:
     """madvise() on the whole pages of each array (neighbours may share the edge pages)."""
-    if _LIBC is None:
-        return
     for array in arrays:
-        start = array.__array_interface__["data"][0]
-        first = -(-start // _PAGE) * _PAGE
-        last = (start + array.nbytes) // _PAGE * _PAGE
-        if last > first:
-            for each in advice:
-                _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), each)
+        portable.advise_pages(array.__array_interface__["data"][0], array.nbytes, *advice)
 
 
 def _packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], _Session]) -> _Session:
@@ -196,7 +184,7 @@ def _packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], _Sess
     Pages ORT still reads fault back in from the page cache. Read-ahead stays on while it packs
     (no MADV_RANDOM here): it reads each weight from start to end.
     """
-    if _LIBC is None or not arrays:
+    if portable.c_call("madvise") is None or not arrays:
         return create()
     done = threading.Event()
 

@@ -25,12 +25,11 @@ import ctypes
 import errno
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from quiver import fork
+from quiver import fork, portable
 from quiver.portable import fcntl
 
 POLL_S = 0.02  # how often the watcher looks at the leases: the delay another process's truncate waits
@@ -57,22 +56,11 @@ class _Guarded:
 
 
 def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create") or fcntl is None:
+    """The C library, where a file's pages can be swapped for a private copy (Linux: memfd, leases)."""
+    if not hasattr(os, "memfd_create") or fcntl is None:
         return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.mremap.restype = ctypes.c_void_p
-        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.process_vm_readv.restype = ctypes.c_ssize_t
-        libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                                          ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
-    except (OSError, AttributeError):
-        return None
-    return libc
+    return portable.C_LIBRARY if all(portable.c_call(n) for n in ("mmap", "mremap", "mprotect", "munmap",
+                                                                   "process_vm_readv")) else None  # fmt: skip
 
 
 _LIBC = _libc()

@@ -19,13 +19,11 @@ What a client can spend is bounded before it is spent (the threat model is in th
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import hmac
 import ipaddress
 import socket
 import socketserver
-import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -34,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from quiver import portable
 from quiver.backends.base import Backend, FinalizedGraph
 from quiver.errors import BackendError, QuiverError, TuningError
 from quiver.tuning.profiler import FeedSet, LocalProfiler
@@ -55,7 +54,6 @@ _MAX_RUNS = 1000
 _MAX_GRAPHS = 16  # per connection, each holding its weights in the store
 _MAX_INPUT_SETS = 64  # input handles per connection
 _MAX_VARIANTS = 64  # prepared variants alive per connection (each one ORT session)
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _HELLO_LIMIT = 64 * 1024  # the largest frame a connection may send before it has authenticated
 
 
@@ -423,15 +421,7 @@ def return_large_blocks_to_the_system() -> None:
     freed so far, after which 16 MB frames come from per-thread arenas that keep their pages: a server of
     many connection threads then holds several times its budget long after the frames are gone. For
     processes that exist to serve (the CLI calls it); a library does not change its host's allocator."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt): its own policy stands
-        return
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mallopt(_M_MMAP_THRESHOLD, 256 * 1024)  # a fixed threshold also turns glibc's dynamic one off
+    portable.map_large_blocks_alone(256 * 1024)
 
 
 def is_loopback(host: str) -> bool:
