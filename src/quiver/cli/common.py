@@ -67,6 +67,14 @@ def parse_model_arg(text: str) -> tuple[Path, str]:
     return Path(text), Path(text).stem
 
 
+def named_path(value: str, what: str) -> tuple[str, Path]:
+    """`NAME=PATH` (an adapter by name: `--lora`); anything else a usage error saying `what` PATH is."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise click.BadParameter(f"{value!r}: give NAME=PATH ({what})")
+    return name, Path(path)
+
+
 def parse_shape_args(values: Sequence[str]) -> dict[str, list[int | str]]:
     shapes: dict[str, list[int | str]] = {}
     for value in values:

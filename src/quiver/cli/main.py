@@ -20,8 +20,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except QuiverError as exc:
         err_console.print(f"quiver: error: {printable(str(exc))}", markup=False, highlight=False, soft_wrap=True)
         return 1
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # a usage error: one line too, with where the usage is
+        command = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else None
+        hint = f" (see '{command} --help')" if command else ""
+        err_console.print(f"quiver: error: {printable(exc.format_message())}{hint}", markup=False, highlight=False,
+                          soft_wrap=True)  # fmt: skip
         return 2
     except click.Abort:
         err_console.print("quiver: aborted")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from quiver.cli.common import cli, console
+from quiver.cli.common import cli, console, named_path
 from quiver.errors import QuiverError
 from quiver.serve.tools import PARSERS as TOOL_PARSERS  # names only: the serve extra loads with a server
 
@@ -129,7 +129,7 @@ def serve_command(
         raise ServeError(f"a server on {host} (beyond loopback) needs an API key: pass --api-key or set "
                          f"{API_KEY_ENVIRONMENT}, or listen on 127.0.0.1")  # fmt: skip
     template = find_chat_template(config_path.resolve().parent, chat_template)
-    added = [_named_path(entry) for entry in loras]
+    added = [named_path(entry, "a PEFT folder or a .qsec") for entry in loras]
     given_hosts = [name for entry in hosts for name in entry.split(",") if name.strip()]
     given_origins = [origin.strip() for entry in origins for origin in entry.split(",") if origin.strip()]
 
@@ -182,13 +182,6 @@ def serve_command(
         serve(server, host, port, lambda h, p: ready(h, p, server.served.model_ids()), limits, parser)
     except KeyboardInterrupt:
         pass
-
-
-def _named_path(entry: str) -> tuple[str, Path]:
-    name, sep, path = entry.partition("=")
-    if not sep or not name or not path:
-        raise ServeError(f"--lora {entry!r}: give NAME=PATH (a PEFT folder or a .qsec)")
-    return name, Path(path)
 
 
 def _serve_on_ray(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.table import Table
 
-from quiver.cli.common import as_mb, cli, console, emit_json, status_line
+from quiver.cli.common import as_mb, cli, console, emit_json, named_path, status_line
 from quiver.cli.tune import print_tuning, run_tuning, tuning_options
 from quiver.formats.files import read_text
 from quiver.t2t.quantize import DEFAULT_QUANTIZER, QUANTIZERS, parse_override
@@ -23,13 +23,6 @@ if TYPE_CHECKING:
 @cli.group()
 def t2t() -> None:
     """Text generation: export an LLM with its adapters, then generate (Genie's role)."""
-
-
-def _named_path(value: str) -> tuple[str, Path]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise click.BadParameter(f"{value!r}: give NAME=PEFT_DIR")
-    return name, Path(path)
 
 
 @t2t.command("export")
@@ -129,7 +122,7 @@ def t2t_export(
         _print_files(dialog, [dialog.ctx_bins[0], dialog.tokenizer, dialog.path], as_json, None)
         return
 
-    adapters: dict[str, Path] = dict(_named_path(v) for v in loras)
+    adapters: dict[str, Path] = dict(named_path(v, "a PEFT folder") for v in loras)
     use_cases = None
     if lora_config is not None:
         if adapters:

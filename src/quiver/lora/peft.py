@@ -60,11 +60,9 @@ def _texts(values: Any) -> list[str] | None:
 
 
 def _regex_parser() -> Any:
-    """The standard library's regex parser: `re._parser` from Python 3.11, `sre_parse` before it."""
-    try:
-        from re import _parser  # type: ignore[attr-defined]
-    except ImportError:  # Python 3.10
-        import sre_parse as _parser  # type: ignore[no-redef]
+    """The standard library's regex parser (`re._parser`, Python 3.11 on: the versions Quiver runs on)."""
+    from re import _parser  # type: ignore[attr-defined]
+
     return _parser
 
 
@@ -108,7 +106,10 @@ def _pattern_value(patterns: dict[str, Any], module: str) -> Any:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """The parts of PEFT's `LoraConfig` that decide which modules are adapted and how much."""
+    """The parts of PEFT's `LoraConfig` that decide which modules are adapted and how much. Not
+    `fan_in_fan_out`: it says how the base layer stores its weight (GPT-2's Conv1D, [in, out]); the LoRA
+    matrices are stored alike either way, and Quiver's branches (x Aᵀ Bᵀ beside the layer, or merged into
+    an ONNX MatMul's [in, out] weight) read only them."""
 
     r: int
     lora_alpha: float
@@ -116,7 +117,6 @@ class LoraConfig:
     use_rslora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
-    fan_in_fan_out: bool = False
     layers_to_transform: list[int] | None = None
     layers_pattern: list[str] | None = None
 
@@ -145,7 +145,6 @@ class LoraConfig:
                 use_rslora=bool(raw.get("use_rslora", False)),
                 rank_pattern={_text(k): _integer(v) for k, v in (raw.get("rank_pattern") or {}).items()},
                 alpha_pattern={_text(k): _finite(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
-                fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
                 layers_to_transform=[_integer(layers)] if isinstance(layers, int) else _integers(layers),
                 layers_pattern=[pattern] if isinstance(pattern, str) else _texts(pattern),
             )

@@ -363,7 +363,7 @@ class Server:
             # runs would sit in a reference cycle with that task (and the request's buffers with it) until
             # the cyclic collector runs
             refused = await asyncio.wait_for(self._read(request, data), self.body_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             refused = ApiError(408, f"the body did not arrive within {self.body_timeout_s:g} s", None,
                                "body_timeout")  # fmt: skip
         finally:

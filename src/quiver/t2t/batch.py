@@ -39,11 +39,10 @@ from quiver.runtime.sections import SECTION_CACHE_BYTES
 from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import BATCH_GRAPH, DialogConfig, adapter_use_cases, cpu_backend_for, read_dialog_config
-from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
+from quiver.t2t.graph import INPUT_IDS, LOGITS, PAST, PRESENT, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.kv_memory import CacheMemory, zeros
 from quiver.t2t.tokenizer import TextTokenizer
 
-_PAST, _PRESENT = "past_key_values.", "present."
 BASE_SLOT = 0
 
 
@@ -141,7 +140,7 @@ class BatchDecoder:
             )
         self._graph = graph = self._context.graph(BATCH_GRAPH)
         inputs = {i.name: i for i in graph.inputs}
-        rows = {name: _row_shape(info.shape) for name, info in inputs.items() if name.startswith(_PAST)}
+        rows = {name: _row_shape(info.shape) for name, info in inputs.items() if name.startswith(PAST)}
         if not rows or not all(rows.values()):
             raise GenerationError(f"{config.ctx_bins[0]}: graph {BATCH_GRAPH!r} has no KV cache inputs of a fixed size")
         self.capacity = next(iter(rows.values()))[1]
@@ -164,7 +163,7 @@ class BatchDecoder:
         self._slot_count = adapter_slots + 1  # slot 0 (the base model) has no tables
         self._tables: dict[str, _Table] = {}
         for name, info in inputs.items():
-            if name in (INPUT_IDS, SEQLENS_K, TOTAL_LENGTH) or name.startswith(_PAST):
+            if name in (INPUT_IDS, SEQLENS_K, TOTAL_LENGTH) or name.startswith(PAST):
                 continue
             stored = self._context.file.weights[weights[name]].shape if name in weights else None
             three_d = info.shape is not None and len(info.shape) == 3  # [1 or rows, rank, width]
@@ -407,7 +406,7 @@ class BatchDecoder:
         """The cache views of these rows as past feeds, and the outputs: the logits, and as presents the
         very same view objects (the backend then hands ORT one buffer for both: appended in place)."""
         caches = {name: array[rows] for name, array in self._cache.items()}
-        out = {LOGITS: self._logits[rows]} | {_PRESENT + n[len(_PAST) :]: a for n, a in caches.items()}
+        out = {LOGITS: self._logits[rows]} | {PRESENT + n[len(PAST) :]: a for n, a in caches.items()}
         return caches, out
 
     def move(self, source: int, target: int, cached: int) -> None:

@@ -26,12 +26,10 @@ from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import DialogConfig, cpu_backend_for, read_dialog_config
 from quiver.t2t.continuation import Continuation, ending_tokens
 from quiver.t2t.external_cache import ExternalCache
-from quiver.t2t.graph import INPUT_IDS, LOGITS, SEQLENS_K, TOTAL_LENGTH
+from quiver.t2t.graph import INPUT_IDS, LOGITS, PAST, PRESENT, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.kv_memory import CacheMemory
 from quiver.t2t.sampling import Sampler, Sampling
 from quiver.t2t.tokenizer import TextTokenizer, is_utf8
-
-_PAST, _PRESENT = "past_key_values.", "present."
 
 
 def _fixed(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
@@ -103,7 +101,7 @@ class Dialog:
 
     def _bind_quiver_graphs(self, config: DialogConfig) -> None:
         """`quiver t2t export`'s graphs: one fixed cache buffer per layer, a decode step bound once."""
-        shapes = {i.name: _fixed(i.shape) for i in self._decode.inputs if i.name.startswith(_PAST)}
+        shapes = {i.name: _fixed(i.shape) for i in self._decode.inputs if i.name.startswith(PAST)}
         logits_shape = next((_fixed(o.shape) for o in self._decode.outputs if o.name == LOGITS), ())
         if not shapes or not logits_shape or not all(len(s) == 4 for s in shapes.values()):
             self._context.close()
@@ -120,7 +118,7 @@ class Dialog:
             )
         self._cache = CacheMemory(shapes).arrays  # its memory grows with the tokens cached
         self._logits = np.zeros(logits_shape, np.float32)
-        self._out = {LOGITS: self._logits} | {_PRESENT + n[len(_PAST) :]: a for n, a in self._cache.items()}
+        self._out = {LOGITS: self._logits} | {PRESENT + n[len(PAST) :]: a for n, a in self._cache.items()}
         self._token_feeds = token, seqlens, length = (
             np.zeros((1, 1), np.int64),
             np.zeros(1, np.int32),

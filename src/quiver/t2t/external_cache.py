@@ -11,7 +11,8 @@ import numpy as np
 
 from quiver.errors import GenerationError
 from quiver.runtime.graph import Graph
-from quiver.t2t.onnx_decoder import ATTENTION_MASK, INPUT_IDS, LOGITS, PAST, POSITION_IDS, PRESENT
+from quiver.t2t.graph import PAST, PRESENT
+from quiver.t2t.onnx_decoder import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
 
 
 def _dims(shape: tuple[int | str | None, ...] | None) -> tuple[int | None, ...]:

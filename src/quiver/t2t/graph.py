@@ -40,12 +40,15 @@ HEAD_ROWS = "lm_head.rows"  # an untied head's float [vocab, hidden] rows, kept 
 OPSET = 21
 
 
+PAST, PRESENT = "past_key_values.", "present."  # the KV cache's inputs and outputs: PAST + "{layer}.key"...
+
+
 def past_names(layer: int) -> tuple[str, str]:
-    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+    return f"{PAST}{layer}.key", f"{PAST}{layer}.value"
 
 
 def present_names(layer: int) -> tuple[str, str]:
-    return f"present.{layer}.key", f"present.{layer}.value"
+    return f"{PRESENT}{layer}.key", f"{PRESENT}{layer}.value"
 
 
 class _Builder:

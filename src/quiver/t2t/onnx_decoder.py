@@ -31,10 +31,10 @@ from quiver.t2t.config import (
     dialog_config_document,
 )
 from quiver.t2t.export import CONFIG_FILE, CONTEXT_FILE, TOKENIZER_FILE, copy_tokenizer
+from quiver.t2t.graph import PAST, PRESENT
 from quiver.t2t.hf import token_ids
 
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
-PAST, PRESENT = "past_key_values.", "present."
 GENAI_CONFIG = "genai_config.json"
 MODEL_FILES = ("model.onnx", "decoder_model_merged.onnx", "decoder_with_past_model.onnx")
 _PAST_NAME = re.compile(r"past_key_values\.(\d+)\.(key|value)")
