@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from quiver._version import __version__
+from quiver.cli.root import cli as cli  # the group itself (in a module of its own: the entry point reads it first)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -119,12 +119,6 @@ def parse_file_shapes(values: Sequence[str]) -> dict[str, list[int]]:
         return {name: [int(d) for d in dims] for name, dims in parse_shape_args(values).items()}
     except ValueError:
         raise click.BadParameter("input file shapes are numbers: NAME=1,128") from None
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="quiver")
-def cli() -> None:
-    """Quiver: one base model, many fine-tunes, in one weight-shared context binary."""
 
 
 def printable(value: Any) -> Any:

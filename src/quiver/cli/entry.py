@@ -18,7 +18,9 @@ DECODING_COMMANDS = (("serve",), ("t2t", "run"), ("t2t", "tune"))
 def restart_with_huge_pages(args: Sequence[str]) -> None:
     """Replaces this process (`os.execve`: the same pid, the same command line) with one whose malloc asks
     for huge pages, when `args` run a decoding command and that would change anything; else returns."""
-    words = tuple(a for a in args if not a.startswith("-"))[:2]  # the command and its subcommand
+    from quiver.cli.root import command_words  # click alone: the rest of the CLI loads after the restart
+
+    words = command_words(list(args))
     if not any(words[: len(command)] == command for command in DECODING_COMMANDS) or not sys.orig_argv:
         return
     environ = portable.huge_page_environment(os.environ)
