@@ -1,5 +1,6 @@
 """The QNN EP's operator list (DESIGN.md: the floor for every backend) is taken on: each of its operators
-is one Quiver supports, and the cpu and reference backends run a graph of it."""
+is one Quiver's operator table supports (ONNX's node tests run them on each backend:
+tests/integration/test_node_conformance.py)."""
 
 from __future__ import annotations
 
