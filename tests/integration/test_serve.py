@@ -868,7 +868,7 @@ def test_a_batch_beyond_the_machines_memory_is_refused_at_start(exported: Path) 
 def test_an_outbox_delivers_in_order_with_one_wake_up_for_what_arrives_together() -> None:
     import asyncio
 
-    from quiver.serve.service import Outbox
+    from quiver.serve.loop import Outbox
 
     async def main() -> tuple[list[int], list[int], int]:
         outbox = Outbox(asyncio.get_running_loop())

@@ -1,1 +1,2 @@
-"""Graph model over ONNX: dtypes, the operator support table, tensor descriptions."""
+"""Graph model over ONNX: protobuf messages without the onnx package, dtypes, the operator support table,
+tensor descriptions, small edits, packed sub-byte values and weights made when stored."""

@@ -37,6 +37,7 @@ from quiver.serve.chat import ChatTemplate
 from quiver.serve.engine import Done, EngineFaultError, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.grammar import GrammarError, Grammars, json_schema_grammar
 from quiver.serve.guard import Guard, Limits, guarded
+from quiver.serve.loop import Outbox, drained
 from quiver.serve.metrics import Metrics
 from quiver.serve.openai_api import (
     ApiError,
@@ -60,7 +61,7 @@ from quiver.serve.openai_api import (
     usage,
     usage_chunk,
 )
-from quiver.serve.service import Outbox, Service, ServiceUnavailableError, drained
+from quiver.serve.service import Service, ServiceUnavailableError
 from quiver.serve.tools import ToolError, ToolRequest, ToolStream, parser_for, template_messages, tool_request
 from quiver.t2t.tokenizer import is_utf8
 

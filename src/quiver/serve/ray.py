@@ -44,9 +44,10 @@ from quiver.serve.browsers import allowed_hosts
 from quiver.serve.chat import find_chat_template
 from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token, TokenLogprob
 from quiver.serve.guard import Limits
+from quiver.serve.loop import Outbox, drained
 from quiver.serve.metrics import Metrics
 from quiver.serve.prefix_cache import DEFAULT_BUDGET_BYTES
-from quiver.serve.service import LocalService, Outbox, ServiceUnavailableError, drained
+from quiver.serve.service import LocalService, ServiceUnavailableError
 from quiver.t2t.config import adapter_use_cases, read_dialog_config
 from quiver.t2t.model_source import ensure_model_folder
 from quiver.t2t.tokenizer import TextTokenizer
