@@ -223,8 +223,8 @@ def huge_page_environment(
 ) -> dict[str, str] | None:
     """`environ` with glibc's malloc set to back its memory with transparent huge pages, for a process that
     reads hundreds of MB of weights every step (ORT's packed copies of them live in malloc's memory: with
-    4 KB pages a step walks page tables for many of their ~100k pages; SmolLM2's decode measured 3-15 %
-    faster with 2 MB ones). Only where the kernel gives huge pages on request alone (`madvise` mode: `always`
+    4 KB pages a step walks page tables for many of their pages; decode runs faster with 2 MB ones:
+    docs/BENCHMARKS.md). Only where the kernel gives huge pages on request alone (`madvise` mode: `always`
     gives them anyway, `never` not at all) and the C library is glibc 2.35 or later; None where nothing
     would change, or where it was chosen already (the tunable set either way, or QUIVER_HUGE_PAGES set:
     0 by the user, 1 by an earlier call). glibc reads it when a process starts: it serves a process started

@@ -1,5 +1,5 @@
-"""CRC-32 (zlib's polynomial, as format 1.5 records it) at SIMD speed: zlib-ng's, 0.07 ms for a 3.5 MB
-section against 0.9-1.2 ms for the standard library's (measured); imported on first use (~2.5 ms)."""
+"""CRC-32 (zlib's polynomial, as format 1.5 records it) at SIMD speed: zlib-ng's, an order of magnitude
+faster than the standard library's on a section; imported on first use."""
 
 from __future__ import annotations
 

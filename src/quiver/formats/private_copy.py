@@ -1,13 +1,12 @@
 """Private copies of files (sections loaded from a path): made by the kernel into a memfd where it can.
 
 A section loaded from a path is copied, so that what was checked is what is used whatever later happens
-to the file. Most of a copy's cost is making fresh pages, not moving bytes: 3.5 MB take ~1 ms through a
-memfd (the kernel copies page-cache pages into it), 2.3 ms read into fresh memory, 0.2 ms read into
-pages that already exist (measured). Keeping such pages ready on a background thread was measured and
-left out: in a process whose ONNX Runtime threads keep the cores busy, that thread's turns at the GIL
-and at the memory map's lock cost the next load up to 10 ms. Neither were transparent huge pages kept
-(`MADV_HUGEPAGE`): 0.6 ms for the first few copies, then ~10 ms each once the kernel handed out huge
-pages this VM's host had not backed yet (measured in the section benchmark's process).
+to the file. Most of a copy's cost is making fresh pages, not moving bytes: through a memfd the kernel
+copies page-cache pages into it, faster than reading into fresh memory. Keeping such pages ready on a
+background thread was measured and left out: in a process whose ONNX Runtime threads keep the cores
+busy, that thread's turns at the GIL and at the memory map's lock slowed the next load. Neither were
+transparent huge pages kept (`MADV_HUGEPAGE`): copies slowed once the kernel handed out huge pages the
+host had not backed yet. (The measurements: docs/worklog.md.)
 """
 
 from __future__ import annotations

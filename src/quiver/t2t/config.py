@@ -82,8 +82,7 @@ def adapter_use_cases(config: DialogConfig) -> dict[str, LoraAdapterConfig]:
 def cpu_backend_for(config: DialogConfig, packed_weights: str | Path | None = None) -> CpuBackend:
     """The cpu backend the config's engine asks for: its threads, its accuracy level, packed eagerly, its
     threads idle between runs (a prefill and the decode steps after it run on different sessions, each
-    with its own threads: one's spinning would slow the other's runs; measured on SmolLM2 int4, prefill
-    ~18 % and decode 2-8 % faster)."""
+    with its own threads: one's spinning would slow the other's runs)."""
     from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend  # ORT loads with a model, not a config
 
     level = DEFAULT_ACCURACY_LEVEL if config.accuracy_level is None else config.accuracy_level

@@ -379,7 +379,7 @@ class Dialog:
     # --- state --------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forgets the conversation. The cache keeps the memory its longest conversation so far made (given
-        back, the next prompt's prefill would make it again: ~4 % slower at 512 tokens, measured)."""
+        back, the next prompt's prefill would make it again, and run slower)."""
         with self._lock:
             self._history, self._pending = [], []
 

@@ -8,17 +8,18 @@ Quantizers, by name:
 * `rtn-min`: round to nearest with a scale and a float minimum per block, as GGUF's Q4_1 stores them:
   w = s q + m, s = (max - min) / 15, m = min. Exact for weights already on such a grid (a model
   dequantized from Q4_1, as SmolLM2's are). MatMulNBits' fast kernels take integer zero points only (a
-  float one is 50-290x slower, measured), so the minimum is added apart: x W = MatMulNBits(x; q, s, zero
+  float one is far slower), so the minimum is added apart: x W = MatMulNBits(x; q, s, zero
   point 8) + (x's sums per block) C, with C[b, n] = m + 8 s: one small MatMul per projection, and the
   sums once per input (a MatMul by ones on each block). Its exactness would be lost to the int8
-  activations of ORT's fast kernel (each block of x rounded to 255 steps; SmolLM2 kept 45 and 16 of 128
-  tokens on two prompts), so its MatMulNBits nodes compute with float activations (accuracy level 0, set
+  activations of ORT's fast kernel (each block of x rounded to 255 steps: SmolLM2's greedy tokens left
+  the float model's), so its MatMulNBits nodes compute with float activations (accuracy level 0, set
   on the node: the backend's level leaves them), which is as fast as int8 for a prompt's many rows but
-  2.5-4x slower for a decode step's one. The decode graph (`exact_rows`) feeds each input as two rows
+  slower for a decode step's one. The decode graph (`exact_rows`) feeds each input as two rows
   instead, x and what the int8 grid loses of it (x minus x on that grid: the grid itself from
   MatMulNBits by the identity, the kernel's own rounding), at the backend's level, and sums the two
-  results with the minimums' term: the remainder's rounding is ~255x smaller again (SmolLM2 keeps 128 of
-  128), and two rows cost a step's MatMulNBits 1.3-1.6x one row's (the weights are read once).
+  results with the minimums' term: the remainder's rounding is 255 times finer again (SmolLM2 keeps the
+  float model's greedy tokens), and two rows cost a step's MatMulNBits little more than one (the weights
+  are read once; the numbers: docs/BENCHMARKS.md).
 * `hqq`: the same form as `rtn-min` (a scale and a float minimum per block, the same two forms), the
   minimum fitted by HQQ (Badri & Shaji, 2023: a few half-quadratic steps that make the rounding error
   sparse, an l0.7 penalty) instead of taken from the block's smallest weight; no calibration.
