@@ -45,7 +45,7 @@ elif kind == "quiver_ort":
     import onnxruntime as ort
 else:
     import quiver
-    import quiver.backends.cpu, quiver.runtime.context  # what opening needs (imported lazily by quiver)
+    import quiver.backends.cpu.backend, quiver.runtime.context  # what opening needs (imported lazily by quiver)
     import onnxruntime as ort
 imports_ms = (time.perf_counter() - start) * 1e3
 case = dict(np.load(npz)); case.pop(output)
@@ -113,7 +113,7 @@ import json, mmap, sys, time, types
 start = time.perf_counter()
 import numpy as np
 import onnxruntime as ort
-from quiver.backends import cpu, cpu_weights
+from quiver.backends.cpu import CpuBackend, SessionSettings, sessions, weights as cpu_weights
 imports_ms = (time.perf_counter() - start) * 1e3
 plan_path, npz, output = sys.argv[1:4]
 plan = json.loads(open(plan_path).read())
@@ -126,8 +126,8 @@ def views(entries):
     return {n: np.frombuffer(mapped, d, count(s), o).reshape(s) for n, (o, d, s) in entries.items()}
 with open(plan["model"], "rb") as f:
     weights = cpu_weights.SessionWeights(f.read(), views(plan["shared"]), views(plan["readable"]), plan["folder"], None)
-session = cpu._create_session(
-    types.SimpleNamespace(name=plan["graph"]), weights, cpu.CpuBackend(), cpu.SessionSettings(**plan["settings"]),
+session = sessions.create_session(
+    types.SimpleNamespace(name=plan["graph"]), weights, SessionSettings(**plan["settings"]), CpuBackend().container,
     **plan["how"],
 )
 session.run(plan["outputs"], case, {}, {})
@@ -139,16 +139,16 @@ import os; os._exit(0)
 def floor_setup(qctx: Path, graph: str, case: dict[str, np.ndarray]) -> Path:
     """The first session Quiver makes for `graph` (captured from one open on `case`), as a plan for
     FLOOR_WORKER: its model bytes in a file, and where each of its weights lies in the context."""
-    from quiver.backends import cpu
+    from quiver.backends.cpu import sessions
 
     captured: list[tuple[Any, ...]] = []
-    create = cpu._create_session
+    create = sessions.create_session
 
-    def capture(graph_: Any, weights: Any, backend: Any, settings: Any, **how: Any) -> Any:
+    def capture(graph_: Any, weights: Any, settings: Any, container: Any, **how: Any) -> Any:
         captured.append((weights, settings, how))
-        return create(graph_, weights, backend, settings, **how)
+        return create(graph_, weights, settings, container, **how)
 
-    cpu._create_session = capture  # type: ignore[assignment]
+    sessions.create_session = capture  # type: ignore[assignment]
     try:
         with quiver.Context.from_binary(qctx) as context:
             context.graph(graph).execute(case)
@@ -175,7 +175,7 @@ def floor_setup(qctx: Path, graph: str, case: dict[str, np.ndarray]) -> Path:
                 "outputs": [o.name for o in context.graph(graph).outputs],
             }
     finally:
-        cpu._create_session = create  # type: ignore[assignment]
+        sessions.create_session = create  # type: ignore[assignment]
     Path(plan["model"]).write_bytes(weights.model)
     path = qctx.with_suffix(".floor.json")
     path.write_text(json.dumps(plan))

@@ -86,7 +86,7 @@ import json, sys, time
 import numpy as np, onnxruntime as ort
 from onnx import TensorProto, helper
 import quiver
-import quiver.backends.cpu, quiver.runtime.context  # what opening needs, loaded before the clock as ORT is
+import quiver.backends.cpu.backend, quiver.runtime.context  # what opening needs, loaded before the clock as ORT is
 kind, path, backend = sys.argv[1:4]
 ids = np.load(sys.argv[4])
 ort.set_default_logger_severity(3)

@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from quiver.backends.cpu_packed_file import WEIGHTS as PACKED_FILE
+from quiver.backends.cpu.packed_file import WEIGHTS as PACKED_FILE
 from quiver.t2t.export import ExportOptions, export
 from quiver.tools.adapter_family import reseeded_adapters
 from serve import _burst, _free_port, _wait_healthy  # a sibling script, not a package
@@ -56,7 +56,7 @@ from ray import serve
 class Floor:
     def __init__(self, imports: bool) -> None:
         if imports:
-            import numpy, onnxruntime, tokenizers, starlette, quiver.serve.engine, quiver.t2t.batch  # noqa
+            import numpy, onnxruntime, tokenizers, starlette, quiver.serve.scheduler, quiver.t2t.batch  # noqa
     def __call__(self, request: object) -> str:
         return "ok"
 

@@ -80,7 +80,7 @@ if engine == "genai":
         # calls make count - 1 runs. Decode tok/s counts runs, as Quiver's QueryResult does.
         return len(ids) / (prefilled - start), (count - 1) / (done - prefilled)
 else:
-    from quiver.backends import _ort_capi
+    from quiver.backends.cpu import capi
     from quiver.t2t.config import read_dialog_config
     from quiver.t2t.dialog import Dialog
     import dataclasses, tokenizers
@@ -91,7 +91,7 @@ else:
     dialog = Dialog(config)
     if mode.startswith("lora:"):
         dialog.apply_lora(mode[5:])
-    api = _ort_capi.api()
+    api = capi.api()
     inner, spent = api.Run, [0.0]
     def timed(*args):
         start = time.perf_counter()

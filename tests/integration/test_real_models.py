@@ -14,8 +14,7 @@ import onnxruntime as ort
 import pytest
 
 import quiver
-from quiver.backends import cpu
-from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend
+from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend, sessions
 from quiver.passes.mask_fills import mask_fills_of
 from tests.real.corpus import OUTPUTS, case, held_out_cosines, quantize_a16w4, quantize_minilm
 from tests.support.cli import quiver as run_cli
@@ -91,13 +90,13 @@ def test_each_graph_gets_one_session_before_its_first_output(
     real_models: Path, contexts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[bool] = []
-    create = cpu._create_session
+    create = sessions.create_session
 
     def counting(*args: object, packed: bool, **options: object) -> object:
         made.append(packed)
         return create(*args, packed=packed, **options)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu, "_create_session", counting)
+    monkeypatch.setattr(sessions, "create_session", counting)
     feeds, _ = case(real_models, "smollm")
     with quiver.Context.from_binary(contexts["smollm"]) as context:
         context.graph("smollm").execute(feeds)

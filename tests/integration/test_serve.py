@@ -784,13 +784,13 @@ def test_a_bad_lora_at_start_is_one_line(exported: Path, tmp_path: Path, lora: s
 
 
 def test_the_engine_refuses_beyond_its_queue_and_skips_what_was_cancelled(exported: Path) -> None:
-    from quiver.serve.engine import Done, Engine, Generation, QueueFullError
+    from quiver.serve.scheduler import Done, Generation, QueueFullError, Scheduler
 
     decoder = BatchDecoder.from_config(exported, max_batch=1)  # one running, then the queue
     try:
         ids = decoder.tokenizer.encode(PROMPT)
         request = Generation(ids, None, {}, 40, 0.0, 1.0, None, ())
-        engine = Engine(decoder, max_queue=1)
+        engine = Scheduler(decoder, max_queue=1)
         finished: list[Any] = []
         arrived = threading.Event()
 
@@ -904,10 +904,10 @@ def test_an_outbox_delivers_in_order_with_one_wake_up_for_what_arrives_together(
 
 
 def test_a_sink_that_fails_loses_its_event_and_the_engine_serves_on(exported: Path) -> None:
-    from quiver.serve.engine import Done, Engine, Generation
+    from quiver.serve.scheduler import Done, Generation, Scheduler
 
     decoder = BatchDecoder.from_config(exported, max_batch=2)
-    engine = Engine(decoder)
+    engine = Scheduler(decoder)
     try:
         ids = decoder.tokenizer.encode(PROMPT)
         finished = threading.Event()
@@ -933,7 +933,7 @@ def test_a_sink_that_fails_loses_its_event_and_the_engine_serves_on(exported: Pa
 def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Path) -> None:
     """Six requests through a batch of four: they join as rows free up and leave at different steps (each
     that ends hands its row to the last), on three adapters and strengths; each gets what it gets alone."""
-    from quiver.serve.engine import Done, Engine, Generation
+    from quiver.serve.scheduler import Done, Generation, Scheduler
     from quiver.t2t.dialog import Dialog
 
     cases = [(None, {}, 5), ("all", {}, 20), ("qv", {}, 9), ("all", {"all": 0.5}, 14), ("qv", {}, 3), (None, {}, 17)]
@@ -945,7 +945,7 @@ def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Pat
             expected.append(dialog.query(prompt, max_new_tokens=tokens, greedy=True).new_ids)
     decoder = BatchDecoder.from_config(exported, max_batch=4, adapter_slots=2)
     try:
-        engine = Engine(decoder)
+        engine = Scheduler(decoder)
         done: dict[int, Any] = {}
         finished = threading.Event()
 
@@ -1005,11 +1005,11 @@ def test_a_step_that_fails_fails_its_batch_and_the_engine_goes_on(exported: Path
     """A run ORT refuses (a token id beyond the vocabulary, which the HTTP layer would have refused) ends
     the requests of that batch with a typed failure; the worker lives on and serves the next one."""
     from quiver.errors import QuiverError
-    from quiver.serve.engine import Done, Engine, Failed, Generation
+    from quiver.serve.scheduler import Done, Failed, Generation, Scheduler
 
     decoder = BatchDecoder.from_config(exported, max_batch=2)
     try:
-        engine = Engine(decoder)
+        engine = Scheduler(decoder)
         events: list[Any] = []
         ended = threading.Semaphore(0)
 

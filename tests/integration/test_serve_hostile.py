@@ -277,14 +277,14 @@ def test_adapter_paths_get_one_answer_whatever_lies_there_and_bad_strings_are_40
 
 
 def test_a_request_whose_client_hung_up_while_queued_gives_its_place_back(exported: Path) -> None:
-    from quiver.serve.engine import Done, Engine, Generation
+    from quiver.serve.scheduler import Done, Generation, Scheduler
     from quiver.t2t.batch import BatchDecoder
 
     decoder = BatchDecoder.from_config(exported, max_batch=1)  # one running, then a queue of one
     try:
         ids = decoder.tokenizer.encode("the quick brown fox")
         long = Generation(ids, None, {}, 40, 0.0, 1.0, None, (), min_tokens=40)
-        engine = Engine(decoder, max_queue=1)
+        engine = Scheduler(decoder, max_queue=1)
         ended: list[Done] = []
         sink = lambda event: ended.append(event) if isinstance(event, Done) else None  # noqa: E731
         engine.submit(long, sink)
@@ -370,7 +370,7 @@ def test_a_thousand_adapter_loads_and_unloads_leave_memory_as_it_was_and_loads_a
 def test_a_request_waiting_for_an_adapter_slot_holds_back_no_base_model_request(
     exported: Path, weights: dict[str, np.ndarray], tmp_path: Path
 ) -> None:
-    from quiver.serve.engine import Done, Engine, Generation
+    from quiver.serve.scheduler import Done, Generation, Scheduler
     from quiver.t2t.batch import BatchDecoder
 
     tiny_adapter(tmp_path / "other", weights, 2, ["q_proj", "v_proj"], seed=9)
@@ -378,7 +378,7 @@ def test_a_request_waiting_for_an_adapter_slot_holds_back_no_base_model_request(
     try:
         decoder.add_adapter("other", tmp_path / "other")
         ids = decoder.tokenizer.encode("the quick brown fox")
-        engine = Engine(decoder, max_queue=8)
+        engine = Scheduler(decoder, max_queue=8)
         order: list[str] = []
 
         def request(adapter: str | None, tokens: int) -> None:

@@ -23,7 +23,7 @@ import openai
 import psutil
 import pytest
 
-from quiver.backends.cpu_packed_file import FOLDER_ENV, WEIGHTS
+from quiver.backends.cpu.packed_file import FOLDER_ENV, WEIGHTS
 from quiver.t2t.export import ExportOptions, export
 from tests.support.serving import MALLOC_ON_HUGE_PAGES, Running, http, start_server, stop_server, t2t_greedy
 

@@ -721,7 +721,7 @@ def test_quiver_tune_errors_are_one_line(family_context: Path, tmp_path: Path, i
 
 
 def test_a_tuned_value_this_machine_cannot_honour_leaves_the_default() -> None:
-    from quiver.backends.cpu_settings import SessionSettings
+    from quiver.backends.cpu import SessionSettings
 
     tuned = {"intra_op_num_threads": 1_000_000, "dynamic_block_base": 2, "accuracy_level": 9, "prepack": "no"}
     assert SessionSettings().tuned(tuned) == SessionSettings(dynamic_block_base=2)

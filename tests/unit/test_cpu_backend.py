@@ -11,7 +11,9 @@ import onnxruntime as ort
 import pytest
 
 import quiver
-from quiver.backends import _ort_capi, cpu
+from quiver.backends import cpu
+from quiver.backends.cpu import capi_session, sessions
+from quiver.backends.cpu.capi import CApiUnavailableError, api
 from tests.support.helpers import executables
 
 
@@ -52,7 +54,7 @@ def test_graphs_of_one_context_share_one_packing_container(
     _outputs(context, input_ids)
     context.wait_until_ready()
     sessions = [e._session for e in executables(context).values()]  # type: ignore[attr-defined]
-    assert all(isinstance(s, _ort_capi.Session) for s in sessions)
+    assert all(isinstance(s, capi_session.Session) for s in sessions)
     assert {id(s._container) for s in sessions} == {id(backend.container())}
     other = quiver.Context.from_binary(family_context, backend="cpu")
     assert other._backend.container() is not backend.container()  # type: ignore[attr-defined]
@@ -73,29 +75,29 @@ def test_the_first_output_comes_from_an_unpacked_python_api_session(
     context.graph("base").execute({"input_ids": input_ids})
     executable = executables(context)["base"]
     context.wait_until_ready()
-    assert executable.is_packed and isinstance(executable._session, _ort_capi.Session)  # type: ignore[attr-defined]
+    assert executable.is_packed and isinstance(executable._session, capi_session.Session)  # type: ignore[attr-defined]
     unpacked = quiver.Context.from_binary(family_context, backend="cpu-noprepack")
     unpacked.graph("base").execute({"input_ids": input_ids})
-    assert isinstance(executables(unpacked)["base"]._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
+    assert isinstance(executables(unpacked)["base"]._session, sessions.PythonApiSession)  # type: ignore[attr-defined]
 
 
 def test_without_the_c_library_the_python_api_runs_the_graph(
     family: dict, family_context: Path, input_ids: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def unavailable(*_: object, **__: object) -> None:
-        raise _ort_capi.CApiUnavailableError("no C library in this test")
+        raise CApiUnavailableError("no C library in this test")
 
-    monkeypatch.setattr(_ort_capi.Session, "__init__", unavailable)
+    monkeypatch.setattr(capi_session.Session, "__init__", unavailable)
     context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(lazy_prepack=False))
     ours = context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"]
     executable = executables(context)["base"]
-    assert executable.is_packed and isinstance(executable._session, cpu._PythonApiSession)  # type: ignore[attr-defined]
+    assert executable.is_packed and isinstance(executable._session, sessions.PythonApiSession)  # type: ignore[attr-defined]
     theirs = ort.InferenceSession(family["base"].SerializeToString()).run(None, {"input_ids": input_ids})[0]
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
 def test_the_c_api_table_passes_its_self_check() -> None:
-    capi = _ort_capi.api()
+    capi = api()
     assert capi.env and capi.cpu_memory
     with pytest.raises(quiver.BackendError, match="ONNX Runtime: boom"):
         capi.check(capi.CreateStatus(1, b"boom"))
@@ -184,6 +186,6 @@ def test_mapped_weights_are_let_go_while_a_session_packs_them(tmp_path: Path) ->
         seen.append(_resident_kb_of_mapping(address))
         return "session"
 
-    assert cpu._packing_while_dropping([weights], pack) == "session"
+    assert sessions.packing_while_dropping([weights], pack) == "session"
     assert seen == [0]
     np.testing.assert_array_equal(weights[:5], np.arange(5, dtype=np.float32))  # read back from the file

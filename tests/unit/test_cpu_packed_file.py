@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import quiver
-from quiver.backends import cpu, cpu_packed_file
+from quiver.backends import cpu
+from quiver.backends.cpu import packed_file
 from quiver.errors import BackendError
 from tests.support.helpers import executables
 
@@ -66,8 +67,8 @@ def test_a_graph_opened_with_a_folder_runs_from_its_packed_file_with_the_same_ou
     assert isinstance(executable, cpu.CpuExecutable)
     (form,) = _forms(tmp_path)
     assert executable.packed_file == form and executable.is_packed and executable.private_bytes == 0
-    manifest = json.loads((form / cpu_packed_file.MANIFEST).read_text())
-    assert set(manifest["files"]) == {cpu_packed_file.MODEL, cpu_packed_file.WEIGHTS}
+    manifest = json.loads((form / packed_file.MANIFEST).read_text())
+    assert set(manifest["files"]) == {packed_file.MODEL, packed_file.WEIGHTS}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".making-")]
 
 
@@ -77,11 +78,11 @@ def test_another_process_maps_the_form_made_before_instead_of_making_one(
     context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(packed_weights=tmp_path))
     expected = _base(context, input_ids)
     (form,) = _forms(tmp_path)
-    made = (form / cpu_packed_file.WEIGHTS).stat()
+    made = (form / packed_file.WEIGHTS).stat()
     theirs = _result(_open_elsewhere(family_context, tmp_path, input_ids))
     np.testing.assert_array_equal(np.array(theirs["out"], np.float32), expected)
     assert theirs["folder"] == str(form) and theirs["mapped"]
-    again = (form / cpu_packed_file.WEIGHTS).stat()
+    again = (form / packed_file.WEIGHTS).stat()
     assert (again.st_ino, again.st_mtime_ns) == (made.st_ino, made.st_mtime_ns)
 
 
@@ -99,7 +100,7 @@ def test_processes_that_start_together_make_one_form(
 def test_a_damaged_form_is_made_again_not_used(family_context: Path, input_ids: np.ndarray, tmp_path: Path) -> None:
     expected = _packed_base(family_context, tmp_path, input_ids)
     (form,) = _forms(tmp_path)
-    weights = form / cpu_packed_file.WEIGHTS
+    weights = form / packed_file.WEIGHTS
     with open(weights, "r+b") as handle:  # a disk error: one byte changed under the form
         handle.seek(weights.stat().st_size // 2)
         byte = handle.read(1)
@@ -108,7 +109,7 @@ def test_a_damaged_form_is_made_again_not_used(family_context: Path, input_ids: 
     damaged = weights.stat().st_ino
     context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(packed_weights=tmp_path))
     np.testing.assert_array_equal(_base(context, input_ids), expected)
-    assert _forms(tmp_path) == [form] and (form / cpu_packed_file.WEIGHTS).stat().st_ino != damaged
+    assert _forms(tmp_path) == [form] and (form / packed_file.WEIGHTS).stat().st_ino != damaged
 
 
 @pytest.mark.parametrize("damage", ["manifest", "truncated", "missing"])
@@ -118,14 +119,14 @@ def test_a_form_with_a_bad_manifest_or_file_is_not_used(
     expected = _packed_base(family_context, tmp_path, input_ids)
     (form,) = _forms(tmp_path)
     if damage == "manifest":
-        (form / cpu_packed_file.MANIFEST).write_text('{"format": 1, "files": {"model.onnx": 3}}')
+        (form / packed_file.MANIFEST).write_text('{"format": 1, "files": {"model.onnx": 3}}')
     elif damage == "truncated":
-        os.truncate(form / cpu_packed_file.MODEL, 100)
+        os.truncate(form / packed_file.MODEL, 100)
     else:
-        (form / cpu_packed_file.WEIGHTS).unlink()
+        (form / packed_file.WEIGHTS).unlink()
     context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(packed_weights=tmp_path))
     np.testing.assert_array_equal(_base(context, input_ids), expected)
-    assert json.loads((form / cpu_packed_file.MANIFEST).read_text())["files"][cpu_packed_file.MODEL]["size"] > 100
+    assert json.loads((form / packed_file.MANIFEST).read_text())["files"][packed_file.MODEL]["size"] > 100
 
 
 def test_a_folder_that_cannot_be_written_says_what_to_do(
@@ -149,14 +150,14 @@ def test_a_context_held_in_memory_packs_in_its_process(
     ("value", "expected"), [(None, None), ("off", None), ("", None), ("/srv/packed", Path("/srv/packed"))]
 )
 def test_folder_options(value: str | None, expected: Path | None) -> None:
-    assert cpu_packed_file.folder_from(value) == expected
+    assert packed_file.folder_from(value) == expected
 
 
 def test_the_default_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(cpu_packed_file.FOLDER_ENV, str(tmp_path / "here"))
-    assert cpu_packed_file.folder_from("default") == tmp_path / "here"
-    monkeypatch.setenv(cpu_packed_file.FOLDER_ENV, "off")
-    assert cpu_packed_file.folder_from("default") is None
-    monkeypatch.delenv(cpu_packed_file.FOLDER_ENV)
+    monkeypatch.setenv(packed_file.FOLDER_ENV, str(tmp_path / "here"))
+    assert packed_file.folder_from("default") == tmp_path / "here"
+    monkeypatch.setenv(packed_file.FOLDER_ENV, "off")
+    assert packed_file.folder_from("default") is None
+    monkeypatch.delenv(packed_file.FOLDER_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert cpu_packed_file.folder_from("default") == tmp_path / "cache" / "quiver" / "packed-weights"
+    assert packed_file.folder_from("default") == tmp_path / "cache" / "quiver" / "packed-weights"

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from quiver.backends import _ort_capi
-from quiver.backends.fork_gate import ForkGate
+from quiver.backends.cpu import fork_waits
+from quiver.backends.cpu.fork_gate import ForkGate
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
 
@@ -27,7 +27,7 @@ def test_a_fork_waits_for_the_work_inside_and_the_child_sees_it_finished() -> No
     left: list[bool] = []
 
     def work() -> None:
-        with _ort_capi.fork_waits():
+        with fork_waits():
             inside.set()
             may_leave.wait()
             left.append(True)  # the last thing the work does inside the gate
@@ -44,7 +44,7 @@ def test_a_fork_waits_for_the_work_inside_and_the_child_sees_it_finished() -> No
 
 def test_work_after_a_fork_passes_in_the_parent_and_in_the_child() -> None:
     def passes() -> bool:
-        with _ort_capi.fork_waits():
+        with fork_waits():
             return True
 
     assert _child_status(passes) == 0

@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 import quiver
-from quiver.backends.lora_strengths import fold_lora_strengths
+from quiver.backends.cpu.lora_strengths import fold_lora_strengths
 from quiver.errors import QuiverError
 from quiver.ir.edit import initializers_as_inputs
 from quiver.lora.create import ALPHA_INPUT, updateable_tensors, use_case_values

@@ -1,5 +1,5 @@
-"""Graphs prepared ahead for ONNX Runtime (`cpu_prepared`): stored by `save()`, used only by the ORT that made them
-from the same session model, and never at the cost of a graph that would not open."""
+"""Graphs prepared ahead for ONNX Runtime (`backends/cpu/prepared.py`): stored by `save()`, used only by the
+ORT that made them from the same session model, and never at the cost of a graph that would not open."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 
 import quiver
-from quiver.backends import cpu, cpu_prepared
+from quiver.backends import cpu
+from quiver.backends.cpu import prepared as cpu_prepared
 from quiver.formats.layout import PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from tests.fuzz.harness import reseal

@@ -121,7 +121,7 @@ def serve_command(
         raise ServeError(
             f"serving needs the serve extra ({exc.name} is missing): pip install 'quiver[serve]'"
         ) from None
-    from quiver.backends.cpu_packed_file import folder_from
+    from quiver.backends.cpu import folder_from
     from quiver.tuning.server import is_loopback
 
     key = api_key or os.environ.get(API_KEY_ENVIRONMENT) or None

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 
 from quiver import fork
-from quiver.backends._ort_capi import fork_waits
+from quiver.backends.cpu import fork_waits
 from quiver.ort.binding import ortvalue_of
 from quiver.ort.errors import InvalidArgument
 from quiver.ort.metadata import ExecutionPath, NodeArg

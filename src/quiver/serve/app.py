@@ -6,7 +6,7 @@ events ending in `data: [DONE]`), vLLM's `POST /v1/load_lora_adapter` and `/v1/u
 every route but `/health` needs `Authorization: Bearer KEY`, checked before a byte of the body is read;
 bodies are read up to `max_body_bytes`. Bad requests, unknown routes and methods get OpenAI's error
 object (400/401/404/405/413); a full queue gets 429 with `Retry-After`. A client that goes away cancels
-its request at the engine's next step.
+its request at the scheduler's next step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from quiver import portable
 from quiver.errors import QuiverError
 from quiver.serve.browsers import BrowserGuard
 from quiver.serve.chat import ChatTemplate
-from quiver.serve.engine import Done, EngineFaultError, Event, Failed, Generation, Job, QueueFullError, Token
 from quiver.serve.grammar import GrammarError, Grammars, json_schema_grammar
 from quiver.serve.guard import Guard, Limits, guarded
 from quiver.serve.loop import Outbox, drained
@@ -61,6 +60,7 @@ from quiver.serve.openai_api import (
     usage,
     usage_chunk,
 )
+from quiver.serve.scheduler import Done, Event, Failed, Generation, Job, QueueFullError, SchedulerFaultError, Token
 from quiver.serve.service import Service, ServiceUnavailableError
 from quiver.serve.tools import ToolError, ToolRequest, ToolStream, parser_for, template_messages, tool_request
 from quiver.t2t.tokenizer import is_utf8
@@ -139,7 +139,7 @@ class Server:
         tool_call_parser: str = "auto",
     ) -> None:
         self.service = service
-        self._outbox: Outbox | None = None  # the engine's tokens to the event loop
+        self._outbox: Outbox | None = None  # the scheduler's tokens to the event loop
         self.base = base
         self.chat_template = chat_template
         self.tool_parser = parser_for(chat_template.source if chat_template else None, tool_call_parser)
@@ -475,7 +475,7 @@ class Server:
         outbox.put(events, (index, event))
 
     async def _cancel_when_gone(self, http: Request, jobs: list[Job]) -> None:
-        """A client that hangs up before its whole reply frees the engine at the next step."""
+        """A client that hangs up before its whole reply frees its row at the next step."""
         while not await http.is_disconnected():
             await asyncio.sleep(0.25)
         for job in jobs:
@@ -582,7 +582,7 @@ def _failure(error: QuiverError) -> ApiError:
         return ApiError(429, str(error), None, "queue_full")
     if isinstance(error, ServiceUnavailableError):
         return ApiError(503, str(error), None, "service_unavailable")
-    if isinstance(error, EngineFaultError):
+    if isinstance(error, SchedulerFaultError):
         return ApiError(500, str(error), None, "engine_fault")
     return ApiError(400, str(error), None, "generation_failed")
 

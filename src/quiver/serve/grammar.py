@@ -10,7 +10,7 @@ spaces until its tokens run out) unless a schema's `x-guidance` asks otherwise.
 
 Only rows with a constraint pay: their matcher computes the tokens it allows (about a millisecond a
 row), and the row's logits outside them are set to -inf before its token is chosen; every other row is
-untouched. The engine has the masks of a decode step computed while ORT runs that step (`compute`, on
+untouched. The scheduler has the masks of a decode step computed while ORT runs that step (`compute`, on
 another thread: llguidance lets the GIL go), so they cost the step little more than applying them.
 """
 

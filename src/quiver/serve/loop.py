@@ -1,4 +1,4 @@
-"""Between the engine's thread and the HTTP event loop: items handed to the loop's queues from other
+"""Between the scheduler's thread and the HTTP event loop: items handed to the loop's queues from other
 threads (`Outbox`: one wake-up of the loop for all that arrive before it runs), and what a queue holds
 taken at once (`drained`)."""
 
@@ -23,9 +23,9 @@ async def drained(queue: asyncio.Queue[_T]) -> list[_T]:
 
 class Outbox:
     """Hands items from other threads to asyncio queues of one event loop, one wake-up of the loop for all
-    that arrive before it runs. The engine decides a token for every stream of a step at once: one
+    that arrive before it runs. The scheduler decides a token for every stream of a step at once: one
     wake-up a step, not one a stream: a wake-up (a write to the loop's socket) lets the loop's thread
-    take the GIL, and the engine's then waits for it back (a step's Python grew with every wake-up: see
+    take the GIL, and the scheduler's then waits for it back (a step's Python grew with every wake-up: see
     docs/worklog.md, the twelfth session). An owner keeps one for the loop it runs on."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -21,7 +21,7 @@ class Metrics:
         self.prompt_tokens = Counter("quiver_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("quiver_generated_tokens", "Tokens generated", registry=r)
         self.adapter_loads = Counter("quiver_adapter_loads", "Adapter slots filled for a request", registry=r)
-        Gauge("quiver_queue_length", "Requests waiting for the engine", registry=r).set_function(waiting)
+        Gauge("quiver_queue_length", "Requests waiting for the scheduler", registry=r).set_function(waiting)
         Gauge("quiver_batch_size", "Sequences in the running batch", registry=r).set_function(running)
         self.decode_steps = Counter("quiver_decode_steps", "Decode steps by their rows (sequences decoded together)",
                                     ["rows"], registry=r)  # fmt: skip

@@ -1,6 +1,6 @@
 """OpenAI's HTTP API as Quiver serves it: requests checked field by field, replies and errors in its schema.
 
-Only what the engine can honour is accepted: every field is honoured, metadata (`user`...), or refused
+Only what the scheduler can honour is accepted: every field is honoured, metadata (`user`...), or refused
 with a 400 naming it (`param`), as OpenAI's own server refuses an unknown one; fields not implemented yet
 (`logprobs`, `tools`, `response_format`...) are accepted only at their neutral value, so a client's
 defaults pass and nothing asked for is silently ignored. Sampling: `temperature`, `top_p`, `top_k`
@@ -24,8 +24,8 @@ from dataclasses import field as dataclasses_field
 from typing import Any
 
 from quiver.runtime.state import MAX_LORA_STRENGTH
-from quiver.serve.engine import Done, Generation, TokenLogprob
 from quiver.serve.grammar import GrammarError, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
+from quiver.serve.scheduler import Done, Generation, TokenLogprob
 from quiver.serve.tools import ToolError, ToolRequest, tool_request
 from quiver.t2t.tokenizer import is_utf8
 

@@ -45,7 +45,7 @@ class PrefixCache:
         self._index: dict[tuple[PrefixKey, Hashable], tuple[int, int]] = {}  # (key, block hash) -> (entry, length)
         self._bytes = 0
         self._next = 0
-        self._lock = threading.Lock()  # adapters are loaded from the HTTP thread, prompts run on the engine's
+        self._lock = threading.Lock()  # adapters are loaded from the HTTP thread, prompts run on the scheduler's
         self.hits = 0
         self.reused_tokens = 0
 

@@ -1,6 +1,6 @@
-"""Quiver on Ray Serve: replicas of `quiver serve`'s engine over one context, adapters multiplexed to them.
+"""Quiver on Ray Serve: replicas of `quiver serve`'s scheduler over one context, adapters multiplexed to them.
 
-`QuiverReplica` runs the continuous-batching engine of `quiver serve` over the dialog config's context
+`QuiverReplica` runs the continuous-batching scheduler of `quiver serve` over the dialog config's context
 (each replica maps the same `.qsec`/`.qctx` files, so replicas on one node share their pages). In front of
 the replicas, `quiver serve`'s own `Server` (OpenAI's routes) sends each generation to a replica with the
 adapter as Ray's multiplexed model id: Ray routes it to a replica that holds that adapter already
@@ -35,18 +35,18 @@ from ray.serve.deployment import Deployment
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from quiver.backends.cpu_packed_file import folder_from
+from quiver.backends.cpu.packed_file import folder_from
 from quiver.errors import QuiverError
 from quiver.portable import huge_page_tunables
 from quiver.serve.app import BODY_TIMEOUT_S, Server, base_name
 from quiver.serve.app import serve as serve_http
 from quiver.serve.browsers import allowed_hosts
 from quiver.serve.chat import find_chat_template
-from quiver.serve.engine import Done, Event, Failed, Generation, Job, QueueFullError, Token, TokenLogprob
 from quiver.serve.guard import Limits
 from quiver.serve.loop import Outbox, drained
 from quiver.serve.metrics import Metrics
 from quiver.serve.prefix_cache import DEFAULT_BUDGET_BYTES
+from quiver.serve.scheduler import Done, Event, Failed, Generation, Job, QueueFullError, Token, TokenLogprob
 from quiver.serve.service import LocalService, ServiceUnavailableError
 from quiver.t2t.config import adapter_use_cases, read_dialog_config
 from quiver.t2t.model_source import ensure_model_folder
@@ -101,7 +101,7 @@ class RayOptions:
 
 # --- replicas -------------------------------------------------------------------------------------------
 def _event(event: Event, held: bool | None = None) -> dict[str, Any]:
-    """An engine event as plain data (Ray sends it to the ingress); the end says whether the replica held
+    """A scheduler event as plain data (Ray sends it to the ingress); the end says whether the replica held
     the request's adapter already (None: the base model)."""
     if isinstance(event, Token):
         return {"text": event.text, "logprobs": event.logprobs, "prompt_logprobs": event.prompt_logprobs}
@@ -134,7 +134,7 @@ class _HeldAdapter:
 
 
 class QuiverReplica:
-    """One engine over the context: decodes what the ingress sends, adapters registered on first use."""
+    """One scheduler over the context: decodes what the ingress sends, adapters registered on first use."""
 
     def __init__(self, options: RayOptions) -> None:
         config = ensure_model_folder(options.config, options.model_source)
@@ -145,7 +145,7 @@ class QuiverReplica:
         self._decoder = self._service.decoder
         self._sources: dict[str, str] = {}  # adapters registered from a path given by the ingress
         self._loads: dict[str, int] = {}  # per adapter: how often Ray had to load it here
-        self._outbox: Outbox | None = None  # the engine's tokens to the replica's event loop
+        self._outbox: Outbox | None = None  # the scheduler's tokens to the replica's event loop
 
         async def hold(model_id: str) -> _HeldAdapter:  # called by Ray only for an adapter not held here
             self._loads[model_id] = self._loads.get(model_id, 0) + 1

@@ -1,4 +1,4 @@
-"""What the HTTP routes drive: a generation service, the engine in this process or replicas on Ray Serve."""
+"""What the HTTP routes drive: a generation service, the scheduler in this process or replicas on Ray Serve."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Protocol
 
 from quiver.errors import QuiverError
-from quiver.serve.engine import Engine, Event, Generation, Job
 from quiver.serve.metrics import Metrics
 from quiver.serve.prefix_cache import DEFAULT_BUDGET_BYTES
+from quiver.serve.scheduler import Event, Generation, Job, Scheduler
 from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.config import read_dialog_config
 from quiver.t2t.external_batch import ExternalBatch
@@ -55,7 +55,7 @@ class Service(Protocol):
 
 
 class LocalService:
-    """The continuous-batching engine over one context, in this process (`quiver serve`)."""
+    """The continuous-batching scheduler over one context, in this process (`quiver serve`)."""
 
     @classmethod
     def open(
@@ -69,7 +69,7 @@ class LocalService:
         packed_weights: str | Path | None = None,
         prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> LocalService:
-        """The engine over a dialog config, with more adapters (NAME -> PEFT folder or .qsec) checked now;
+        """The scheduler over a dialog config, with more adapters (NAME -> PEFT folder or .qsec) checked now;
         `packed_weights`: a folder where its packed weights are kept, shared by the processes that serve it."""
         dialog = read_dialog_config(config)
         decoder: BatchDecoder | ExternalBatch
@@ -94,7 +94,9 @@ class LocalService:
         prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         self.decoder = decoder
-        self.engine = Engine(decoder, max_queue, prefill_window=prefill_window, prefix_cache_bytes=prefix_cache_bytes)
+        self.scheduler = Scheduler(
+            decoder, max_queue, prefill_window=prefill_window, prefix_cache_bytes=prefix_cache_bytes
+        )
         self.tokenizer = decoder.tokenizer
         self.context_size = decoder.config.context_size
         self.vocabulary = decoder.config.n_vocab
@@ -103,18 +105,18 @@ class LocalService:
         return self.decoder.adapters.names
 
     def submit(self, generation: Generation, sink: Callable[[Event], object]) -> Job:
-        return self.engine.submit(generation, sink)
+        return self.scheduler.submit(generation, sink)
 
     def cancel(self, job: Job) -> None:
-        self.engine.cancel(job)
+        self.scheduler.cancel(job)
 
     @property
     def waiting(self) -> int:
-        return self.engine.waiting
+        return self.scheduler.waiting
 
     @property
     def batch_size(self) -> int:
-        return self.engine.batch_size
+        return self.scheduler.batch_size
 
     def add_adapter(self, name: str, path: str) -> None:
         self.decoder.add_adapter(name, Path(path))
@@ -126,8 +128,8 @@ class LocalService:
 
     def forget_prefixes(self, adapter: str) -> None:
         """Prompts computed under an adapter of that name: its weights changed, their rows no longer hold."""
-        if self.engine.prefixes is not None:
-            self.engine.prefixes.forget(adapter)
+        if self.scheduler.prefixes is not None:
+            self.scheduler.prefixes.forget(adapter)
 
     def watch(self, metrics: Metrics) -> None:
         def filled(seconds: float) -> None:
@@ -135,12 +137,12 @@ class LocalService:
             metrics.adapter_fill.observe(seconds)
 
         self.decoder.on_fill = filled
-        self.engine.on_step = lambda rows: metrics.decode_steps.labels(str(rows)).inc()
-        prefixes = self.engine.prefixes
+        self.scheduler.on_step = lambda rows: metrics.decode_steps.labels(str(rows)).inc()
+        prefixes = self.scheduler.prefixes
         if prefixes is not None:
             metrics.watch_prefixes(lambda: prefixes.hits, lambda: prefixes.reused_tokens, lambda: prefixes.nbytes)
 
     def close(self) -> None:
-        """Stops the engine (requests not finished end cancelled) and unmaps the context."""
-        self.engine.close()
+        """Stops the scheduler (requests not finished end cancelled) and unmaps the context."""
+        self.scheduler.close()
         self.decoder.close()

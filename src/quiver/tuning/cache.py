@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from quiver import portable
-from quiver.backends.cpu_settings import tuned_value_problem
+from quiver.backends.cpu import tuned_value_problem
 from quiver.errors import QuiverError, TuningError
 from quiver.formats.files import read_text
 from quiver.formats.writer import write_text_atomically

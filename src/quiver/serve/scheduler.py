@@ -1,4 +1,4 @@
-"""The generation engine behind `quiver serve`: continuous batching of requests on mixed adapters.
+"""The scheduler behind `quiver serve`: continuous batching of requests on mixed adapters.
 
 One worker thread drives a `BatchDecoder`. Requests wait in a bounded queue and join the running batch
 at step boundaries: a request takes a KV row and its adapter's slot (filled from the adapter's sections,
@@ -47,13 +47,13 @@ _FINISH: dict[str, FinishReason] = {
 }
 
 
-class EngineFaultError(QuiverError):
+class SchedulerFaultError(QuiverError):
     """The model's step gave this request something no token can be chosen from (logits not finite): the
     server's fault, not the request's; the other requests in the batch go on (HTTP 500)."""
 
 
 class QueueFullError(QuiverError):
-    """The engine has as many requests waiting as it may hold: try again later (HTTP 429)."""
+    """The scheduler has as many requests waiting as it may hold: try again later (HTTP 429)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ Event = Token | Done | Failed
 
 @dataclass
 class Job:
-    """A request in the engine: cancelled when its client is gone (before it runs, or at its next step)."""
+    """A request in the scheduler: cancelled when its client is gone (before it runs, or at its next step)."""
 
     generation: Generation
     sink: Callable[[Event], object]
@@ -144,7 +144,7 @@ class _Sequence:
     constraint: Constraint | None = None  # its grammar's matcher, where it has one
 
 
-class Engine:
+class Scheduler:
     """Runs generations in one batch of at most `decoder.max_batch` sequences, `max_queue` waiting."""
 
     def __init__(
@@ -172,7 +172,7 @@ class Engine:
         self._closing = False
         self._decided: list[tuple[Callable[[Event], object], Event]] = []  # this step's events, sent after it
         self.on_step = on_step  # told the rows of every decode step
-        self._thread = threading.Thread(target=self._work, name="quiver-serve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="quiver-serve-scheduler", daemon=True)
         self._thread.start()
 
     @property
@@ -185,7 +185,7 @@ class Engine:
         return len(self._batch())
 
     def submit(self, generation: Generation, sink: Callable[[Event], object]) -> Job:
-        """Queues a generation; its events go to `sink` (from the engine's thread). Raises `QueueFullError`."""
+        """Queues a generation; its events go to `sink` (from the scheduler's thread). Raises `QueueFullError`."""
         job = Job(generation, sink)
         try:
             if self.waiting >= self._queue.maxsize:  # queued and held for a slot, together
@@ -438,7 +438,7 @@ class Engine:
         """The sequence's next token from its logits: streamed, and the end of its reply when it ends. A row
         whose logits hold NaN or +inf (an adapter or strength that overflowed it) ends alone."""
         if not math.isfinite(float(logits.max())):  # NaN propagates into the max, and so does +inf
-            self._leave(sequence, Failed(EngineFaultError(
+            self._leave(sequence, Failed(SchedulerFaultError(
                 "the model's output for this request was not finite (an adapter's weights or strengths overflow "
                 "it); the request ended, the others go on")))  # fmt: skip
             return

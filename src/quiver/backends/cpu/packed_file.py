@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quiver import portable
-from quiver.backends.cpu_settings import machine_fingerprint
+from quiver.backends.cpu.settings import machine_fingerprint
 from quiver.errors import BackendError
 from quiver.formats.checksums import crc32
 from quiver.formats.files import OFF_VALUES, cache_folder_setting

@@ -20,8 +20,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from quiver.backends._ort_capi import fork_waits
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
+from quiver.backends.cpu.capi import fork_waits
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes, proto
 from quiver.ir.edit import iter_nodes
