@@ -21,7 +21,7 @@ from quiver.lora.attach import find_attach_points
 from quiver.lora.create import ALPHA_INPUT, LoraSlot, create_lora_graph, slot_ranks, updateable_tensors, use_case_values
 from quiver.lora.peft import LoraConfig, LoraModule, PeftAdapter
 from quiver.runtime.sections import load_section
-from quiver.tools.family import BENCH, TransformerShape, build_model, family_weights, sample_input_ids
+from quiver.testing.family import BENCH, TransformerShape, build_model, family_weights, sample_input_ids
 from timing import median_ms
 
 # The LoRA benchmark model: BERT-base widths (hidden 768, 12 heads, FFN 3072) in 4 layers, 140 MB.

@@ -17,7 +17,7 @@ import onnx
 import quiver
 import quiver.ort
 from quiver.ort.epcontext import wrap_context
-from quiver.tools.family import BENCH, make_family
+from quiver.testing.family import BENCH, make_family
 
 _OPEN = """
 import json, sys, time

@@ -13,9 +13,9 @@ import onnx
 import onnxruntime as ort
 
 import quiver
-from quiver.passes.quantize import QuantizeOptions, quantize
-from quiver.tools.accuracy import cosine, sqnr_db
-from quiver.tools.family import BENCH, build_model, family_weights, sample_input_ids
+from quiver.commands.accuracy import cosine, sqnr_db
+from quiver.passes.qdq import QuantizeOptions, quantize
+from quiver.testing.family import BENCH, build_model, family_weights, sample_input_ids
 from timing import alternating_medians
 
 VARIANTS = {"a16w8": QuantizeOptions(activation_bits=16, weight_bits=8), "a16w4": QuantizeOptions(16, 4, block_size=64)}

@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 
 import quiver
-from quiver.tools.family import BENCH, make_family, sample_input_ids
+from quiver.testing.family import BENCH, make_family, sample_input_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accurate_int4 import measure_accurate_int4  # noqa: E402

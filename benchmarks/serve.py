@@ -36,7 +36,7 @@ import openai
 
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.families import read_config
-from quiver.tools.adapter_family import reseeded_adapters
+from quiver.testing.adapter_family import reseeded_adapters
 from timing import peers_on_huge_pages
 
 THREADS = 2

@@ -36,7 +36,7 @@ import psutil
 
 from quiver.backends.cpu.packed_file import WEIGHTS as PACKED_FILE
 from quiver.t2t.export import ExportOptions, export
-from quiver.tools.adapter_family import reseeded_adapters
+from quiver.testing.adapter_family import reseeded_adapters
 from serve import _burst, _free_port, _wait_healthy  # a sibling script, not a package
 
 CONTEXT_SIZE = 256

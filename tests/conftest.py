@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 import quiver
-from quiver.tools.family import SMALL, make_family, sample_input_ids
+from quiver.testing.family import SMALL, make_family, sample_input_ids
 
 
 @pytest.fixture(scope="session")

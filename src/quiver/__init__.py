@@ -64,36 +64,36 @@ _LAZY = {
     "save_encodings": "quiver.formats.encodings",
     "TensorInfo": "quiver.ir.tensors",
     "TensorType": "quiver.ir.tensors",
-    "QuantizeOptions": "quiver.passes.quantize",
-    "quantize": "quiver.passes.quantize",
+    "QuantizeOptions": "quiver.passes.qdq",
+    "quantize": "quiver.passes.qdq",
     "Context": "quiver.runtime.context",
     "WeightStats": "quiver.runtime.context",
     "Graph": "quiver.runtime.graph",
     "BoundRun": "quiver.runtime.bound_run",
-    "AccuracyReport": "quiver.tools.accuracy",
-    "accuracy_report": "quiver.tools.accuracy",
-    "CheckReport": "quiver.tools.check",
-    "check_model": "quiver.tools.check",
+    "AccuracyReport": "quiver.commands.accuracy",
+    "accuracy_report": "quiver.commands.accuracy",
+    "CheckReport": "quiver.commands.check",
+    "check_model": "quiver.commands.check",
     "Comparison": "quiver.passes.compare",
     "compare_models": "quiver.passes.compare",
     "parse_input_list": "quiver.runtime.netrun",
     "run_input_list": "quiver.runtime.netrun",
-    "describe_context": "quiver.tools.report",
+    "describe_context": "quiver.commands.report",
 }
 
 if _TYPE_CHECKING:
     from quiver.backends import Backend, CpuBackend, ReferenceBackend, available_backends, register_backend
+    from quiver.commands.accuracy import AccuracyReport, accuracy_report
+    from quiver.commands.check import CheckReport, check_model
+    from quiver.commands.report import describe_context
     from quiver.formats.encodings import Encoding, EncodingSet, load_encodings, save_encodings
     from quiver.ir.tensors import TensorInfo, TensorType
     from quiver.passes.compare import Comparison, compare_models
-    from quiver.passes.quantize import QuantizeOptions, quantize
+    from quiver.passes.qdq import QuantizeOptions, quantize
     from quiver.runtime.bound_run import BoundRun
     from quiver.runtime.context import Context, WeightStats
     from quiver.runtime.graph import Graph
     from quiver.runtime.netrun import parse_input_list, run_input_list
-    from quiver.tools.accuracy import AccuracyReport, accuracy_report
-    from quiver.tools.check import CheckReport, check_model
-    from quiver.tools.report import describe_context
 
 
 def __getattr__(name: str) -> _Any:

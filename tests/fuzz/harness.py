@@ -35,11 +35,11 @@ import numpy as np
 import onnx
 
 import quiver
+from quiver.commands.report import describe_context, describe_section
 from quiver.formats.layout import PREAMBLE_SIZE, Preamble
 from quiver.formats.reader import ContextFile
 from quiver.formats.section import SectionFile
 from quiver.formats.writer import ContextWriter
-from quiver.tools.report import describe_context, describe_section
 
 MEMORY_CAP = 3 << 30  # address space a child may add to what the harness already has
 TIME_CAP_S = 20
@@ -66,7 +66,7 @@ def _run_all(context: quiver.Context, feeds: dict[str, dict[str, np.ndarray]]) -
 def make_seeds(folder: Path) -> list[Seed]:
     """A LoRA context with a section (PEFT adapters through `quiver lora prepare`), a transformer family,
     and a 4-bit quantized transformer."""
-    from quiver.tools.family import SMALL, make_family, sample_input_ids
+    from quiver.testing.family import SMALL, make_family, sample_input_ids
     from tests.stress.concurrency import X, make_lora_project
 
     seeds = []
@@ -100,7 +100,7 @@ def make_seeds(folder: Path) -> list[Seed]:
         context.wait_until_ready()
     seeds.append(Seed("family", path.read_bytes(), feeds, expected))
     # a quantized context: weights with encodings (format 1.2) and 4-bit MatMulNBits blocks
-    from quiver.passes.quantize import QuantizeOptions, quantize
+    from quiver.passes.qdq import QuantizeOptions, quantize
 
     base = next(iter(make_family(SMALL, count=1).values()))
     samples = [{"input_ids": sample_input_ids(SMALL, 1, 6, seed=s)} for s in range(4)]

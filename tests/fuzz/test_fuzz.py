@@ -120,7 +120,7 @@ def test_a_plain_peft_regex_still_works() -> None:
     ],
 )  # fmt: skip
 def test_overrides_with_values_out_of_range_are_typed_errors(document: dict, tmp_path: Path) -> None:
-    from quiver.tools.quantize import read_overrides
+    from quiver.commands.quantize import read_overrides
 
     (tmp_path / "o.json").write_text(json.dumps(document))
     with pytest.raises(quiver.QuiverError):

@@ -402,8 +402,8 @@ def test_demo_builds_runs_and_matches_onnxruntime(tmp_path: Path) -> None:
 def test_the_demo_without_a_workdir_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile
 
-    from quiver.tools.demo import run_demo
-    from quiver.tools.family import SMALL
+    from quiver.commands.demo import run_demo
+    from quiver.testing.family import SMALL
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = run_demo(shape=SMALL, repeats=2)

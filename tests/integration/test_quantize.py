@@ -13,10 +13,10 @@ from onnx import helper, numpy_helper
 
 import quiver
 from quiver.backends.cpu import DEFAULT_ACCURACY_LEVEL, CpuBackend
+from quiver.commands.accuracy import accuracy_report, sqnr_db
 from quiver.formats.encodings import load_encodings
-from quiver.passes.quantize import QuantizeOptions, quantize
-from quiver.tools.accuracy import accuracy_report, sqnr_db
-from quiver.tools.family import TransformerShape, build_model, family_weights, sample_input_ids
+from quiver.passes.qdq import QuantizeOptions, quantize
+from quiver.testing.family import TransformerShape, build_model, family_weights, sample_input_ids
 from tests.support.cli import assert_one_line_error
 from tests.support.cli import quiver as run_quiver
 from tests.support.helpers import ort_fuses_8_bit_weights
@@ -524,7 +524,7 @@ def test_float_fallback_keeps_a_real_detectors_fused_conv_relu_pairs_quantized(r
     no op of RapidOCR's detector float."""
     import warnings
 
-    from quiver.tools.quantize import load_float_model
+    from quiver.commands.quantize import load_float_model
     from tests.real.wheel_corpus import MODELS
 
     model = load_float_model(real_wheel_models / "ocr_det.onnx")

@@ -203,7 +203,7 @@ def test_build_quantizes_two_fine_tunes_from_one_encodings_file_and_they_still_s
     import onnx
 
     from quiver.formats.encodings import save_encodings
-    from quiver.passes.quantize import encodings_of
+    from quiver.passes.qdq import encodings_of
 
     given = encodings_of(onnx.load(quantized["a16w8"]))
     save_encodings(given, tmp_path / "minilm.encodings", "1.0.0")

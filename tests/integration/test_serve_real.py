@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from quiver.t2t.export import ExportOptions, export
-from quiver.tools.adapter_family import reseeded_adapters
+from quiver.testing.adapter_family import reseeded_adapters
 from tests.support.serving import Running, http, start_server, stop_server, t2t_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "The river"]

@@ -13,7 +13,7 @@ import pytest
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.quality import read_prompts
-from quiver.t2t.quantize import CALIBRATED, QUANTIZERS
+from quiver.t2t.quantizers import CALIBRATED, QUANTIZERS
 from tests.support import ROOT
 from tests.support.cli import assert_one_line_error, quiver
 

@@ -61,8 +61,8 @@ def test_the_cpu_backend_declares_its_knobs(family_context: Path) -> None:
 
 
 def test_a_quantized_graph_may_turn_its_accuracy_level_and_the_exact_level_is_float(input_ids: np.ndarray) -> None:
-    from quiver.passes.quantize import QuantizeOptions, quantize
-    from quiver.tools.family import SMALL, make_family
+    from quiver.passes.qdq import QuantizeOptions, quantize
+    from quiver.testing.family import SMALL, make_family
 
     model = make_family(SMALL, count=1, seed=3)["base"]
     options = QuantizeOptions(weight_bits=4, block_size=32, activation_bits=16)

@@ -29,7 +29,7 @@ import numpy as np
 import quiver
 from quiver.lora.prepare import prepare
 from quiver.ort.epcontext import wrap_context
-from quiver.tools.family import SMALL, make_family, sample_input_ids
+from quiver.testing.family import SMALL, make_family, sample_input_ids
 
 X = np.random.default_rng(11).standard_normal((4, 16)).astype(np.float32)
 # Use cases whose strengths for one adapter differ ("strong"): a run mixing one state's tensors with
@@ -239,7 +239,7 @@ FORK_DELAYS = (0.0, 0.001, 0.002, 0.003, 0.005, 0.008, 0.013, 0.021)  # seconds 
 
 _FORKING_SERVER = """
 import os, sys, time, numpy as np, quiver
-from quiver.tools.family import SMALL, sample_input_ids
+from quiver.testing.family import SMALL, sample_input_ids
 ids = {"input_ids": sample_input_ids(SMALL, 1, 8, seed=4)}
 with quiver.Context.from_binary(sys.argv[1]) as reference:
     expected = {name: reference.graph(name).execute(ids) for name in reference.graph_names}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import quiver
-from quiver.tools.family import BENCH, make_family
+from quiver.testing.family import BENCH, make_family
 from tests.stress import concurrency
 from tests.stress.concurrency import LoraProject, X
 

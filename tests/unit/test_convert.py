@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import quiver
+from quiver.commands.check import check_model
 from quiver.formats.layout import INLINE_LIMIT
 from quiver.passes.convert import convert
-from quiver.tools.check import check_model
 
 
 def _matmul_model(weight: np.ndarray, as_constant: bool = False) -> onnx.ModelProto:

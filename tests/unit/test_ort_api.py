@@ -20,7 +20,7 @@ from quiver.backends import base as backends_base
 from quiver.errors import BackendError
 from quiver.ort import provider
 from quiver.ort.engine_quiver import SHARED_CONTEXTS
-from quiver.tools.family import SMALL, sample_input_ids
+from quiver.testing.family import SMALL, sample_input_ids
 from tests.support import FIXTURES  # noqa: E402
 from tests.support.cli import quiver as run_cli
 from tests.support.helpers import sequence_input_model
@@ -93,7 +93,7 @@ def test_errors_have_onnxruntime_names_and_are_quiver_errors(tmp_path: Path) -> 
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quiver.tools.family import build_model, family_weights
+    from quiver.testing.family import build_model, family_weights
 
     folder = tmp_path_factory.mktemp("ort")
     onnx.save(build_model(SMALL, family_weights(SMALL, seed=4), "small"), folder / "small.onnx")
@@ -396,7 +396,7 @@ def test_ort_wrap_refuses_a_damaged_context_in_one_line(tmp_path: Path) -> None:
 
 
 def test_io_quantization_can_be_left_to_the_caller(small_model: Path, tmp_path: Path) -> None:
-    from quiver.passes.quantize import QuantizeOptions, quantize
+    from quiver.passes.qdq import QuantizeOptions, quantize
 
     samples = [{"input_ids": sample_input_ids(SMALL, 1, 8, seed=i)} for i in range(3)]
     qdq, encodings = quantize(onnx.load(str(small_model)), samples, QuantizeOptions(activation_bits=16))

@@ -127,7 +127,7 @@ QUANTIZE_AFTER_SWAP = """
 import sys
 import quiver.ort
 quiver.ort.install()
-from quiver.passes.quantize import quant_type_of
+from quiver.passes.qdq import quant_type_of
 from quiver.ort_package import onnxruntime, submodule
 import onnxruntime as swapped
 assert swapped is quiver.ort, swapped

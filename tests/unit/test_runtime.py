@@ -12,7 +12,7 @@ import pytest
 
 import quiver
 from quiver.ir.tensors import TensorType
-from quiver.tools.family import BENCH, TransformerShape, make_family, sample_input_ids
+from quiver.testing.family import BENCH, TransformerShape, make_family, sample_input_ids
 
 
 def _ort(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:

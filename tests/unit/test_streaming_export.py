@@ -14,7 +14,7 @@ from quiver.errors import ExportResourceError
 from quiver.ir.deferred import Deferred, made_together
 from quiver.t2t import export as export_module
 from quiver.t2t.export import ExportOptions, export
-from quiver.t2t.quantize import quantize_weights
+from quiver.t2t.quantizers import quantize_weights
 from tests.support.tiny_llm import tiny_adapter, tiny_decoder
 
 

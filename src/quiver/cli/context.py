@@ -38,7 +38,7 @@ from quiver.runtime.context import Context
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def demo(workdir: Path | None, as_json: bool) -> None:
     """Build a base model and two fine-tunes into one context, run them, check them against ONNX Runtime."""
-    from quiver.tools.demo import run_demo
+    from quiver.commands.demo import run_demo
 
     with status_line("starting") as status:
         result = run_demo(workdir, on_step=lambda step: status.update(step))
@@ -126,9 +126,9 @@ def build(
     input_lists: tuple[tuple[str | None, Path], ...],
 ) -> None:
     """Pack MODEL.onnx[:GRAPH_NAME] ... into one context binary, each distinct weight stored once."""
+    from quiver.commands.quantize import quantize_from_overrides, read_overrides, stored_names
+    from quiver.commands.report import describe_context
     from quiver.passes.load import load_model
-    from quiver.tools.quantize import quantize_from_overrides, read_overrides, stored_names
-    from quiver.tools.report import describe_context
 
     parsed = [parse_model_arg(m) for m in models]
     shapes = _graph_shapes(parse_shape_args(input_shapes), [name for _, name in parsed])
@@ -299,8 +299,8 @@ def _starts_with(path: Path, magic: bytes) -> bool:
 def _inspect_section(path: Path, as_json: bool) -> None:
     from rich.markup import escape
 
+    from quiver.commands.report import describe_section
     from quiver.formats.section import SectionFile
-    from quiver.tools.report import describe_section
 
     report = describe_section(SectionFile.open(path), str(path))
     if as_json:
@@ -330,9 +330,9 @@ def _inspect_section(path: Path, as_json: bool) -> None:
               help="Write every stored weight to DIR as a raw file, with weights.json indexing them.")  # fmt: skip
 def inspect(context_path: Path, as_json: bool, tensors: bool, export_weights: Path | None) -> None:
     """Print a context binary's graphs, inputs/outputs, tensors and sharing (or a .qsec section's tensors)."""
+    from quiver.commands.report import describe_context
+    from quiver.commands.report import export_weights as write_weights
     from quiver.formats.layout import SECTION_MAGIC
-    from quiver.tools.report import describe_context
-    from quiver.tools.report import export_weights as write_weights
 
     if _starts_with(context_path, SECTION_MAGIC):
         if export_weights is not None:
@@ -611,7 +611,7 @@ def verify(context_path: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def check(model: Path, as_json: bool) -> None:
     """List a model's operators and every one Quiver does not support."""
-    from quiver.tools.check import check_model
+    from quiver.commands.check import check_model
 
     report = check_model(model)
     if as_json:

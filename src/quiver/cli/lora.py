@@ -242,9 +242,9 @@ def lora_prepare(
 ) -> None:
     """Map, create, import: one context, one section per use case, and manifest.json (quantized with --input-list
     or --float-fallback, from the use cases' quant_overrides and --quantization-overrides where given)."""
+    from quiver.commands.quantize import load_float_model, read_samples
     from quiver.lora.prepare import LoraQuantization, load_lora_config, prepare, section_files
-    from quiver.passes.quantize import QuantizeOptions
-    from quiver.tools.quantize import load_float_model, read_samples
+    from quiver.passes.qdq import QuantizeOptions
 
     if quantization_overrides is not None and input_list is None and not float_fallback:
         raise click.UsageError("--quantization-overrides quantizes: add --input-list (calibration) or --float-fallback")

@@ -1,4 +1,5 @@
-"""`quiver quantize` and `quiver eval`: QDQ models from float ones, and how close they stay."""
+"""The `quiver quantize` and `quiver eval` commands: their options and what they print (the work:
+`commands.quantize`)."""
 
 from __future__ import annotations
 
@@ -88,9 +89,9 @@ def quantize(
     quiet: bool,
 ) -> None:
     """Quantize MODEL.onnx to a QDQ model (runnable by ONNX Runtime), as qairt-quantizer does."""
+    from quiver.commands.quantize import read_overrides, run_quantize
     from quiver.passes.mask_fills import mask_fills_of
-    from quiver.passes.quantize import QuantizeOptions
-    from quiver.tools.quantize import read_overrides, run_quantize
+    from quiver.passes.qdq import QuantizeOptions
 
     if input_list is None and not float_fallback:
         raise click.UsageError("give --input-list (calibration inputs), or --float-fallback with overrides")
@@ -146,7 +147,7 @@ def eval_(
     float_model: Path, quantized_model: Path, input_list: Path, input_shapes: tuple[str, ...], as_json: bool
 ) -> None:
     """Accuracy of a quantized model vs. its float model: SQNR and cosine per output, SQNR per layer."""
-    from quiver.tools.quantize import run_eval
+    from quiver.commands.quantize import run_eval
 
     report = run_eval(float_model, quantized_model, input_list, parse_file_shapes(input_shapes))
     if as_json:

@@ -13,7 +13,7 @@ from rich.table import Table
 from quiver.cli.common import as_mb, cli, console, emit_json, named_path, status_line
 from quiver.cli.tune import print_tuning, run_tuning, tuning_options
 from quiver.formats.files import read_text
-from quiver.t2t.quantize import DEFAULT_QUANTIZER, QUANTIZERS, parse_override
+from quiver.t2t.quantizers import DEFAULT_QUANTIZER, QUANTIZERS, parse_override
 
 if TYPE_CHECKING:
     from quiver.t2t.config import DialogConfig

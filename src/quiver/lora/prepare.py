@@ -31,7 +31,7 @@ from quiver.lora.create import (
 from quiver.lora.peft import PeftAdapter, has_weights, load_peft_adapter
 from quiver.passes.compare import compare_models
 from quiver.passes.load import load_model
-from quiver.passes.quantize import QuantizeOptions
+from quiver.passes.qdq import QuantizeOptions
 from quiver.runtime.context import Context
 
 
@@ -347,7 +347,7 @@ def write_use_cases(config: str | Path, output: Path, common: EncodingSet | None
     alphas, in `output`; returns that summary."""
     from safetensors.numpy import save
 
-    from quiver.lora.quantize import encodings_in_graph
+    from quiver.lora.quantized_sections import encodings_in_graph
 
     project = load_lora_config(config)
     adapters = load_adapters(project)
@@ -402,7 +402,7 @@ def prepare(
     """The whole LoRA v3 flow: map, create, import, then the context, sections and manifest in `out_dir`.
 
     With `quantization`, the context holds one QDQ graph and each section also carries its use case's
-    adapter integers and encodings (`quiver.lora.quantize`). With several base graphs (the base use
+    adapter integers and encodings (`quiver.lora.quantized_sections`). With several base graphs (the base use
     case's `model_name` a list: exports of one model, or the parts of a split one, each adapted where it
     holds the modules), the context has a graph for each, and each use case one section per adapted
     graph, or one for them all (a super adapter, each distinct tensor stored once) when sharing
@@ -441,7 +441,7 @@ def prepare(
     }
     encodings: dict[str, Any] = {}
     if quantization is not None:
-        from quiver.lora.quantize import quantize_use_cases
+        from quiver.lora.quantized_sections import quantize_use_cases
 
         on_step("calibrating and quantizing every use case")
         quantized = quantize_use_cases(

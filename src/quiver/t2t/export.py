@@ -41,7 +41,7 @@ from quiver.t2t.families import DecoderConfig, read_config
 from quiver.t2t.gguf_model import GgufModel, is_gguf
 from quiver.t2t.graph import HEAD_ROWS, INPUT_IDS, LM_HEAD_NODE, build_decoder
 from quiver.t2t.hf import SafetensorsWeights, token_ids
-from quiver.t2t.quantize import (
+from quiver.t2t.quantizers import (
     ACCURACY_LEVELS,
     CALIBRATED,
     DEFAULT_QUANTIZER,
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     import onnx
 
     from quiver.passes.gptq import BlockWeights
-    from quiver.t2t.quantize import Blocks
+    from quiver.t2t.quantizers import Blocks
 
 DEFAULT_CONTEXT_SIZE = 2048
 BASE_USE_CASE = "base"  # the use case written beside the adapters' with every adapter off (Genie's base)
@@ -79,11 +79,11 @@ class ExportOptions:
     weight_bits: int | None = None  # 4 or 8: MatMul weights quantized blockwise (ORT's MatMulNBits)
     block_size: int = 32
     n_threads: int = 0
-    quantizer: str = DEFAULT_QUANTIZER  # how (`quiver.t2t.quantize.QUANTIZERS`)
+    quantizer: str = DEFAULT_QUANTIZER  # how (`quiver.t2t.quantizers.QUANTIZERS`)
     calibration: tuple[str, ...] = ()  # prompts the calibrated quantizers (GPTQ) run the float model on
     # ORT's compute for quantized weights, written into the config (None: the quantizer's choice)
     accuracy_level: int | None = None
-    # per-weight bits, `quiver.t2t.quantize.parse_override`'s rules in order (the LM head: lm_head.weight)
+    # per-weight bits, `quiver.t2t.quantizers.parse_override`'s rules in order (the LM head: lm_head.weight)
     overrides: tuple[Override, ...] = ()
     # a GGUF file's Q4_0/Q4_1 blocks without --weight-bitwidth: "carry" them as they are, or "dequantize"
     gguf_blocks: str = "carry"

@@ -6,8 +6,8 @@ half (`server.py`) to a host that searches (`client.py`).
 
 from quiver.tuning.cache import PerformanceCache, tier_name
 from quiver.tuning.config import TuningConfig, read_tuning_config
-from quiver.tuning.engine import GraphResult, TuneResult, Workload, tune_context
 from quiver.tuning.profiler import LocalProfiler, Profiler
+from quiver.tuning.tuner import GraphResult, TuneResult, Workload, tune_context
 
 __all__ = [
     "GraphResult",

@@ -510,7 +510,7 @@ def calibration_moments(
     """Σ xᵀx of each MatMul's input as the float prefill graph computes it on each prompt (token ids) from
     an empty cache: other inputs zero (no adapter, no cached tokens)."""
     from quiver.passes.gptq import input_moments
-    from quiver.passes.quantize import placeholder_sample
+    from quiver.passes.qdq import placeholder_sample
     from quiver.t2t.graph import INPUT_IDS, SEQLENS_K, TOTAL_LENGTH
 
     zeros = placeholder_sample(model)

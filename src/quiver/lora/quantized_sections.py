@@ -21,7 +21,7 @@ from onnx import numpy_helper
 from quiver.errors import AdapterError
 from quiver.formats.encodings import EncodingSet
 from quiver.lora.create import ALPHA_INPUT, LoraGraph
-from quiver.passes.quantize import QuantizeOptions, placeholder_sample, quant_type_of, quantize
+from quiver.passes.qdq import QuantizeOptions, placeholder_sample, quant_type_of, quantize
 
 UseCaseValues = Mapping[str, tuple[Mapping[str, np.ndarray], Sequence[float]]]  # name -> (tensors, alphas)
 

@@ -1,4 +1,5 @@
-"""`quiver quantize` and `quiver eval`: files in (model, input list, overrides), QDQ model and encodings out."""
+"""The work of `quiver quantize` and `quiver eval`, as functions: read the model, input list and overrides;
+write the QDQ model and its encodings; compare outputs with the float model's."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ import numpy as np
 import onnx
 from onnx.external_data_helper import load_external_data_for_model
 
+from quiver.commands.accuracy import AccuracyReport, accuracy_report
 from quiver.errors import ModelLoadError, QuantizationError
 from quiver.formats.encodings import EncodingSet, parse_encodings, read_json_file, save_encodings
 from quiver.formats.writer import write_atomically
 from quiver.ir.tensors import TensorInfo, TensorType, info_of_value
 from quiver.passes.convert import InputShapes, fix_input_shapes
 from quiver.passes.load import load_model
-from quiver.passes.quantize import QuantizeOptions, parse_ort_overrides, quantize
+from quiver.passes.qdq import QuantizeOptions, parse_ort_overrides, quantize
 from quiver.passes.quantized import QUANTIZED_SUFFIX
 from quiver.runtime.netrun import parse_input_list
-from quiver.tools.accuracy import AccuracyReport, accuracy_report
 
 
 def load_float_model(path: Path) -> onnx.ModelProto:

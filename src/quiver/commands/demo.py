@@ -14,7 +14,7 @@ import onnx
 
 from quiver.ort_package import onnxruntime as ort
 from quiver.runtime.context import Context
-from quiver.tools.family import TransformerShape, make_family, sample_input_ids
+from quiver.testing.family import TransformerShape, make_family, sample_input_ids
 
 DEMO_SHAPE = TransformerShape(vocab=2000, hidden=256, heads=4, ffn=1024, layers=4, max_positions=128)
 TOLERANCE = 1e-4

@@ -20,7 +20,7 @@ from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.graph import LM_HEAD_NODE
 from quiver.t2t.quality import DEFAULT_PROMPTS, quality_report
-from quiver.t2t.quantize import (
+from quiver.t2t.quantizers import (
     CALIBRATED,
     HEAD_WEIGHT,
     QUANTIZERS,
