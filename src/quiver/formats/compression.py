@@ -1,4 +1,4 @@
-"""Skeleton regions stored deflated (format 1.7): ONNX structure is mostly repeated names, ~3-7x smaller.
+"""Skeleton regions stored deflated (format 1.7): ONNX structure is mostly repeated names, several times smaller.
 
 A quantized graph's skeleton (its Q/DQ nodes, their long names, small inline scales) weighs ~1 % of its
 weights, and its prepared form as much again; deflated, both together stay well under 1 %.

@@ -14,7 +14,7 @@ from quiver.errors import ConversionError
 
 class ElementType(enum.IntEnum):
     """ONNX's element types (TensorProto.DataType): numbers fixed by the ONNX spec, kept here so that
-    reading a type needs no protobuf import (~55 ms, paid only when a model is actually parsed)."""
+    reading a type needs no protobuf import (paid only when a model is actually parsed)."""
 
     UNDEFINED = 0
     FLOAT = 1

@@ -1,7 +1,7 @@
 """ONNX's protobuf messages (ModelProto, TensorProto...) without importing the `onnx` package.
 
 Loading a context parses skeletons and hands them to a backend; that needs ONNX's message classes, not
-`onnx`'s helpers, checker and reference code, which cost ~45 ms more to import. The installed onnx's own
+`onnx`'s helpers, checker and reference code, which cost much more to import. The installed onnx's own
 generated module is loaded under a private name: its descriptors register in protobuf's default pool
 exactly as `import onnx` registers them, so the classes are the very same (`onnx.ModelProto is
 ModelProto` once onnx is imported too).

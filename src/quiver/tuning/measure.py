@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Before each timed block: other sessions' threads spin for a while after their last run and would steal
-# the cores (measured: an interleaved comparison without the pause put every candidate 1.5-2x off).
+# the cores (an interleaved comparison without the pause put every candidate far off).
 SETTLE_S = 0.02
-# A block lasts about this long (many runs of a fast graph, one of a slow one). Measured on real MiniLM
-# (5 ms a run, 2 cores): two identical variants differ by up to 20-25 % with 30 ms blocks, 4-5 % with 100 ms.
+# A block lasts about this long (many runs of a fast graph, one of a slow one): shorter blocks let two
+# identical variants differ by several times the noise this one leaves (docs/worklog.md).
 BLOCK_S = 0.1
 MIN_GAIN = 0.02  # below this, a gain is not worth a configuration however steady it is
 
