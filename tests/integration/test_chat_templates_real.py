@@ -13,45 +13,6 @@ import pytest
 
 from quiver.serve import chat
 
-# the conversations make_templates.py rendered (its CASES), rebuilt here from the same values
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "description": "The city's name."}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-CALL = {"id": "abc123xyz", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-CHAT = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Hi there"},
-    {"role": "assistant", "content": "Hello!"},
-    {"role": "user", "content": "What is 2+2? Réponds en français."},
-]
-CASES: dict[str, tuple[list[dict[str, Any]], bool, dict[str, Any]]] = {
-    "one_question": ([{"role": "user", "content": "Hello, who are you?"}], True, {}),
-    "system_and_turns": (CHAT, True, {}),
-    "no_generation_prompt": (CHAT, False, {}),
-    "thinking_off": ([{"role": "user", "content": "Hello"}], True, {"enable_thinking": False}),
-    "tools": ([{"role": "user", "content": "Weather in Paris?"}], True, {"tools": TOOLS}),
-    "tool_round": (
-        [
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [CALL]},
-            {"role": "tool", "tool_call_id": "abc123xyz", "name": "get_weather", "content": '{"temp": 21}'},
-        ],
-        True,
-        {"tools": TOOLS},
-    ),
-}
-
 
 @pytest.fixture(scope="module")
 def expected(real_templates: Path) -> dict[str, Any]:
@@ -74,14 +35,15 @@ def test_every_real_template_renders_as_transformers_does(
 
     monkeypatch.setattr(chat, "datetime", _FixedDate)  # what strftime_now reads, as when transformers rendered
     names = _names(real_templates)
-    assert len(names) >= 60 and set(names) == set(expected["cases"])
+    assert len(names) >= 60 and set(names) == set(expected["cases"]) and len(expected["conversations"]) >= 6
     differ: list[str] = []
     for name in names:
         template = chat.ChatTemplate((real_templates / "templates" / name).read_text(), expected["special"], name)
-        for case, (messages, prompt, variables) in CASES.items():
+        for case, conversation in expected["conversations"].items():  # as transformers was given them
             want = expected["cases"][name][case]
             try:
-                got = template.render(messages, add_generation_prompt=prompt, variables=variables)
+                got = template.render(conversation["messages"], add_generation_prompt=conversation[
+                    "add_generation_prompt"], variables=conversation["variables"])  # fmt: skip
             except ValueError:
                 got = None
             if "error" in want:

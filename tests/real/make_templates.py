@@ -6,9 +6,10 @@ conversations, as the ground truth of `quiver serve`'s renderer (no model hub).
 The templates are the ones llama.cpp keeps of real models (`models/templates/*.jinja`: Llama 3.x, Qwen
 2.5/3/3.5, Gemma 2/4, Mistral, Phi-3.5, Granite, SmolLM3, DeepSeek, gpt-oss, GLM, Kimi, ...), taken from
 the `llama-cpp-python` sdist that vendors llama.cpp (fetched with pip). Needs transformers (see
-`ci/real-models.txt`). Writes `templates/*.jinja` and `expected.json`: per template and conversation, the
-text transformers' `render_jinja_template` (what `apply_chat_template(tokenize=False)` renders) gives, or
-the error it raises. `strftime_now` sees the fixed date `DATE`.
+`ci/real-models.txt`). Writes `templates/*.jinja` and `expected.json`: the conversations (messages,
+`add_generation_prompt`, the template's other names), and per template and conversation the text
+transformers' `render_jinja_template` (what `apply_chat_template(tokenize=False)` renders) gives, or the
+error it raises. `strftime_now` sees the fixed date `DATE`.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ def main() -> None:
     folder = out / "templates"
     folder.mkdir(parents=True, exist_ok=True)
     chat_template_utils.datetime = _FixedDate  # type: ignore[misc]  what strftime_now reads
-    expected: dict[str, Any] = {"date": DATE.isoformat(), "special": SPECIAL, "cases": {}}
+    conversations = {name: {"messages": messages, "add_generation_prompt": prompt, "variables": names}
+                     for name, (messages, prompt, names) in CASES.items()}  # fmt: skip
+    expected: dict[str, Any] = {"date": DATE.isoformat(), "special": SPECIAL, "conversations": conversations,
+                                "cases": {}}  # fmt: skip
     for path in _templates(folder):
         source = path.read_text()
         rendered = {name: _render(source, *case) for name, case in CASES.items()}
