@@ -105,7 +105,7 @@ class Done:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
-    logprobs: tuple[TokenLogprob, ...] | None = None  # the reply's tokens', where asked (not an ending one)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # the reply's tokens', where asked (an ending one's too)
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # the prompt's tokens' but its first, where asked
 
 
@@ -137,7 +137,7 @@ class _Sequence:
     reply: Continuation
     cached: int = 0  # tokens in its cache row
     began: float = math.inf  # when its prompt was all in (its stream began)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each content token's
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each reply token's, an ending one's too
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # where asked: each prompt token's but the first
     sent: int = 0  # of `logprobs`, those its Token events carried
     prompt_sent: bool = False  # its prompt's log-probabilities went with a Token event (an echo that streams)
