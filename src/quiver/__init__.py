@@ -8,7 +8,6 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from quiver._version import __version__
 from quiver.errors import (
     AdapterError,
     BackendError,
@@ -49,6 +48,7 @@ from quiver.errors import (
     UnsupportedOperatorError,
     UnsupportedVersionError,
 )
+from quiver.version import __version__
 
 # name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {

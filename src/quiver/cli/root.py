@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from quiver._version import __version__
+from quiver.version import __version__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

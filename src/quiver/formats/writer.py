@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
 from quiver import portable
-from quiver._version import __version__
 from quiver.errors import ContextStateError, DuplicateGraphError, FileAccessError
 from quiver.formats import compression
 from quiver.formats.checksums import crc32
@@ -35,6 +34,7 @@ from quiver.formats.layout import (
     align_up,
 )
 from quiver.ir import dtypes
+from quiver.version import __version__
 
 _W = TypeVar("_W", bound="TensorFileWriter")
 # (dtype, shape, sha256 of bytes, sha256 of the encoding the bytes are read with; "" for plain tensors)

@@ -16,11 +16,11 @@ import hashlib
 import os
 from pathlib import Path
 
-from quiver._version import __version__
 from quiver.errors import QuiverError
 from quiver.formats.checksums import crc32
 from quiver.formats.files import cache_folder_setting
 from quiver.ir import proto
+from quiver.version import __version__
 
 CACHE_ENV = "QUIVER_ORT_CACHE"
 LIMIT_ENV = "QUIVER_ORT_CACHE_MB"

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from quiver._version import __version__
 from quiver.formats.writer import copy_atomically, write_atomically
 from quiver.ir import dtypes, proto
 from quiver.ir.tensors import TensorInfo
 from quiver.ort.errors import InvalidGraph, NoSuchFile
 from quiver.runtime.context import Context
+from quiver.version import __version__
 
 MS_DOMAIN = "com.microsoft"
 SOURCE = "Quiver"
