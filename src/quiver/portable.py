@@ -97,12 +97,17 @@ def advise_pages(start: int, length: int, *advice: int) -> None:
     length)` of this process's memory (neighbours may share the edge pages: those are left); nothing where
     the OS has no madvise."""
     madvise = c_call("madvise")
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, (start + length) // page * page
+    first, last = _whole_pages(start, length)
     if madvise is None or last <= first:
         return
     for each in advice:
         madvise(first, last - first, each)
+
+
+def _whole_pages(start: int, length: int) -> tuple[int, int]:
+    """The first and the end of the whole pages within `[start, start + length)`."""
+    page = mmap.PAGESIZE
+    return -(-start // page) * page, (start + length) // page * page
 
 
 def physical_memory() -> int | None:
@@ -143,8 +148,7 @@ def drop_pages(memory: mmap.mmap, start: int, length: int) -> None:
     neighbour's data may share them). Nothing where the OS cannot."""
     if not hasattr(mmap, "MADV_DONTNEED"):
         return
-    page = mmap.PAGESIZE
-    first, end = -(-start // page) * page, (start + length) // page * page
+    first, end = _whole_pages(start, length)
     if end > first:
         memory.madvise(mmap.MADV_DONTNEED, first, end - first)
 

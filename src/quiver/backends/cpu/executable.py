@@ -12,9 +12,10 @@ from typing import Protocol
 
 import numpy as np
 
+from quiver import portable
 from quiver.backends.base import FinalizedGraph
 from quiver.backends.cpu import capi, capi_session, packed_file, sessions
-from quiver.backends.cpu.memory import drop_resident_pages, return_freed_memory
+from quiver.backends.cpu.memory import drop_resident_pages
 from quiver.backends.cpu.prepared import open_level, source_digest, usable_form
 from quiver.backends.cpu.session_model import (
     SHARED_INTEGER_PACKING,
@@ -158,7 +159,7 @@ class CpuExecutable:
             except Exception as exc:
                 raise packed_file.FormNotMadeError(f"ORT did not write the packed form: {exc}") from None
             finally:
-                return_freed_memory()  # the writing session's packed copy, gone with it
+                portable.return_freed_memory()  # the writing session's packed copy, gone with it
 
         try:
             form = packed_file.open_or_make(folder, key, make)
@@ -220,7 +221,7 @@ class CpuExecutable:
         self._forget_sources()
         with capi.fork_waits():  # nor halfway through dropping one
             del stand_in
-        return_freed_memory()
+        portable.return_freed_memory()  # what the stand-in session freed would stay in RSS without it
 
     def run(
         self,

@@ -1,4 +1,5 @@
-"""What the cpu backend hands back to the system: mapped pages ORT no longer reads, and the heap's free pages."""
+"""What the cpu backend hands back to the system: mapped pages ORT no longer reads (the heap's free pages go
+back through `portable.return_freed_memory`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,6 @@ import numpy as np
 from quiver import portable
 
 MADV_RANDOM, MADV_DONTNEED = 1, 4
-
-
-def return_freed_memory() -> None:
-    """Hands the heap's free pages back to the OS (glibc's malloc_trim) once a stand-in session is gone:
-    without it, what that session freed stays in this process's RSS (~1.3 MB per MiniLM graph)."""
-    portable.return_freed_memory()
 
 
 def drop_resident_pages(arrays: list[np.ndarray]) -> None:
