@@ -1092,6 +1092,13 @@ def long_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     stop_server(running)
 
 
+def _prefix_hits(running: Running) -> tuple[float, float]:
+    """The prefix cache's hits and tokens spared, from /metrics."""
+    text = http(f"{running.url}/metrics")[2]
+    found = dict(re.findall(r"^(quiver_prefix_cache_(?:hits|reused_tokens)) (\S+)$", text, re.M))
+    return float(found["quiver_prefix_cache_hits"]), float(found["quiver_prefix_cache_reused_tokens"])
+
+
 def test_a_prompt_that_begins_as_a_recent_one_reuses_its_rows_and_gives_the_same_tokens(long_context: Running) -> None:
     """Prefixes kept by adapter and strengths: every reply equals `quiver t2t run`'s (no cache there), the
     hits and tokens spared counted in /metrics."""
@@ -1106,9 +1113,7 @@ def test_a_prompt_that_begins_as_a_recent_one_reuses_its_rows_and_gives_the_same
         return list((reply.choices[0].model_extra or {})["token_ids"])
 
     def hits() -> tuple[float, float]:
-        text = http(f"{long_context.url}/metrics")[2]
-        found = dict(re.findall(r"^(quiver_prefix_cache_(?:hits|reused_tokens)) (\S+)$", text, re.M))
-        return float(found["quiver_prefix_cache_hits"]), float(found["quiver_prefix_cache_reused_tokens"])
+        return _prefix_hits(long_context)
 
     assert greedy(first) == t2t_greedy(long_context.config, first) and hits() == (0, 0)
     assert greedy(first) == t2t_greedy(long_context.config, first)
@@ -1118,3 +1123,17 @@ def test_a_prompt_that_begins_as_a_recent_one_reuses_its_rows_and_gives_the_same
     assert greedy(first, "qv") == t2t_greedy(long_context.config, first, "-l", "qv")  # the base's rows: not its
     assert hits()[0] == 2
     assert greedy(first, "qv") == t2t_greedy(long_context.config, first, "-l", "qv") and hits()[0] == 3
+
+
+def test_a_prompt_scored_alone_is_kept_for_the_next_request_that_begins_with_it(long_context: Running) -> None:
+    """lm-eval's loglikelihood request (`echo`, `max_tokens` 0) ends as soon as its prompt is in: its rows are
+    kept all the same (as its row is given back), so a generation on that context reuses them."""
+    client = long_context.client()
+    context = "a river runs through the valley and the town " * 6
+    length = _post(long_context, "/tokenize", {"prompt": context})[1]["count"]
+    before = _prefix_hits(long_context)
+    client.completions.create(model="long", prompt=context, echo=True, max_tokens=0, logprobs=1)
+    reply = client.completions.create(model="long", prompt=context, max_tokens=8, temperature=0)
+    after = _prefix_hits(long_context)
+    assert after == (before[0] + 1, before[1] + (length - 1) // BLOCK * BLOCK)
+    assert list((reply.choices[0].model_extra or {})["token_ids"]) == t2t_greedy(long_context.config, context)
