@@ -930,9 +930,11 @@ def test_a_sink_that_fails_loses_its_event_and_the_engine_serves_on(exported: Pa
         decoder.close()
 
 
-def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Path) -> None:
+@pytest.mark.parametrize("prefix_cache_bytes", [0, 64 << 20])
+def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Path, prefix_cache_bytes: int) -> None:
     """Six requests through a batch of four: they join as rows free up and leave at different steps (each
-    that ends hands its row to the last), on three adapters and strengths; each gets what it gets alone."""
+    that ends hands its row to the last), on three adapters and strengths; each gets what it gets alone.
+    After, every row's memory went back but the rows the prefix cache holds, when it has a budget."""
     from quiver.serve.scheduler import Done, Generation, Scheduler
     from quiver.t2t.dialog import Dialog
 
@@ -945,7 +947,7 @@ def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Pat
             expected.append(dialog.query(prompt, max_new_tokens=tokens, greedy=True).new_ids)
     decoder = BatchDecoder.from_config(exported, max_batch=4, adapter_slots=2)
     try:
-        engine = Scheduler(decoder)
+        engine = Scheduler(decoder, prefix_cache_bytes=prefix_cache_bytes)
         done: dict[int, Any] = {}
         finished = threading.Event()
 
@@ -964,8 +966,12 @@ def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Pat
         assert finished.wait(60)
         engine.close()
         assert [done[i].token_ids for i in range(len(cases))] == expected
-        # every sequence ended: every row's cache memory went back to the OS (dropped pages read as zeros)
-        assert not any(array.any() for array in decoder._cache.values())
+        # every sequence ended: every row's cache memory went back to the OS (dropped pages read as zeros),
+        # but those the prefix cache holds as their sequences left them
+        held = engine.prefixes.held_rows if engine.prefixes is not None else frozenset()
+        assert bool(held) == bool(prefix_cache_bytes)
+        for row in range(decoder.max_batch):
+            assert any(array[row].any() for array in decoder._cache.values()) == (row in held)
     finally:
         decoder.close()
 
@@ -1117,8 +1123,7 @@ def test_a_prompt_that_begins_as_a_recent_one_reuses_its_rows_and_gives_the_same
 
     assert greedy(first) == t2t_greedy(long_context.config, first) and hits() == (0, 0)
     assert greedy(first) == t2t_greedy(long_context.config, first)
-    spared = hits()
-    assert spared == (1, (length - 1) // BLOCK * BLOCK)
+    assert hits() == (1, length - 1)  # all of it but the token whose logits start the reply
     assert greedy(second) == t2t_greedy(long_context.config, second) and hits()[0] == 2
     assert greedy(first, "qv") == t2t_greedy(long_context.config, first, "-l", "qv")  # the base's rows: not its
     assert hits()[0] == 2
@@ -1135,5 +1140,27 @@ def test_a_prompt_scored_alone_is_kept_for_the_next_request_that_begins_with_it(
     client.completions.create(model="long", prompt=context, echo=True, max_tokens=0, logprobs=1)
     reply = client.completions.create(model="long", prompt=context, max_tokens=8, temperature=0)
     after = _prefix_hits(long_context)
-    assert after == (before[0] + 1, before[1] + (length - 1) // BLOCK * BLOCK)
+    assert after == (before[0] + 1, before[1] + length - 1)
     assert list((reply.choices[0].model_extra or {})["token_ids"]) == t2t_greedy(long_context.config, context)
+
+
+def test_a_chat_turn_reuses_the_last_turn_and_its_reply_in_place(long_context: Running) -> None:
+    """A sequence that ends in the last row leaves that row as it is, held for a prompt that begins as it
+    did: the next turn of a chat reuses the previous prompt and the reply tokens fed after it (all but the
+    last), and its reply equals the one computed from nothing (an echo, which never reuses rows)."""
+    client = long_context.client()
+
+    def ids(text: str) -> list[int]:
+        return list(_post(long_context, "/tokenize", {"prompt": text})[1]["tokens"])
+
+    def greedy(prompt: list[int], **extra: Any) -> list[int]:
+        reply = client.completions.create(model="long", prompt=prompt, max_tokens=8, temperature=0, **extra)
+        return list((reply.choices[0].model_extra or {})["token_ids"])
+
+    turn = ids("the old lighthouse keeper counted the ships that passed in the night " * 2)
+    said = greedy(turn)
+    following = turn + said + ids(" and the sea was calm")
+    before = _prefix_hits(long_context)
+    again = greedy(following)
+    assert _prefix_hits(long_context) == (before[0] + 1, before[1] + len(turn) + len(said) - 1)
+    assert again == greedy(following, echo=True, logprobs=1)

@@ -1,12 +1,18 @@
-"""Automatic prefix reuse: the KV cache rows of recent prompts, so a prompt that begins as one of them
-(a multi-turn chat, a shared system prompt, lm-eval's repeated contexts) is prefilled from where they part.
+"""Automatic prefix reuse: the KV cache rows of recent prompts and replies, so a prompt that begins as one of
+them (a multi-turn chat, a shared system prompt, lm-eval's repeated contexts) is prefilled from where they part.
 
-Prefixes are matched in blocks of `BLOCK` tokens by chained hashes of their tokens (vLLM's automatic
-prefix caching, at its block size: a chat's new turn recomputes at most 15 tokens it could have reused),
-under the adapter and strengths that computed them (an adapter's low-rank terms change the keys and
-values); a hit is checked token by token (a hash may collide). Each prompt stores its longest whole-block
-prefix once (a copy of its rows), every shorter block prefix pointing into it; the least recently used go
-past `budget_bytes`. An adapter loaded or unloaded under a name forgets that name's prefixes.
+Two kinds of entry, one budget, least recently used out first:
+* a **copy** of a prompt's rows, made once its first token is out (so requests that run beside it can
+  begin from it);
+* a **held row**: a batch row whose sequence ended, left as it was (its prompt and the reply tokens fed
+  after it) instead of given back — llama.cpp's slots keep their cache the same way. A chat's next turn
+  starts in that row with no copy at all, and reuses the reply too.
+
+Entries are found by chained hashes of their whole blocks of `BLOCK` tokens (vLLM's automatic prefix
+caching), under the adapter and strengths that computed them (an adapter's low-rank terms change the keys
+and values); a found entry is checked token by token (a hash may collide) and followed past its last
+whole block, token by token, as far as it and the prompt agree. An adapter loaded or unloaded under a
+name forgets that name's entries.
 """
 
 from __future__ import annotations
@@ -18,102 +24,187 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BLOCK = 16  # tokens a prefix is matched by (64: a 10-turn chat's last turn 1.72x its first, against 1.42x)
+BLOCK = 16  # tokens an entry is indexed by (the tail past its last whole block is matched token by token)
 DEFAULT_BUDGET_BYTES = 256 << 20
 
 PrefixKey = tuple[str | None, tuple[tuple[str, float], ...]]  # the adapter (None: the base model), its strengths
+Rows = Mapping[str, np.ndarray]  # each cache's [heads, tokens, head_dim] copy
 
 
 def prefix_key(adapter: str | None, strengths: Mapping[str, float]) -> PrefixKey:
     return adapter, tuple(sorted(strengths.items()))
 
 
+@dataclass(frozen=True)
+class Hit:
+    """`length` tokens of a prompt whose rows are kept: in `source`, a copy, or a batch row (its number)."""
+
+    length: int
+    source: Rows | int
+
+
 @dataclass
 class _Entry:
     key: PrefixKey
     tokens: tuple[int, ...]
-    rows: Mapping[str, np.ndarray]  # each cache's [heads, len(tokens), head_dim] copy
     nbytes: int
+    rows: Rows | None = None  # a copy
+    row: int | None = None  # or a batch row, held as its sequence left it
 
 
 class PrefixCache:
-    """Recently computed prompt prefixes' cache rows, least recently used out past `budget_bytes`."""
+    """Recently computed prefixes' cache rows, the least recently used out past `budget_bytes`.
 
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+    `give_back(row)` is called (from the thread that stores and holds: the scheduler's) for a held row the
+    budget pushes out, so its memory goes back; `forget`, called from other threads, never calls it (the
+    scheduler may be writing the row): a forgotten row's pages go back when it is next used or held."""
+
+    def __init__(
+        self, budget_bytes: int = DEFAULT_BUDGET_BYTES, give_back: Callable[[int], object] | None = None
+    ) -> None:
         self.budget_bytes = budget_bytes
+        self._give_back = give_back or (lambda row: None)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._index: dict[tuple[PrefixKey, Hashable], tuple[int, int]] = {}  # (key, block hash) -> (entry, length)
+        self._index: dict[tuple[PrefixKey, Hashable], list[int]] = {}  # (key, chained block hash) -> entries
+        self._held: dict[int, int] = {}  # batch row -> its entry
         self._bytes = 0
         self._next = 0
         self._lock = threading.Lock()  # adapters are loaded from the HTTP thread, prompts run on the scheduler's
         self.hits = 0
         self.reused_tokens = 0
 
-    def lookup(self, key: PrefixKey, prompt: Sequence[int]) -> tuple[Mapping[str, np.ndarray], int] | None:
-        """The stored rows of the longest whole-block prefix `prompt` shares with a stored one (always
-        leaving a token to feed: its logits start the reply), and how many tokens they hold; None: none."""
-        usable = (len(prompt) - 1) // BLOCK
-        hashes = _block_hashes(prompt, usable)
+    def lookup(self, key: PrefixKey, prompt: Sequence[int], row: int | None = None) -> Hit | None:
+        """The longest prefix of `prompt` kept under `key` (always leaving a token to feed: its logits start
+        the reply); batch row `row`'s own entry, if it has one, wins a tie (it needs no copy). None: none."""
+        limit = len(prompt) - 1
+        hashes = _block_hashes(prompt, limit // BLOCK)
         with self._lock:
-            for blocks in range(usable, 0, -1):
-                found = self._index.get((key, hashes[blocks - 1]))
-                if found is None or found[0] not in self._entries:
-                    continue
-                entry = self._entries[found[0]]
-                length = blocks * BLOCK
-                if entry.tokens[:length] != tuple(prompt[:length]):
-                    continue  # a hash collision
-                self._entries.move_to_end(found[0])
-                self.hits += 1
-                self.reused_tokens += length
-                return entry.rows, length
-        return None
+            best: tuple[int, int] | None = None  # (length, entry)
+            own = self._held.get(row) if row is not None else None
+            if own is not None and self._entries[own].key == key:
+                best = (_agreeing(self._entries[own].tokens, prompt, 0, limit), own)
+            for blocks in range(len(hashes), 0, -1):
+                whole = blocks * BLOCK
+                found = False
+                for number in self._index.get((key, hashes[blocks - 1]), ()):
+                    entry = self._entries[number]
+                    if entry.tokens[:whole] != tuple(prompt[:whole]):
+                        continue  # a hash collision
+                    found = True
+                    length = _agreeing(entry.tokens, prompt, whole, limit)
+                    if best is None or length > best[0]:
+                        best = (length, number)
+                if found:
+                    break
+            if best is None or best[0] == 0:
+                return None
+            length, number = best
+            entry = self._entries[number]
+            self._entries.move_to_end(number)
+            self.hits += 1
+            self.reused_tokens += length
+            return Hit(length, entry.rows if entry.rows is not None else entry.row)  # type: ignore[arg-type]
 
-    def store(self, key: PrefixKey, prompt: Sequence[int], copy: Callable[[int], Mapping[str, np.ndarray]]) -> None:
-        """Keeps `prompt`'s longest whole-block prefix, its rows from `copy(length)`, unless held already."""
-        blocks = len(prompt) // BLOCK
-        if blocks == 0 or self.budget_bytes <= 0:
+    def store(self, key: PrefixKey, prompt: Sequence[int], copy: Callable[[int], Rows], token_bytes: int) -> None:
+        """Keeps a copy of `prompt`'s rows (`copy(len(prompt))`, `token_bytes` a token), unless an entry
+        under `key` holds them all already."""
+        if not prompt or len(prompt) * token_bytes > self.budget_bytes:
             return
-        hashes = _block_hashes(prompt, blocks)
         with self._lock:
-            held = self._index.get((key, hashes[-1]))
-            if held is not None and held[1] == blocks * BLOCK and held[0] in self._entries:
-                self._entries.move_to_end(held[0])
+            if self._covered(key, prompt):
                 return
-        rows = copy(blocks * BLOCK)  # outside the lock: a copy of the rows takes milliseconds
-        nbytes = sum(int(a.nbytes) for a in rows.values())
-        if nbytes > self.budget_bytes:
-            return
+        rows = copy(len(prompt))  # outside the lock: a copy of the rows takes milliseconds
+        self._add(_Entry(key, tuple(prompt), len(prompt) * token_bytes, rows=rows))
+
+    def hold(self, row: int, key: PrefixKey, tokens: Sequence[int], token_bytes: int) -> bool:
+        """Keeps batch row `row` as it is, holding `tokens`' rows; False (the row is to be given back) when
+        it holds nothing worth its memory: no tokens, more than the budget, or what a copy holds already."""
+        self.release(row)
+        if not tokens or len(tokens) * token_bytes > self.budget_bytes:
+            return False
         with self._lock:
-            number, self._next = self._next, self._next + 1
-            self._entries[number] = _Entry(key, tuple(prompt[: blocks * BLOCK]), rows, nbytes)
-            self._bytes += nbytes
-            for index, block_hash in enumerate(hashes):
-                self._index[(key, block_hash)] = (number, (index + 1) * BLOCK)
-            while self._bytes > self.budget_bytes:
-                self._drop(next(iter(self._entries)))
+            if self._covered(key, tokens):
+                return False
+        self._add(_Entry(key, tuple(tokens), len(tokens) * token_bytes, row=row))
+        return True
+
+    def release(self, row: int) -> None:
+        """Batch row `row` is to be written (a sequence begins in it, or another moves in): whatever it
+        held is no longer there."""
+        with self._lock:
+            number = self._held.get(row)
+            if number is not None:
+                self._drop(number)
 
     def forget(self, adapter: str) -> None:
-        """An adapter's prefixes (its weights under that name changed)."""
+        """An adapter's entries (its weights under that name changed)."""
         with self._lock:
             for number in [n for n, e in self._entries.items() if e.key[0] == adapter]:
                 self._drop(number)
 
+    def _covered(self, key: PrefixKey, tokens: Sequence[int]) -> bool:
+        """Whether an entry under `key` holds `tokens`' rows already (it begins with them all); marks it used."""
+        hashes = _block_hashes(tokens, len(tokens) // BLOCK)
+        for number in self._index.get((key, hashes[-1]), ()) if hashes else ():
+            if self._entries[number].tokens[: len(tokens)] == tuple(tokens):
+                self._entries.move_to_end(number)
+                return True
+        return False
+
+    def _add(self, entry: _Entry) -> None:
+        given_back = []
+        with self._lock:
+            number, self._next = self._next, self._next + 1
+            self._entries[number] = entry
+            self._bytes += entry.nbytes
+            if entry.row is not None:
+                self._held[entry.row] = number
+            for block_hash in _block_hashes(entry.tokens, len(entry.tokens) // BLOCK):
+                self._index.setdefault((entry.key, block_hash), []).append(number)
+            while self._bytes > self.budget_bytes:
+                oldest = next(iter(self._entries))
+                row = self._entries[oldest].row
+                self._drop(oldest)
+                if row is not None and row != entry.row:
+                    given_back.append(row)
+        for row in given_back:  # outside the lock: the caller's own thread gives the memory back
+            self._give_back(row)
+
     def _drop(self, number: int) -> None:
         entry = self._entries.pop(number)
         self._bytes -= entry.nbytes
-        for block in [k for k, v in self._index.items() if v[0] == number]:  # pointers into it, not newer ones
-            del self._index[block]
+        if entry.row is not None:
+            del self._held[entry.row]
+        for block_hash in _block_hashes(entry.tokens, len(entry.tokens) // BLOCK):
+            numbers = self._index[(entry.key, block_hash)]
+            numbers.remove(number)
+            if not numbers:
+                del self._index[(entry.key, block_hash)]
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
+    @property
+    def held_rows(self) -> frozenset[int]:
+        """The batch rows held as their sequences left them."""
+        with self._lock:
+            return frozenset(self._held)
 
-def _block_hashes(prompt: Sequence[int], blocks: int) -> list[int]:
+
+def _agreeing(tokens: Sequence[int], prompt: Sequence[int], start: int, limit: int) -> int:
+    """How many leading tokens `tokens` and `prompt` share (known to agree before `start`), at most `limit`."""
+    end = min(len(tokens), limit)
+    if end <= start:
+        return end
+    differ = np.flatnonzero(np.asarray(tokens[start:end]) != np.asarray(prompt[start:end]))
+    return start + int(differ[0]) if differ.size else end
+
+
+def _block_hashes(tokens: Sequence[int], blocks: int) -> list[int]:
     """Chained hashes of the first `blocks` blocks: each names its block and everything before it."""
     hashes, previous = [], 0
     for index in range(blocks):
-        previous = hash((previous, tuple(prompt[index * BLOCK : (index + 1) * BLOCK])))
+        previous = hash((previous, tuple(tokens[index * BLOCK : (index + 1) * BLOCK])))
         hashes.append(previous)
     return hashes

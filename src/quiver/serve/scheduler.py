@@ -159,7 +159,9 @@ class Scheduler:
         self._window = prefill_window or decoder.config.prefill_window
         # recent prompts' cache rows, where the decoder's rows can be copied (Quiver's own batched graph)
         reusable = isinstance(decoder, BatchDecoder) and prefix_cache_bytes > 0
-        self.prefixes: PrefixCache | None = PrefixCache(prefix_cache_bytes) if reusable else None
+        self.prefixes: PrefixCache | None = None
+        if reusable:  # a held row the budget pushes out goes back from the scheduler's thread (see PrefixCache)
+            self.prefixes = PrefixCache(prefix_cache_bytes, give_back=lambda row: decoder.free([row]))
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._rows: list[_Sequence] = []  # decoding: row i is self._rows[i]
         self._prefilling: _Sequence | None = None  # in the row after them
@@ -318,12 +320,17 @@ class Scheduler:
                 job.sink(Failed(exc))
                 return True
         sequence = _Sequence(job, len(self._rows), slot, self._reply(request), constraint=constraint)
-        if self.prefixes is not None and request.prompt_logprobs is None:  # an echo scores every prompt token
-            found = self.prefixes.lookup(prefix_key(request.adapter, request.strengths), request.prompt_ids)
-            if found is not None:
+        if self.prefixes is not None:
+            hit = None
+            if request.prompt_logprobs is None:  # an echo scores every prompt token
+                hit = self.prefixes.lookup(prefix_key(request.adapter, request.strengths), request.prompt_ids,
+                                           sequence.row)  # fmt: skip
+            self.prefixes.release(sequence.row)  # the row is this sequence's now
+            if hit is not None:
                 assert isinstance(self.decoder, BatchDecoder)
-                self.decoder.copy_in(sequence.row, *found)
-                sequence.cached = found[1]
+                if hit.source != sequence.row:  # a copy, or another row held as it was: copied in
+                    self.decoder.copy_in(sequence.row, hit.source, hit.length)
+                sequence.cached = hit.length
         self._prefilling = sequence
         return True
 
@@ -399,6 +406,8 @@ class Scheduler:
         self._prefilling = None
         row = len(self._rows)  # rows may have left while it was prefilled: it joins right after the others
         if sequence.row != row:
+            if self.prefixes is not None:
+                self.prefixes.release(row)
             self.decoder.move(sequence.row, row, sequence.cached)
             sequence.row = row
         self._rows.append(sequence)
@@ -482,16 +491,34 @@ class Scheduler:
         decoder, row, request = self.decoder, sequence.row, sequence.job.generation
         assert isinstance(decoder, BatchDecoder)
         key = prefix_key(request.adapter, request.strengths)
-        self.prefixes.store(key, request.prompt_ids, lambda length: decoder.copy_out(row, length))
+        self.prefixes.store(key, request.prompt_ids, lambda length: decoder.copy_out(row, length), decoder.token_bytes)
+
+    def _give_back(self, sequence: _Sequence, row: int, kept: bool) -> None:
+        """The row `sequence` leaves: where it still holds its rows as it left them (and `kept`), held for a
+        prompt that begins as it did (its reply too: a chat's next turn); else its memory goes back."""
+        if kept and self.prefixes is not None and sequence.row == row:
+            assert isinstance(self.decoder, BatchDecoder)
+            request = sequence.job.generation
+            fed = [*request.prompt_ids, *sequence.reply.new_ids][: sequence.cached]
+            key = prefix_key(request.adapter, request.strengths)
+            if self.prefixes.hold(row, key, fed, self.decoder.token_bytes):
+                return
+        self.decoder.free([row])
 
     def _leave(self, sequence: _Sequence, event: Event) -> None:
         """The sequence gives its row (to the last one, moved into it) and its slot back; its client gets
         `event`."""
-        if sequence is self._unstored:
-            self._store_prefix()
+        # a sequence that ends well in the row it leaves keeps it as it is (a failed one's rows may not be finite)
+        kept = isinstance(event, Done) and self.prefixes is not None
+        keeps_row = kept and (sequence is self._prefilling or (sequence in self._rows and self._rows[-1] is sequence))
+        if sequence is self._unstored:  # a row kept as it is needs no copy of its prompt; one another moves into does
+            if keeps_row:
+                self._unstored = None
+            else:
+                self._store_prefix()
         if sequence is self._prefilling:
             self._prefilling = None
-            self.decoder.free([sequence.row])
+            self._give_back(sequence, sequence.row, kept)
         elif sequence in self._rows:
             index = self._rows.index(sequence)
             last = self._rows.pop()
@@ -499,7 +526,7 @@ class Scheduler:
                 self.decoder.move(last.row, index, last.cached)
                 last.row = index
                 self._rows[index] = last
-            self.decoder.free([len(self._rows)])  # the row the last one left (or the sequence's own)
+            self._give_back(sequence, len(self._rows), kept)  # the row the last one left (or the sequence's own)
         self.decoder.release_slot(sequence.slot)
         self._send(sequence.job, event)
 

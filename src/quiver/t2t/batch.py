@@ -423,11 +423,17 @@ class BatchDecoder:
         with self._lock:
             return {name: array[row, :, :length].copy() for name, array in self._cache.items()}
 
-    def copy_in(self, row: int, rows: Mapping[str, np.ndarray], length: int) -> None:
-        """Writes `length` positions kept by `copy_out` into a row: its sequence goes on after them."""
+    def copy_in(self, row: int, rows: Mapping[str, np.ndarray] | int, length: int) -> None:
+        """Writes `length` positions kept by `copy_out`, or those of another row, into a row: its sequence
+        goes on after them."""
         with self._lock:
             for name, array in self._cache.items():
-                array[row, :, :length] = rows[name][:, :length]
+                array[row, :, :length] = array[rows, :, :length] if isinstance(rows, int) else rows[name][:, :length]
+
+    @property
+    def token_bytes(self) -> int:
+        """The bytes one position of one row takes across every cache."""
+        return sum(int(a[0, :, 0].nbytes) for a in self._cache.values())
 
     def free(self, rows: Sequence[int]) -> None:
         """These rows' sequences ended: their cache memory goes back to the OS."""
