@@ -1,16 +1,17 @@
 """Models of real size: `quiver t2t export` of Llama-3.2-1B's and 3B's shapes (random bf16 weights, the real
 configs' shapes: benchmarks/size_models.py), fp32 and int4, each with a rank-16 adapter on all seven
-projections; then opening the 1B exports and generating.
+projections; then, at 1B, Quiver beside onnxruntime-genai's builder and llama.cpp on the same weights.
 
     python benchmarks/run.py --only real_size
 
 Per export (a fresh process each): wall time, peak RSS (the kernel's high-water mark of the process),
-the context's size and the model's weights' size in float32. Per 1B context: open to the first token
-(fresh processes, the second and later opens: the file in the page cache) and prefill / decode tok/s
-with prompts of 128 and 512 tokens (benchmarks/t2t.py's worker, 2 threads), RSS growth while
-generating. Only Quiver is measured here: onnxruntime-genai's builder and llama.cpp on these weights
-are not side by side yet (the issue's figures: genai's int4 builder peaks at 9.75 / 18.5 GiB, llama.cpp's
-conversion at <= 3.3 GiB).
+the context's size and the model's weights' size in float32. At 1B, side by side (benchmarks/size_peers.py;
+where the export venv or llama.cpp's build is missing, Quiver's rows alone): genai's fp32 and int4 exports
+and llama.cpp's F32 conversion and Q4_0 quantization (no adapter: neither takes one at export), timed the
+same way; then for each of the six models, in rounds whose order turns: open to the first token (spawn to
+first token, the files in the page cache: one warm-up open first) and prefill / decode tok/s with prompts of
+128 and 512 tokens (128 new, greedy, 2 threads everywhere: benchmarks/t2t.py's worker, llama-server's own
+timings), RSS while generating.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import llama_completion  # a sibling script, not a package
 from size_models import make_adapter, make_model
-from t2t import _worker
+from size_peers import genai_export, gguf_exports, open_genai, open_llama, open_python
+from t2t import CONTEXT, NEW_TOKENS, THREADS, _genai_copy, _medians, _worker, worker_prompts
+from timing import alternating_runs
 
 SIZES = ("1b", "3b")
 
@@ -55,15 +61,16 @@ def _run(code: str, *args: str) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _export(model: Path, adapter: Path, out: Path, bits: int | None) -> dict[str, Any]:
-    args = ["t2t", "export", "--model", str(model), "--lora", f"a={adapter}", "-o", str(out)]
+def _export(model: Path, adapter: Path | None, out: Path, bits: int | None, *extra: str) -> dict[str, Any]:
+    args = ["t2t", "export", "--model", str(model), *(["--lora", f"a={adapter}"] if adapter else []), "-o", str(out),
+            *extra]  # fmt: skip
     result = _run(_EXPORT, *args, *(["--weight-bitwidth", str(bits)] if bits else []))
     if result["code"] != 0:
         raise RuntimeError(f"the export of {model} failed")
     return result | {"context_bytes": (out / "model.qctx").stat().st_size}
 
 
-def measure_real_size(folder: Path, cache: Path, tokenizer: Path, opens: int = 3) -> dict[str, Any]:
+def measure_real_size(folder: Path, cache: Path, tokenizer: Path, venv_python: Path, rounds: int = 3) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for size in SIZES:
         model = make_model(size, cache / f"llama-{size}", tokenizer)
@@ -72,12 +79,59 @@ def measure_real_size(folder: Path, cache: Path, tokenizer: Path, opens: int = 3
         for label, bits in (("fp32", None), ("int4", 4)):
             out = folder / f"{size}-{label}"
             print(f"  size: exporting {size} {label}", file=sys.stderr)
-            row = _export(model, adapter, out, bits) | {"float32_weights_bytes": weights}
-            if size == "1b":
-                config = str(out / "genie_config.json")
-                row["open"] = [_run(_OPEN, config) for _ in range(opens + 1)][1:]  # the first warms the page cache
-                row["open_to_first_token_s"] = statistics.median(r["first_token_s"] for r in row["open"])
-                row["generation"] = _worker("quiver", config, "both")
-            result[f"{size} {label}"] = row
+            result[f"{size} {label}"] = _export(model, adapter, out, bits) | {"float32_weights_bytes": weights}
             shutil.rmtree(out)  # a 3B fp32 context is 13 GB: one at a time on disk
+    result["1b side by side"] = _side_by_side(folder, cache / "llama-1b", venv_python, rounds)
     return result
+
+
+def _side_by_side(folder: Path, model: Path, venv_python: Path, rounds: int) -> dict[str, Any]:
+    """Quiver's 1B exports (no adapter, as the peers') beside genai's and llama.cpp's of the same weights:
+    the exports, then opening and generating in alternating rounds."""
+    engines: dict[str, Callable[[], dict[str, Any]]] = {}
+    exports: dict[str, Any] = {}
+    opens: dict[str, Callable[[], float]] = {}
+    for label, bits in (("fp32", None), ("int4", 4)):
+        print(f"  size: Quiver's {label} export of 1b, no adapter", file=sys.stderr)
+        out = folder / f"quiver-1b-{label}"
+        exports[f"quiver {label}"] = _export(model, None, out, bits, "--context-size", str(CONTEXT))
+        config = out / "genie_config.json"
+        opens[f"quiver {label}"] = partial(open_python, _OPEN, config)
+        engines[f"quiver {label}"] = partial(_worker, "quiver", str(config), "both")
+    unavailable: dict[str, str] = {}
+    if venv_python.is_file():
+        for precision in ("fp32", "int4"):
+            print(f"  size: genai's {precision} export of 1b", file=sys.stderr)
+            out = folder / f"genai-1b-{precision}"
+            exports[f"genai {precision}"] = genai_export(model, out, precision, venv_python)
+            pinned = _genai_copy(out, folder / f"genai-1b-{precision}-threads")
+            opens[f"genai {precision}"] = partial(open_genai, pinned)
+            engines[f"genai {precision}"] = partial(_worker, "genai", str(pinned), "-")
+    else:
+        unavailable["genai"] = f"no export venv at {venv_python} (ci/make-real-models llms makes it)"
+    try:
+        from llama_server import build, environment
+
+        server, env = build() / "llama-server", environment()
+        print("  size: llama.cpp's F32 conversion and Q4_0 quantization of 1b", file=sys.stderr)
+        ggufs = gguf_exports(model, folder / "llama-1b-gguf", venv_python, build(), env)
+        for kind, made in ggufs.items():
+            label = f"llama.cpp {kind.upper()}"
+            exports[label] = made
+            llama = {"server": server, "model": Path(made["path"]), "env": env}
+            opens[label] = partial(open_llama, server, llama["model"], THREADS, env)
+            engines[label] = partial(llama_completion.speed, llama, CONTEXT, THREADS, worker_prompts(), NEW_TOKENS)
+    except (OSError, subprocess.CalledProcessError, ImportError, RuntimeError) as exc:
+        unavailable["llama.cpp"] = f"{type(exc).__name__}: {exc}"[:300]
+    for open_ in opens.values():
+        open_()  # every file into the page cache once
+    opened = alternating_runs(opens, rounds, "size open")
+    generated = alternating_runs(engines, rounds, "size generate")
+    return {
+        "threads": THREADS,
+        "exports": exports,
+        "unavailable": unavailable,
+        "open_to_first_token_s": {label: statistics.median(times) for label, times in opened.items()},
+        "generation": {label: _medians(runs) for label, runs in generated.items()},
+        "rounds": {"open": opened, "generation": generated},
+    }

@@ -413,7 +413,8 @@ def main() -> None:
             report["kv_memory"] = measure_kv_memory(folder, _corpus("llms"))
         if "real_size" in sections:
             print("models of real size ...", file=sys.stderr)
-            report["real_size"] = measure_real_size(folder, *_size_models())
+            venv = Path.home() / ".cache" / "quiver" / "export-venv" / "bin" / "python"
+            report["real_size"] = measure_real_size(folder, *_size_models(), venv)
         if "clients" in sections:
             print("the clients people use, against quiver serve ...", file=sys.stderr)
             report["clients"] = measure_clients(folder, _corpus("llms"))
