@@ -14,6 +14,7 @@ streamed completion: from the request to the first piece of text).
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -80,12 +81,15 @@ def _round(setup: str, config: Path, llama: dict[str, Any], tokenizer: Tokenizer
         }
         history: list[int] = []
         turns = []
+        last_history = 0
         for _ in range(TURNS):
+            last_history = len(history)
             history += rng.integers(100, 40000, MESSAGE).tolist()
             seconds, reply = first_token(history)
             turns.append(seconds)
             history += tokenizer.encode(reply, add_special_tokens=False).ids  # as the client sends it back
-        return result | {"chat_turns_s": turns, "chat_tokens": len(history)}
+        # the tokens before the last turn's message: its history
+        return result | {"chat_turns_s": turns, "chat_tokens": len(history), "last_history": last_history}
     finally:
         process.terminate()
         process.wait(60)
@@ -99,6 +103,20 @@ def _llama_setup() -> dict[str, Any]:
         return {"server": build() / "llama-server", "model": f32_model(), "env": environment()}
     except (OSError, subprocess.CalledProcessError, ImportError) as exc:
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
+
+
+def arithmetic_floor(config: dict[str, Any], history: int) -> float:
+    """The last turn's multiply-adds over the first's, where each computes only its `MESSAGE` new tokens (a
+    perfect reuse): the projections and MLP cost the same, the attention grows with the history before it."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    weights = layers * (hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config["intermediate_size"])
+
+    def turn(before: int) -> int:  # scores and the weighted sum: 2 * heads * head_dim per position attended
+        return sum(weights + layers * 2 * heads * head_dim * (before + i + 1) for i in range(MESSAGE))
+
+    return turn(history) / turn(0)
 
 
 def measure_prefix_reuse(folder: Path, llms: Path, rounds: int = 3) -> dict[str, Any]:
@@ -120,6 +138,11 @@ def measure_prefix_reuse(folder: Path, llms: Path, rounds: int = 3) -> dict[str,
         "chat_last_over_first_turn": {
             k: statistics.median(r["chat_turns_s"][-1] / r["chat_turns_s"][0] for r in v) for k, v in runs.items()
         },  # fmt: skip
+        # the floor at the last turn's history (the median round's), for the cache on
+        "chat_arithmetic_floor": arithmetic_floor(
+            json.loads((llms / "smollm2" / "config.json").read_text()),
+            int(statistics.median(r["last_history"] for r in on)),
+        ),
         "chat_turns_median_s": {
             k: [statistics.median(r["chat_turns_s"][t] for r in v) for t in range(TURNS)] for k, v in runs.items()
         },  # fmt: skip
