@@ -30,8 +30,9 @@ def q4_1() -> dict[str, Any]:
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
 
 
-def run(llama: Mapping[str, Any], context: int, threads: int, work: Callable[..., Any]) -> Any:
-    """`work(complete, process)` against a fresh llama-server; `complete(body)` posts to /completion."""
+def run(llama: Mapping[str, Any], context: int, threads: int, work: Callable[..., Any], poll: float = 0.2) -> Any:
+    """`work(complete, process)` against a fresh llama-server (its health asked every `poll` seconds until it
+    answers); `complete(body)` posts to /completion."""
     port = _free_port()
     command = [str(llama["server"]), "-m", str(llama["model"]), "--port", str(port), "-np", "1", "-c", str(context),
                "-t", str(threads), "-tb", str(threads), "--no-webui", "--no-repack"]  # fmt: skip
@@ -45,7 +46,7 @@ def run(llama: Mapping[str, Any], context: int, threads: int, work: Callable[...
             return dict(json.loads(reply.read()))
 
     try:
-        _wait_healthy(url, process)
+        _wait_healthy(url, process, poll=poll)
         return work(complete, process)
     finally:
         process.terminate()

@@ -132,7 +132,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 300) -> None:
+def _wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 300, poll: float = 0.2) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -143,7 +143,7 @@ def _wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 300
                     return
         except OSError:
             pass
-        time.sleep(0.2)
+        time.sleep(poll)
     raise RuntimeError("the server did not become healthy")
 
 

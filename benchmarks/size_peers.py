@@ -17,11 +17,11 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from serve import _free_port
+import llama_completion  # a sibling script, not a package
 
 BUILDER = Path(__file__).resolve().parent / "genai_builder.py"
 
@@ -98,30 +98,13 @@ def open_python(code: str, *args: str | Path, python: str = sys.executable) -> f
 
 def open_llama(server: Path, model: Path, threads: int, env: dict[str, str]) -> float:
     """Seconds from the spawn of `llama-server` to its first token (one, from a four-token prompt)."""
-    port = _free_port()
-    command = [str(server), "-m", str(model), "--port", str(port), "-np", "1", "-c", "512", "-t", str(threads),
-               "-tb", str(threads), "--no-webui", "--no-repack"]  # fmt: skip
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {process.returncode}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.01)
-        body = json.dumps({"prompt": [1, 2, 3, 4], "n_predict": 1, "temperature": 0, "cache_prompt": False})
-        request = urllib.request.Request(f"{url}/completion", body.encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as reply:
-            reply.read()
+
+    def first_token(complete: Callable[[dict[str, Any]], Any], _: object) -> float:
+        complete({"prompt": [1, 2, 3, 4], "n_predict": 1})
         return time.perf_counter() - start
-    finally:
-        process.terminate()
-        process.wait(60)
+
+    return float(llama_completion.run({"server": server, "model": model, "env": env}, 512, threads, first_token, 0.01))
 
 
 def open_genai(folder: Path) -> float:
