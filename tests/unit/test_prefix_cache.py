@@ -29,6 +29,7 @@ def test_the_longest_shared_prefix_is_found_past_its_whole_blocks_leaving_a_toke
     assert _store(cache, BASE, prompt) == [len(prompt)]  # every token, not only whole blocks
     assert _store(cache, BASE, prompt) == []  # held already: no second copy
     assert _store(cache, BASE, prompt[:40]) == []  # nor of a prefix of it
+    assert _store(cache, BASE, list(range(500, 500 + BLOCK - 1))) == []  # no whole block to be found by
     found = cache.lookup(BASE, prompt[: 2 * BLOCK + 5] + [999] * 80)
     assert found is not None and found.length == 2 * BLOCK + 5 and not isinstance(found.source, int)
     np.testing.assert_array_equal(found.source["past.0.key"], _rows(len(prompt))["past.0.key"])

@@ -48,8 +48,11 @@ class _Entry:
     key: PrefixKey
     tokens: tuple[int, ...]
     nbytes: int
-    rows: Rows | None = None  # a copy
-    row: int | None = None  # or a batch row, held as its sequence left it
+    source: Rows | int  # a copy, or a batch row held as its sequence left it
+
+    @property
+    def row(self) -> int | None:
+        return self.source if isinstance(self.source, int) else None
 
 
 class PrefixCache:
@@ -103,18 +106,18 @@ class PrefixCache:
             self._entries.move_to_end(number)
             self.hits += 1
             self.reused_tokens += length
-            return Hit(length, entry.rows if entry.rows is not None else entry.row)  # type: ignore[arg-type]
+            return Hit(length, entry.source)
 
     def store(self, key: PrefixKey, prompt: Sequence[int], copy: Callable[[int], Rows], token_bytes: int) -> None:
         """Keeps a copy of `prompt`'s rows (`copy(len(prompt))`, `token_bytes` a token), unless an entry
-        under `key` holds them all already."""
-        if not prompt or len(prompt) * token_bytes > self.budget_bytes:
+        under `key` holds them all already, or it has no whole block to be found by."""
+        if len(prompt) < BLOCK or len(prompt) * token_bytes > self.budget_bytes:
             return
         with self._lock:
             if self._covered(key, prompt):
                 return
         rows = copy(len(prompt))  # outside the lock: a copy of the rows takes milliseconds
-        self._add(_Entry(key, tuple(prompt), len(prompt) * token_bytes, rows=rows))
+        self._add(_Entry(key, tuple(prompt), len(prompt) * token_bytes, rows))
 
     def hold(self, row: int, key: PrefixKey, tokens: Sequence[int], token_bytes: int) -> bool:
         """Keeps batch row `row` as it is, holding `tokens`' rows; False (the row is to be given back) when
@@ -125,7 +128,7 @@ class PrefixCache:
         with self._lock:
             if self._covered(key, tokens):
                 return False
-        self._add(_Entry(key, tuple(tokens), len(tokens) * token_bytes, row=row))
+        self._add(_Entry(key, tuple(tokens), len(tokens) * token_bytes, row))
         return True
 
     def release(self, row: int) -> None:
