@@ -3,7 +3,9 @@ them (a multi-turn chat, a shared system prompt, lm-eval's repeated contexts) is
 
 Two kinds of entry, one budget, least recently used out first:
 * a **copy** of a prompt's rows, made once its first token is out (so requests that run beside it can
-  begin from it);
+  begin from it), for a prompt whose first block was seen before (a shared system prompt, a chat's later
+  turns): a prompt nothing began as is not likely to be begun as, and its copy would hold memory for
+  nothing (admitted on the second sight, as a cache's doorkeeper does);
 * a **held row**: a batch row whose sequence ended, left as it was (its prompt and the reply tokens fed
   after it) instead of given back — llama.cpp's slots keep their cache the same way. A chat's next turn
   starts in that row with no copy at all, and reuses the reply too.
@@ -26,6 +28,7 @@ import numpy as np
 
 BLOCK = 16  # tokens an entry is indexed by (the tail past its last whole block is matched token by token)
 DEFAULT_BUDGET_BYTES = 256 << 20
+SEEN = 4096  # first blocks remembered (hashes, not rows) to admit copies on their second sight
 
 PrefixKey = tuple[str | None, tuple[tuple[str, float], ...]]  # the adapter (None: the base model), its strengths
 Rows = Mapping[str, np.ndarray]  # each cache's [heads, tokens, head_dim] copy
@@ -70,6 +73,7 @@ class PrefixCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._index: dict[tuple[PrefixKey, Hashable], list[int]] = {}  # (key, chained block hash) -> entries
         self._held: dict[int, int] = {}  # batch row -> its entry
+        self._seen: OrderedDict[tuple[PrefixKey, Hashable], None] = OrderedDict()  # first blocks, least recent first
         self._bytes = 0
         self._next = 0
         self._lock = threading.Lock()  # adapters are loaded from the HTTP thread, prompts run on the scheduler's
@@ -109,12 +113,13 @@ class PrefixCache:
             return Hit(length, entry.source)
 
     def store(self, key: PrefixKey, prompt: Sequence[int], copy: Callable[[int], Rows], token_bytes: int) -> None:
-        """Keeps a copy of `prompt`'s rows (`copy(len(prompt))`, `token_bytes` a token), unless an entry
-        under `key` holds them all already, or it has no whole block to be found by."""
+        """Keeps a copy of `prompt`'s rows (`copy(len(prompt))`, `token_bytes` a token) where its first block
+        was seen before, unless an entry under `key` holds them all already, or it has no whole block to be
+        found by."""
         if len(prompt) < BLOCK or len(prompt) * token_bytes > self.budget_bytes:
             return
         with self._lock:
-            if self._covered(key, prompt):
+            if not self._seen_before(key, prompt) or self._covered(key, prompt):
                 return
         rows = copy(len(prompt))  # outside the lock: a copy of the rows takes milliseconds
         self._add(_Entry(key, tuple(prompt), len(prompt) * token_bytes, rows))
@@ -144,6 +149,16 @@ class PrefixCache:
         with self._lock:
             for number in [n for n, e in self._entries.items() if e.key[0] == adapter]:
                 self._drop(number)
+
+    def _seen_before(self, key: PrefixKey, prompt: Sequence[int]) -> bool:
+        """Whether a prompt under `key` began with `prompt`'s first block before; remembers that this one did."""
+        first = (key, _block_hashes(prompt, 1)[0])
+        seen = first in self._seen
+        self._seen[first] = None
+        self._seen.move_to_end(first)
+        if len(self._seen) > SEEN:
+            self._seen.popitem(last=False)
+        return seen
 
     def _covered(self, key: PrefixKey, tokens: Sequence[int]) -> bool:
         """Whether an entry under `key` holds `tokens`' rows already (it begins with them all); marks it used."""
