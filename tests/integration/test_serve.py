@@ -930,6 +930,40 @@ def test_a_sink_that_fails_loses_its_event_and_the_engine_serves_on(exported: Pa
         decoder.close()
 
 
+def test_a_sequence_that_fails_leaves_no_row_held_one_that_ends_well_does(exported: Path, tmp_path: Path) -> None:
+    """A row whose step overflowed (an adapter's finite weights too large: logits not finite) may hold keys
+    and values that are not finite: it goes back, never held for a prompt that begins as it did."""
+    from safetensors.numpy import load_file, save_file
+
+    from quiver.serve.scheduler import Done, Failed, Generation, Scheduler
+
+    tiny_adapter(tmp_path / "huge", load_file(str(exported.parent.parent / "model" / "model.safetensors")), 2,
+                 ["q_proj", "v_proj"], seed=5)  # fmt: skip
+    adapter = tmp_path / "huge" / "adapter_model.safetensors"
+    save_file({name: np.full_like(a, 1e30) for name, a in load_file(str(adapter)).items()}, str(adapter))
+    decoder = BatchDecoder.from_config(exported, max_batch=2, adapter_slots=1)
+    decoder.add_adapter("huge", tmp_path / "huge")
+    engine = Scheduler(decoder)
+    try:
+        ids = decoder.tokenizer.encode(PROMPT)
+        for adapter_name, ending in (("huge", Failed), ("all", Done)):
+            ended: list[Any] = []
+            finished = threading.Event()
+
+            def sink(event: Any, ended: list[Any] = ended, finished: threading.Event = finished) -> None:
+                if isinstance(event, (Done, Failed)):
+                    ended.append(event)
+                    finished.set()
+
+            engine.submit(Generation(ids, adapter_name, {}, 4, 0.0, 1.0, None, ()), sink)
+            assert finished.wait(60) and isinstance(ended[0], ending), ended
+            assert engine.prefixes is not None
+            assert engine.prefixes.held_rows == (frozenset({0}) if ending is Done else frozenset())
+    finally:
+        engine.close()
+        decoder.close()
+
+
 @pytest.mark.parametrize("prefix_cache_bytes", [0, 64 << 20])
 def test_sequences_joining_and_leaving_the_batch_keep_their_tokens(exported: Path, prefix_cache_bytes: int) -> None:
     """Six requests through a batch of four: they join as rows free up and leave at different steps (each
