@@ -224,7 +224,9 @@ def test_logprobs_are_the_models_log_softmax_and_stream_as_they_come(server: Run
                                          stream=True)  # fmt: skip
     pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
     assert [t for p in pieces for t in p.tokens or []] == logprobs.tokens
-    assert [v for p in pieces for v in p.token_logprobs or []] == logprobs.token_logprobs
+    # this request may begin from the last one's rows (prefix reuse), its last prompt token fed alone: the
+    # values agree to float rounding
+    assert [v for p in pieces for v in p.token_logprobs or []] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
     assert [o for p in pieces for o in p.text_offset or []] == logprobs.text_offset
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model="qv", messages=messages, max_tokens=5, temperature=0, logprobs=True,

@@ -112,7 +112,9 @@ def test_greedy_through_ray_serve_is_what_t2t_run_gives(served: Running) -> None
     whole = client.completions.create(**asked).choices[0].logprobs
     assert whole is not None and whole.token_logprobs is not None and len(whole.token_logprobs) == 4
     streamed = [c.choices[0].logprobs for c in client.completions.create(**asked, stream=True) if c.choices]
-    assert [v for p in streamed if p for v in p.token_logprobs or []] == whole.token_logprobs
+    # the second request may begin from the first's rows (prefix reuse: its last prompt token fed alone, a
+    # product of other shapes), so the two agree to float rounding, not bit for bit
+    assert [v for p in streamed if p for v in p.token_logprobs or []] == pytest.approx(whole.token_logprobs, abs=1e-4)
     echoed = {**asked, "echo": True}  # the prompt's log-probabilities cross too, with the first streamed piece
     whole = client.completions.create(**echoed).choices[0].logprobs
     streamed = [c.choices[0].logprobs for c in client.completions.create(**echoed, stream=True) if c.choices]
