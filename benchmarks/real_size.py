@@ -11,7 +11,8 @@ and llama.cpp's F32 conversion and Q4_0 quantization (no adapter: neither takes 
 same way; then for each of the six models, in rounds whose order turns: open to the first token (spawn to
 first token, the files in the page cache: one warm-up open first) and prefill / decode tok/s with prompts of
 128 and 512 tokens (128 new, greedy, 2 threads everywhere: benchmarks/t2t.py's worker, llama-server's own
-timings), RSS while generating.
+timings), RSS while generating; every process with glibc's malloc on huge pages, as `quiver t2t run` and
+`quiver serve` run themselves (benchmarks/t2t.py does the same).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import llama_completion  # a sibling script, not a package
 from size_models import make_adapter, make_model
 from size_peers import genai_export, gguf_exports, open_genai, open_llama, open_python
 from t2t import CONTEXT, NEW_TOKENS, THREADS, _genai_copy, _medians, _worker, worker_prompts
-from timing import alternating_runs
+from timing import alternating_runs, peers_on_huge_pages
 
 SIZES = ("1b", "3b")
 
@@ -81,7 +82,9 @@ def measure_real_size(folder: Path, cache: Path, tokenizer: Path, venv_python: P
             print(f"  size: exporting {size} {label}", file=sys.stderr)
             result[f"{size} {label}"] = _export(model, adapter, out, bits) | {"float32_weights_bytes": weights}
             shutil.rmtree(out)  # a 3B fp32 context is 13 GB: one at a time on disk
-    result["1b side by side"] = _side_by_side(folder, cache / "llama-1b", venv_python, rounds)
+    with peers_on_huge_pages() as tunables:  # every side as `quiver t2t run` runs itself (benchmarks/t2t.py)
+        result["1b side by side"] = _side_by_side(folder, cache / "llama-1b", venv_python, rounds)
+    result["1b side by side"]["glibc_tunables"] = tunables
     return result
 
 
