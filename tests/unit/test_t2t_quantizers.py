@@ -26,6 +26,7 @@ from quiver.t2t.quantizers import (
     QUANTIZERS,
     SHORTLIST,
     SHORTLIST_SIZE,
+    TABLE,
     _with_block_minimums,
     block_minimums,
     head_bits,
@@ -288,7 +289,8 @@ def test_a_shortlist_head_takes_its_best_logits_from_the_float_rows() -> None:
     model = _three_matmuls()
     head = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == HEAD_WEIGHT)  # [64, 64]
     model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(head.T), "rows"))
-    quantized = quantize_weights(model, 4, 32, head=LM_HEAD_NODE, head_rows="rows")
+    shortlist = [(HEAD_WEIGHT, SHORTLIST)]
+    quantized = quantize_weights(model, 4, 32, head=LM_HEAD_NODE, head_rows="rows", overrides=shortlist)
     assert {n.op_type for n in quantized.graph.node} >= {"TopK", "ScatterElements"}
     assert _bits(quantized)[LM_HEAD_NODE] == 4
     # it ranks with blocks as long as its rows allow (up to RANKING_BLOCK), each with a zero point
@@ -315,7 +317,8 @@ def test_a_shortlist_head_takes_its_best_logits_from_the_float_rows() -> None:
 
 
 def test_only_a_head_with_float_rows_is_a_shortlist() -> None:
-    assert head_bits("rtn", tied=True) == head_bits("hqq", tied=True) == SHORTLIST and head_bits("rtn") == 8
+    assert head_bits("hqq", tied=True) == head_bits("gptq", tied=True) == SHORTLIST and head_bits("rtn") == 8
+    assert head_bits("rtn", tied=True) == head_bits("rtn-asym", tied=True) == TABLE
     assert parse_override("lm_head.weight=shortlist") == (HEAD_WEIGHT, SHORTLIST)
     with pytest.raises(QuantizationError, match="needs the head's float rows"):
         quantize_weights(_three_matmuls(), 4, 32, head=LM_HEAD_NODE, overrides=[(HEAD_WEIGHT, SHORTLIST)])
@@ -429,6 +432,45 @@ def test_a_token_table_in_blocks_gathers_its_rows_dequantized(bits: int) -> None
     step = np.abs(blocks).max(axis=-1, keepdims=True) / top
     expected = (np.clip(np.round(blocks / step), -top, top) * step).reshape(1, 3, 64)
     np.testing.assert_allclose(rows, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("quantizer", ["rtn", "rtn-asym"])
+@pytest.mark.parametrize("ids_rank_known", [True, False])
+def test_a_tied_head_s_4_bit_blocks_are_the_token_table_too(quantizer: str, ids_rank_known: bool) -> None:
+    """The fast quantizers' default tied head (`TABLE`): one set of 4-bit blocks, which the embedding's
+    Gather reads too: its rows equal the head's columns as ORT's MatMulNBits computes them (by the identity).
+    Ids of a known rank (a graph input) reshape by constants; others by their shape, read in the graph."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    vocab, hidden = 50, 80  # hidden not a whole number of blocks: MatMulNBits pads the last one
+    table = np.random.default_rng(9).standard_normal((vocab, hidden)).astype(np.float32)
+    ids_name = "ids" if ids_rank_known else "ids_copy"
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["ids"], ["ids_copy"], name="copy"),
+         helper.make_node("Gather", ["table", ids_name], ["rows"], name="/model/embed_tokens/Gather", axis=0),
+         helper.make_node("MatMul", ["x", HEAD_WEIGHT], ["y"], name=LM_HEAD_NODE)], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [hidden, hidden])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, 3, hidden]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [hidden, vocab])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.ascontiguousarray(table.T), HEAD_WEIGHT)],
+    )  # fmt: skip
+    model = onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    again = onnx.ModelProto()
+    again.CopyFrom(model)  # quantize_weights edits the model it is given
+    quantized = quantize_weights(model, 4, 32, head=LM_HEAD_NODE, head_rows="table", quantizer=quantizer)
+    stored = {t.name for t in quantized.graph.initializer}
+    assert "table" not in stored and not any(n.op_type == "GatherBlockQuantized" for n in quantized.graph.node)
+    assert any(n.op_type == "Shape" for n in quantized.graph.node) != ids_rank_known
+    session = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[0, 17, 49]], np.int64)
+    rows, head = session.run(["rows", "y"], {"ids": ids, "x": np.eye(hidden, dtype=np.float32)})
+    np.testing.assert_allclose(rows[0], head.T[ids[0]], rtol=0, atol=1e-6)  # the head's own numbers
+    assert 0 < np.abs(rows[0] - table[ids[0]]).max() < 0.5 * np.abs(table).max()  # 4-bit, not float
+    with pytest.raises(QuantizationError, match="no width of its own for that table"):
+        quantize_weights(again, 4, 32, head=LM_HEAD_NODE, head_rows="table", overrides=[("table", 8)])
 
 
 def test_a_token_table_the_float_head_also_reads_is_not_quantized_alone() -> None:

@@ -63,8 +63,9 @@ def t2t() -> None:
 @click.option("--override", "overrides", multiple=True, metavar="PATTERN=4|8|float",
               help="Bits for the weights whose names match (fnmatch; in order, the last match wins), e.g. "
                    "'lm_head.weight=4' or 'model.layers.0.*=8'; 'lm_head.weight=shortlist': 4-bit, its best 32 "
-                   "logits from the float rows. [default: a tied LM head a shortlist; an untied one 8-bit, "
-                   "float with rtn-min and hqq]")  # fmt: skip
+                   "logits from the table's rows; 'lm_head.weight=table': a tied head's 4-bit blocks are the "
+                   "token table too. [default: a tied LM head a table with rtn and rtn-asym at 4 bits, else a "
+                   "shortlist; an untied one 8-bit, float with rtn-min and hqq]")  # fmt: skip
 @click.option("--report", is_flag=True,
               help="With --weight-bitwidth: what quantizing cost, against a float export made aside: greedy "
                    "agreement per prompt, perplexity on a text, sizes.")  # fmt: skip

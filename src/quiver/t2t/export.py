@@ -243,7 +243,7 @@ def export(
                                "is not supported; adapt the other projections")  # fmt: skip
     # the LM head its own MatMul where it is quantized; a float head multiplies by the tied embedding itself
     tied = config.tie_embeddings
-    head = head_bits(options.quantizer, options.overrides, tied) if options.weight_bits is not None else None
+    head = head_bits(options.quantizer, options.overrides, tied, options.weight_bits) if options.weight_bits else None
     # a shortlist head rescores with float rows: a tied head's embedding, an untied one's kept copy
     rows = f"{config.embedding}.weight" if tied else HEAD_ROWS if head == SHORTLIST else None
     # a GGUF file's 4-bit blocks run as they are (unless asked to quantize again), fused where every part is

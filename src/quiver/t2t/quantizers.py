@@ -28,19 +28,25 @@ Quantizers, by name:
   (the LM head by default) round to nearest.
 
 The LoRA branches (updateable tensors) stay in float. The LM head is the largest single weight a decode
-step reads (SmolLM2: 49152 x 576), and at 4 bits it loses most of a small model's greedy agreement
-(measured); so where its float rows are at hand (a tied head: the token table the embedding Gather
-reads anyway) it is a *shortlist*: 4-bit blocks rank every token, and the top `SHORTLIST_SIZE` logits
-are computed again from the float rows (TopK, a Gather of those rows, one small MatMul,
-ScatterElements). The ranking blocks are coarser than the layers' (`RANKING_BLOCK`, with a zero point
-each): they only have to keep the float head's best token among the top 32, and a decode step reads
-fewer scales. The float head's choice, unless its best token ranks below 32 at 4 bits; the other
-logits keep their 4-bit values. An untied head (no float rows
-without a second copy) takes 8 bits, or float under `rtn-min` and `hqq` (its 8-bit kernel needs int8
-activations to be fast). Overrides change that per weight: rules `PATTERN=4|8|float` (and
-`lm_head.weight=shortlist`), matched in order against each MatMul's weight name (transformers',
-`model.layers.0.mlp.down_proj.weight`; the LM head is `lm_head.weight`, tied or not), the last match
-winning. Weights set to 8 bits under `rtn-min` take symmetric 8-bit blocks.
+step reads (SmolLM2: 49152 x 576; Llama 3.2's 128k x 2048). A tied head (its float rows are the token
+table the embedding Gather reads) takes one of two layouts:
+
+* `TABLE` (`rtn`, `rtn-asym` at 4 bits: the fast quantizers' default, onnxruntime-genai's int4 layout):
+  the head's 4-bit blocks are the token table too; the embedding gathers the bytes of its rows from the
+  head's MatMulNBits tensors and dequantizes them in the graph. One copy of the table, at 4 bits.
+* `SHORTLIST` (the accurate quantizers' default, and at 8 bits): at 4 bits the head loses most of a small
+  model's greedy agreement (measured), so 4-bit blocks rank every token, and the top `SHORTLIST_SIZE`
+  logits are computed again from the table's rows (TopK, a Gather of those rows, one small MatMul,
+  ScatterElements), the table itself in 8-bit blocks. The ranking blocks are coarser than the layers'
+  (`RANKING_BLOCK`, with a zero point each): they only have to keep the float head's best token among
+  the top 32, and a decode step reads fewer scales. The float head's choice, unless its best token ranks
+  below 32 at 4 bits; the other logits keep their 4-bit values.
+
+An untied head (no float rows without a second copy) takes 8 bits, or float under `rtn-min` and `hqq`
+(its 8-bit kernel needs int8 activations to be fast). Overrides change that per weight: rules
+`PATTERN=4|8|float` (and `lm_head.weight=shortlist|table`), matched in order against each MatMul's weight
+name (transformers', `model.layers.0.mlp.down_proj.weight`; the LM head is `lm_head.weight`, tied or not),
+the last match winning. Weights set to 8 bits under `rtn-min` take symmetric 8-bit blocks.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that
 QUANTIZERS = ("rtn", "rtn-asym", "rtn-min", "hqq", "gptq", "gptq-asym")
 MINIMUM_FORM = ("rtn-min", "hqq")  # quantizers whose blocks carry a float minimum (added apart; exact rows)
 CALIBRATED = ("gptq", "gptq-asym")  # quantizers that read the float model's inputs on calibration prompts
+# quantizers whose tied head is the token table's 4-bit blocks by default (`TABLE`): the fast ones, as
+# onnxruntime-genai lays out its int4 models; the accurate ones keep a shortlist over 8-bit rows
+FAST_HEAD = ("rtn", "rtn-asym")
 DEFAULT_QUANTIZER = "rtn"
 # The accuracy level (ORT's MatMulNBits compute type) each quantizer's configs ask for: None leaves the
 # backend's default (int8 activations, fastest); `rtn-min`'s and `hqq`'s blocks set their own on the node.
@@ -81,13 +90,14 @@ ACCURACY_LEVELS: dict[str, int | None] = {
 
 TABLE_BITS = 8  # token tables of quantized exports: symmetric 8-bit blocks (SmolLM2 kept 128 of 128 tokens)
 SHORTLIST = "shortlist"  # the LM head at 4 bits, its best tokens' logits computed again from float rows
+TABLE = "table"  # a tied LM head at 4 bits whose blocks are the token table's rows too (no other copy)
 SHORTLIST_SIZE = 32  # how many: the float head's best token ranks below this at 4 bits (almost) never
 # The shortlist's ranking blocks (round to nearest, a 4-bit zero point each). Measured on SmolLM2 (2685
 # decode positions, greedy and sampled, ORT's int8 activations): the float head's best token ranked at
 # worst 12th at blocks of 32 (symmetric), 15th at 128 with zero points, 33rd at 128 without; a head of
 # 128-blocks runs ~0.3 ms faster than one of 32-blocks (49152 x 576), ~5 % of a decode step.
 RANKING_BLOCK = 128
-Width = int | str | None  # a weight's bits: 4, 8, None (float) or, for the LM head only, SHORTLIST
+Width = int | str | None  # a weight's bits: 4, 8, None (float) or, for the LM head only, SHORTLIST or TABLE
 Override = tuple[str, Width]  # a weight-name pattern and its width
 HEAD_WEIGHT = "lm_head.weight"  # the name overrides match the LM head by, tied or not
 
@@ -96,12 +106,12 @@ def parse_override(rule: str) -> Override:
     """`PATTERN=4|8|float` (an fnmatch pattern over weight names) or `lm_head.weight=shortlist` as a pattern
     and its width."""
     pattern, sep, value = rule.rpartition("=")
-    widths: dict[str, Width] = {"4": 4, "8": 8, "float": None, SHORTLIST: SHORTLIST}
+    widths: dict[str, Width] = {"4": 4, "8": 8, "float": None, SHORTLIST: SHORTLIST, TABLE: TABLE}
     if not sep or not pattern or value not in widths:
         raise QuantizationError(
             f"quantization override {rule!r}: write PATTERN=4, PATTERN=8 or PATTERN=float (or "
-            f"{HEAD_WEIGHT}={SHORTLIST}), the pattern over weight names such as model.layers.0.mlp.down_proj.weight "
-            f"or {HEAD_WEIGHT}"
+            f"{HEAD_WEIGHT}={SHORTLIST} or {HEAD_WEIGHT}={TABLE}), the pattern over weight names such as "
+            f"model.layers.0.mlp.down_proj.weight or {HEAD_WEIGHT}"
         )
     return pattern, widths[value]
 
@@ -113,10 +123,12 @@ def _overridden(name: str, default: Width, overrides: Sequence[Override]) -> Wid
     return default
 
 
-def head_bits(quantizer: str, overrides: Sequence[Override] = (), tied: bool = False) -> Width:
-    """The LM head's width (None: float, the tied embedding itself): a shortlist where the head is tied,
-    else 8, or float with `rtn-min` and `hqq`, unless an override says otherwise."""
-    default: Width = SHORTLIST if tied else None if quantizer in MINIMUM_FORM else 8
+def head_bits(quantizer: str, overrides: Sequence[Override] = (), tied: bool = False, bits: int = 4) -> Width:
+    """The LM head's width (None: float, the tied embedding itself): where the head is tied, one set of 4-bit
+    blocks for the head and the token table in a 4-bit export by `rtn` or `rtn-asym` (`TABLE`), else a
+    shortlist; an untied head 8-bit, or float with `rtn-min` and `hqq`; unless an override says otherwise."""
+    table = bits == 4 and quantizer in FAST_HEAD
+    default: Width = (TABLE if table else SHORTLIST) if tied else None if quantizer in MINIMUM_FORM else 8
     return _overridden(HEAD_WEIGHT, default, overrides)
 
 
@@ -162,6 +174,18 @@ def quantize_weights(
             f"{HEAD_WEIGHT}={SHORTLIST} needs the head's float rows, which this graph does not hold; "
             f"give {HEAD_WEIGHT}=4, 8 or float"
         )
+    tabled = {n for n, w in plan.items() if w == TABLE}
+    asked = {n for n in tables if any(fnmatch.fnmatchcase(n, p) for p, _ in overrides)}  # by an override
+    if tabled:
+        table = (
+            head_rows if head_rows is not None and any(t.name == head_rows for t in model.graph.initializer) else None
+        )
+        if table is None or table in asked:
+            raise QuantizationError(
+                f"{HEAD_WEIGHT}={TABLE} makes the head's 4-bit blocks the token table too: it needs a head tied to the "
+                f"token table, and no width of its own for that table; give {HEAD_WEIGHT}={SHORTLIST}, 4, 8 or float"
+            )
+        tables = {n: w for n, w in tables.items() if n != table}
     # the head's input and output, and its rows as they are now (ORT's quantizer drops initializers no node
     # reads: an untied head's rows)
     shortlist = None
@@ -187,12 +211,17 @@ def quantize_weights(
         for width in (4, 8):
             if nodes[width]:
                 model = _ort_rtn(model, width, block_size, nodes[width], quantizer == "rtn", deferred)
-    asked = {n for n in tables if any(fnmatch.fnmatchcase(n, p) for p, _ in overrides)}  # by an override
     quantized_tables = _quantized_tables(model, tables, block_size, deferred, asked) if tables else {}
     if shortlist is not None:  # the approximate head ranks, whatever the quantizer
         hidden_size = int(shortlist[2].dims[1])  # the float rows' [vocab, hidden]
         model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, False, deferred)
         model = _shortlisted_head(model, *shortlist, quantized_tables.get(shortlist[2].name))
+    if tabled:
+        assert head_rows is not None
+        rows_tensor = next(t for t in model.graph.initializer if t.name == head_rows)
+        symmetric = quantizer == "rtn"  # the layers' blocks: onnxruntime-genai's int4 layout
+        model = _ort_rtn(model, 4, block_size, tabled, symmetric, deferred)
+        _table_from_head(model, head_rows, HEAD_WEIGHT, int(rows_tensor.dims[1]), block_size, symmetric)
     from quiver.ir.edit import drop_unread_initializers
 
     # an untied head's float rows no shortlist reads (the model holds them only for one)
@@ -290,6 +319,85 @@ def _quantized_tables(
     return done
 
 
+def _table_from_head(model: onnx.ModelProto, table: str, head: str, hidden: int, block: int, symmetric: bool) -> None:
+    """Every Gather of `table`'s rows reads them from the 4-bit head's blocks instead (MatMulNBits' tensors of
+    `head`: [vocab, blocks, block / 2], a scale per block and, unless `symmetric`, a 4-bit zero point; else
+    8): the rows' bytes gathered, their nibbles split (the low one first, as MatMulNBits packs them), and
+    (q - zero) * scale. ORT's GatherBlockQuantized computes the same, but only from tensors of other shapes
+    (2-d data, scales of the data's rank), which would be a second copy of the table in the context. The
+    ids' rank is read from the graph's inputs: the reshapes then copy the leading sizes (0), with no Shape
+    node that a graph's fixed input sizes would fold into other constants (a decode graph would then no
+    longer be the prefill graph's body, and not share its session)."""
+    from onnx import helper
+
+    graph = model.graph
+    count = -(-hidden // block)
+    weights = _Weights(graph, None)
+    constants = {
+        "fifteen": np.array(15, np.uint8), "four": np.array(4, np.uint8), "eight": np.array(8, np.float32),
+        "last": np.array([-1], np.int64), "start": np.array([0], np.int64), "blocks": np.array([count], np.int64),
+        "hidden": np.array([hidden], np.int64),
+    }  # fmt: skip
+    ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in graph.input if i.type.tensor_type.HasField("shape")}
+    c = {key: weights.add(f"/model/embed_tokens/from_head/{key}", value) for key, value in constants.items()}
+
+    def reshaped(x: str, keep: int | None, p: str) -> list[onnx.NodeProto]:
+        """`x` [..., a, b] as [..., a b] (`{p}/output_0`): `keep` leading sizes copied (0s), or where the rank
+        is not known, the sizes but the last two read by a Shape node."""
+        if keep is not None:
+            shape = weights.add(f"{p}/shape", np.array([0] * keep + [-1], np.int64))
+            return [helper.make_node("Reshape", [x, shape], [f"{p}/output_0"], name=f"{p}/Reshape")]
+        return [
+            helper.make_node("Shape", [x], [f"{p}/leading"], name=f"{p}/Shape", end=-2),
+            helper.make_node("Concat", [f"{p}/leading", c["last"]], [f"{p}/shape"], name=f"{p}/Concat", axis=0),
+            helper.make_node("Reshape", [x, f"{p}/shape"], [f"{p}/output_0"], name=f"{p}/Reshape"),
+        ]  # fmt: skip
+
+    def nibbles(packed: str, keep: int | None, p: str) -> list[onnx.NodeProto]:
+        """`packed` uint8 [..., n] as its 4-bit values [..., 2 n] in float (`{p}/float`), low nibble first
+        (`keep`: how many sizes come before the last, if known)."""
+        return [
+            helper.make_node("BitwiseAnd", [packed, c["fifteen"]], [f"{p}/low"], name=f"{p}/BitwiseAnd"),
+            helper.make_node("BitShift", [packed, c["four"]], [f"{p}/high"], name=f"{p}/BitShift", direction="RIGHT"),
+            helper.make_node("Unsqueeze", [f"{p}/low", c["last"]], [f"{p}/low1"], name=f"{p}/UnsqueezeLow"),
+            helper.make_node("Unsqueeze", [f"{p}/high", c["last"]], [f"{p}/high1"], name=f"{p}/UnsqueezeHigh"),
+            helper.make_node("Concat", [f"{p}/low1", f"{p}/high1"], [f"{p}/pairs"], name=f"{p}/Concat", axis=-1),
+            *reshaped(f"{p}/pairs", keep, f"{p}/values"),
+            helper.make_node("Cast", [f"{p}/values/output_0"], [f"{p}/float"], name=f"{p}/Cast", to=1),
+        ]  # fmt: skip
+
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != "Gather" or node.input[0] != table:
+            nodes.append(node)
+            continue
+        ids, p = node.input[1], f"{node.name}/from_head"
+        rank = ranks.get(ids)
+        parts = ("Q4", "scales", *(() if symmetric else ("zero_points",)))
+        nodes += [helper.make_node("Gather", [f"{head}_{part}", ids], [f"{p}/{part}"], name=f"{p}/Gather_{part}",
+                                   axis=0) for part in parts]  # fmt: skip
+        nodes += nibbles(f"{p}/Q4", None if rank is None else rank + 1, f"{p}/q")  # [..., blocks, block]
+        zero = c["eight"]
+        if not symmetric:
+            nodes += nibbles(f"{p}/zero_points", rank, f"{p}/z")  # [..., 2 ceil(blocks / 2)]
+            nodes += [
+                helper.make_node("Slice", [f"{p}/z/float", c["start"], c["blocks"], c["last"]], [f"{p}/z"],
+                                 name=f"{p}/SliceZeros"),
+                helper.make_node("Unsqueeze", [f"{p}/z", c["last"]], [f"{p}/zero"], name=f"{p}/UnsqueezeZeros"),
+            ]  # fmt: skip
+            zero = f"{p}/zero"
+        nodes += [
+            helper.make_node("Unsqueeze", [f"{p}/scales", c["last"]], [f"{p}/scale"], name=f"{p}/UnsqueezeScales"),
+            helper.make_node("Sub", [f"{p}/q/float", zero], [f"{p}/centered"], name=f"{p}/Sub"),
+            helper.make_node("Mul", [f"{p}/centered", f"{p}/scale"], [f"{p}/blocks"], name=f"{p}/Mul"),
+            *reshaped(f"{p}/blocks", rank, f"{p}/padded"),
+            helper.make_node("Slice", [f"{p}/padded/output_0", c["start"], c["hidden"], c["last"]], [node.output[0]],
+                             name=f"{p}/Slice"),
+        ]  # fmt: skip
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
 def _ranking_block(hidden: int, block_size: int) -> int:
     """The shortlist's ranking blocks: `RANKING_BLOCK`, or within a smaller hidden size the largest power of
     two that fits (a block longer than the rows would be padding), never finer than the layers' blocks."""
@@ -375,7 +483,9 @@ def _plan(
             continue
         if excluded.intersection(node.input):
             continue
-        name, default = (HEAD_WEIGHT, head_bits(quantizer, tied=tied)) if node.name == head else (node.input[1], bits)
+        name, default = (
+            (HEAD_WEIGHT, head_bits(quantizer, tied=tied, bits=bits)) if node.name == head else (node.input[1], bits)
+        )
         matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(name, p)}
         plan[node.name] = _overridden(name, default, overrides)
         if plan[node.name] == SHORTLIST and node.name != head:

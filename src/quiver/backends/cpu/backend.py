@@ -8,12 +8,19 @@ mapping: ORT's prepacked-weights container takes only those, and all sessions of
 (ORT keys it by content), so a weight shared by several graphs is packed once. Packing costs time at
 session creation, so a graph first runs on a session without packing and is upgraded to a packed
 session in the background after its first output ("lazy prepacking", `executable`).
+
+Graphs of one context that differ only in their fixed input sizes (a text generator's prefill graph, any
+number of tokens, and its decode graph, one) run on one executable: ORT packs a session's weights
+whatever the container holds (it keys the container by the packed bytes), so each session made costs the
+packing again (0.6 s of a 1B int4 model's open).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
+import weakref
 from pathlib import Path
 
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, Knob, WeightFile
@@ -31,6 +38,7 @@ from quiver.backends.cpu.settings import (
 )
 from quiver.errors import BackendError
 from quiver.ir import proto
+from quiver.ir.tensors import TensorInfo
 from quiver.ort_package import onnxruntime as ort
 from quiver.ort_process import ort_log_severity
 
@@ -82,6 +90,8 @@ class CpuBackend:
         self.packed_weights = Path(packed_weights) if packed_weights is not None else None
         self._container: PrepackedWeights | None = None
         self._lock = threading.Lock()
+        # live executables by their graph's body (`_body_key`), with the inputs their sessions accept
+        self._bodies: dict[str, list[tuple[weakref.ref[CpuExecutable], tuple[TensorInfo, ...]]]] = {}
 
     # the settings of sessions made without a tuned configuration
     intra_op_num_threads = property(lambda self: self.settings.intra_op_num_threads)
@@ -115,6 +125,7 @@ class CpuBackend:
         from quiver.fork import keep_forever
 
         self._lock = threading.Lock()
+        self._bodies = {}  # the parent's executables are not this process's
         if self._container is not None:
             keep_forever(self._container)
             self._container = None
@@ -130,4 +141,50 @@ class CpuBackend:
         for tensor in graph.model.graph.initializer:
             if tensor.data_location == proto.TensorProto.EXTERNAL and tensor.name not in graph.weights:
                 raise BackendError(f"graph {graph.name!r}: no weight supplied for initializer {tensor.name!r}")
-        return CpuExecutable(graph, self)
+        key = _body_key(graph, self.settings_for(graph))
+        with self._lock:
+            entries = self._bodies.setdefault(key, [])
+            entries[:] = [(ref, inputs) for ref, inputs in entries if ref() is not None]
+            for ref, inputs in entries:
+                executable = ref()
+                shared = executable.share() if executable is not None and _accepts(inputs, graph.inputs) else None
+                if shared is not None:
+                    return shared
+        executable = CpuExecutable(graph, self)
+        with self._lock:
+            self._bodies.setdefault(key, []).append((weakref.ref(executable), graph.inputs))
+        return executable
+
+
+def _body_key(graph: FinalizedGraph, settings: SessionSettings) -> str:
+    """What a session depends on but its graph's edge sizes: the model without the shapes of its inputs,
+    outputs and values, the arrays its weights are (the same views of one context), the settings."""
+    model = proto.ModelProto()
+    model.CopyFrom(graph.model)
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.ClearField("shape")
+    del model.graph.value_info[:]
+    digest = hashlib.sha256(model.SerializeToString(deterministic=True))
+    for name in sorted(graph.weights):
+        array = graph.weights[name]
+        digest.update(f"{name}\0{array.__array_interface__['data'][0]}\0{array.nbytes}\0".encode())
+    prepared = [(form.runtime, form.source) for form in graph.prepared]
+    digest.update(repr((settings, prepared, graph.file_backed)).encode())
+    return digest.hexdigest()
+
+
+def _accepts(session_inputs: tuple[TensorInfo, ...], inputs: tuple[TensorInfo, ...]) -> bool:
+    """Whether a session made for `session_inputs` takes every input of another graph: the same names and
+    types, each size either left open there or the same."""
+    given = {i.name: i for i in session_inputs}
+    for wanted in inputs:
+        have = given.get(wanted.name)
+        if have is None or have.dtype != wanted.dtype:
+            return False
+        if have.shape is None:
+            continue
+        if wanted.shape is None or len(have.shape) != len(wanted.shape):
+            return False
+        if any(isinstance(h, int) and h != w for h, w in zip(have.shape, wanted.shape)):
+            return False
+    return len(given) == len(inputs)

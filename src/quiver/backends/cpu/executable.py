@@ -21,6 +21,7 @@ from quiver.backends.cpu.session_model import (
     SHARED_INTEGER_PACKING,
     has_integer_matmuls,
     packable_weights,
+    packed_block_weights,
     packing_changes_results,
     session_model,
 )
@@ -85,6 +86,7 @@ class CpuExecutable:
         self._upgrade: threading.Thread | None = None
         self._upgrade_lock = threading.Lock()  # one packing thread, started once, joined only once started
         self._released = False
+        self._holders = 1  # graphs this executable serves (`share`): released when the last lets go
         io_types = {t.dtype for t in (*graph.inputs, *graph.outputs)}
         # float8 and 4-bit tensors pass only through the C API (one session, packed from the start);
         # strings only through the Python API (its sessions)
@@ -120,7 +122,8 @@ class CpuExecutable:
         self._session_settings = settings
         # Only pages of a file mapping can be dropped: private memory would lose its contents.
         self._packable = packable_weights(graph) if self.settings.prepack else []
-        self._droppable = self._packable if graph.file_backed else []
+        packed_blocks = packed_block_weights(graph) if self.settings.prepack else []
+        self._droppable = self._packable + packed_blocks if graph.file_backed else []
         self._prepacked = sum(a.nbytes for a in self._packable)
         self._weights = SessionWeights.of(graph, graph.model, optimized=settings.graph_optimization_level != "disabled")
 
@@ -314,10 +317,23 @@ class CpuExecutable:
     def private_bytes(self) -> int:
         return self._prepacked
 
-    def release(self) -> None:
-        """Drops the session at once: a packing thread still at work finishes on its own and discards
-        what it made (closing a context never waits for background packing)."""
+    def share(self) -> CpuExecutable | None:
+        """This executable for one more graph (the same body at other fixed input sizes), held until every
+        graph it serves has released it; None once released."""
         with self._upgrade_lock:
+            if self._released:
+                return None
+            self._holders += 1
+            return self
+
+    def release(self) -> None:
+        """Drops the session at once (when the last graph it serves lets go): a packing thread still at
+        work finishes on its own and discards what it made (closing a context never waits for background
+        packing)."""
+        with self._upgrade_lock:
+            self._holders -= 1
+            if self._holders > 0 or self._released:
+                return
             self._upgrade_pending = False  # no packing starts after this
             self._released = True
             session, self._session = self._session, None

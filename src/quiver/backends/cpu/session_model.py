@@ -40,6 +40,18 @@ def packable_weights(graph: FinalizedGraph) -> list[np.ndarray]:
     return [graph.weights[n] for n in sorted(names) if n in graph.weights]
 
 
+def packed_block_weights(graph: FinalizedGraph) -> list[np.ndarray]:
+    """The 4/8-bit blocks ORT packs for MatMulNBits (B, scales, zero points): after packing its kernel reads
+    its own copy, so the mapped originals' pages may go (read again, they fault back in)."""
+    names = {
+        name
+        for node in graph.model.graph.node
+        if node.domain == "com.microsoft" and node.op_type == "MatMulNBits"
+        for name in node.input[1:4]
+    }
+    return [graph.weights[n] for n in sorted(names) if n in graph.weights]
+
+
 def has_integer_matmuls(model: proto.ModelProto) -> bool:
     return any(n.op_type in _INTEGER_MATMUL_OPS for n in model.graph.node)
 
