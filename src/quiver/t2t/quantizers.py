@@ -333,7 +333,7 @@ def _table_from_head(model: onnx.ModelProto, table: str, head: str, hidden: int,
     graph = model.graph
     count = -(-hidden // block)
     weights = _Weights(graph, None)
-    constants = {
+    constants: dict[str, np.ndarray] = {
         "fifteen": np.array(15, np.uint8), "four": np.array(4, np.uint8), "eight": np.array(8, np.float32),
         "last": np.array([-1], np.int64), "start": np.array([0], np.int64), "blocks": np.array([count], np.int64),
         "hidden": np.array([hidden], np.int64),
