@@ -12,7 +12,10 @@ same way; then for each of the six models, in rounds whose order turns: open to 
 first token, the files in the page cache: one warm-up open first) and prefill / decode tok/s with prompts of
 128 and 512 tokens (128 new, greedy, 2 threads everywhere: benchmarks/t2t.py's worker, llama-server's own
 timings), RSS while generating; every process with glibc's malloc on huge pages, as `quiver t2t run` and
-`quiver serve` run themselves (benchmarks/t2t.py does the same).
+`quiver serve` run themselves (benchmarks/t2t.py does the same). Last, 3B int4 (no adapter) decoding
+against the memory bandwidth: its decode tok/s times the bytes of weights a step reads, over this machine's
+read bandwidth (the best of a few passes of OpenBLAS's matrix-vector product over a 1 GB float32 matrix,
+which reads each byte once, on as many threads).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from quiver.t2t.dialog import Dialog
 dialog = Dialog.from_config(sys.argv[1])
 opened = time.perf_counter()
 dialog.token_query([1, 2, 3, 4], max_new_tokens=1)
-print(json.dumps({"open_s": opened - start, "first_token_s": time.perf_counter() - start}))
+print(json.dumps({"open_s": opened - start, "first_token_s": time.perf_counter() - start}), flush=True)
 """
 
 
@@ -84,8 +87,56 @@ def measure_real_size(folder: Path, cache: Path, tokenizer: Path, venv_python: P
             shutil.rmtree(out)  # a 3B fp32 context is 13 GB: one at a time on disk
     with peers_on_huge_pages() as tunables:  # every side as `quiver t2t run` runs itself (benchmarks/t2t.py)
         result["1b side by side"] = _side_by_side(folder, cache / "llama-1b", venv_python, rounds)
-    result["1b side by side"]["glibc_tunables"] = tunables
+        result["1b side by side"]["glibc_tunables"] = tunables
+        result["3b int4 bandwidth"] = _bandwidth_use(folder, cache / "llama-3b", rounds)
     return result
+
+
+_READ_BANDWIDTH = r"""
+import json, sys, time
+import numpy as np
+matrix = np.ones((1 << 18, 1024), np.float32)  # 1 GiB: far beyond the caches
+vector = np.ones(1024, np.float32)
+best = float("inf")
+for _ in range(int(sys.argv[1])):
+    start = time.perf_counter()
+    matrix @ vector
+    best = min(best, time.perf_counter() - start)
+print(json.dumps({"bytes_per_s": matrix.nbytes / best}))
+"""
+
+
+def read_bandwidth(threads: int, passes: int = 7) -> float:
+    """This machine's read bandwidth in bytes/s on `threads` threads (OpenBLAS's, in a process of its own)."""
+    import os
+
+    env = os.environ | {"OPENBLAS_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-c", _READ_BANDWIDTH, str(passes)], capture_output=True, text=True,
+                         env=env, check=True)  # fmt: skip
+    return float(json.loads(out.stdout)["bytes_per_s"])
+
+
+def _bandwidth_use(folder: Path, model: Path, rounds: int) -> dict[str, Any]:
+    """3B int4's decode speed against the memory bandwidth: the weights a step reads (the context: the
+    layers' and the head's 4-bit blocks; the token table's rows a step gathers are a few KB) per token."""
+    print("  size: Quiver's int4 export of 3b, no adapter, for decoding at the bandwidth", file=sys.stderr)
+    out = folder / "quiver-3b-int4"
+    made = _export(model, None, out, 4, "--context-size", str(CONTEXT))
+    runs, bandwidths = [], []
+    for _ in range(rounds):  # the bandwidth measured between the runs, under the same conditions
+        runs.append(_worker("quiver", str(out / "genie_config.json"), "both"))
+        bandwidths.append(read_bandwidth(THREADS))
+    shutil.rmtree(out)
+    decode = {prompt: statistics.median(r[prompt]["decode_tok_s"] for r in runs) for prompt in ("128", "512")}
+    bandwidth = statistics.median(bandwidths)
+    return {
+        "context_bytes": made["context_bytes"],
+        "decode_tok_s": decode,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "weights_read_gb_s": {p: tok_s * made["context_bytes"] / 1e9 for p, tok_s in decode.items()},
+        "fraction_of_bandwidth": {p: tok_s * made["context_bytes"] / bandwidth for p, tok_s in decode.items()},
+        "rounds": {"decode": runs, "read_bandwidth_bytes_per_s": bandwidths},
+    }
 
 
 def _side_by_side(folder: Path, model: Path, venv_python: Path, rounds: int) -> dict[str, Any]:

@@ -52,6 +52,7 @@ import json, sys
 import numpy as np
 from quiver.t2t.dialog import Dialog
 dialog = Dialog.from_config(sys.argv[1])
+dialog.context.wait_until_ready()  # speed once packed (a float model's first token comes before packing)
 ids = [1] + [int(i) for i in np.random.default_rng(0).integers(100, 40000, int(sys.argv[2]) - 1)]
 dialog.token_query(ids[:16], max_new_tokens=4, greedy=True)  # warm-up
 r = dialog.token_query(ids, max_new_tokens=int(sys.argv[3]), min_new_tokens=int(sys.argv[3]), greedy=True)

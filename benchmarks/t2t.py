@@ -89,6 +89,7 @@ else:
     if mode == "one-graph":
         config = dataclasses.replace(config, decode_graph=config.prefill_graph)
     dialog = Dialog(config)
+    dialog.context.wait_until_ready()  # speed once packed (a float model's first token comes before packing)
     if mode.startswith("lora:"):
         dialog.apply_lora(mode[5:])
     api = capi.api()

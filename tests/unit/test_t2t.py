@@ -722,7 +722,63 @@ def test_a_dialog_threads_idle_between_its_runs(llama: Tiny) -> None:
     config = dataclasses.replace(read_dialog_config(llama.config), n_threads=2)
     with Dialog(config) as dialog:
         dialog.query(PROMPT, max_new_tokens=8, min_new_tokens=8, greedy=True)
+        dialog.context.wait_until_ready()  # a float model's packed session, made in the background
+        dialog.query(PROMPT, max_new_tokens=8, min_new_tokens=8, greedy=True)
         start = time.process_time()
         time.sleep(0.1)
         busy = time.process_time() - start
     assert busy < 0.02
+
+
+def test_a_dialog_s_prefill_and_decode_graphs_run_on_one_executable(llama: Tiny) -> None:
+    """The decode graph is the prefill graph's body with one token: the cpu backend prepares it once (ORT
+    packs every session's weights again, shared container or not), and lets it go when both graphs have."""
+    from tests.support.helpers import executables
+
+    with Dialog.from_config(llama.config) as dialog:
+        prepared = executables(dialog.context)
+        assert set(prepared) >= {"prefill", "decode"} and prepared["prefill"] is prepared["decode"]
+        shared = prepared["prefill"]
+        dialog.context.release_graph("prefill")
+        assert shared._session is not None  # the decode graph still runs on it
+        dialog.reset()
+        assert len(dialog.query(PROMPT, max_new_tokens=4, min_new_tokens=4, greedy=True).new_ids) == 4
+    assert shared._session is None  # both let go
+
+
+def test_a_graph_of_fixed_sizes_another_cannot_take_is_not_shared(llama: Tiny) -> None:
+    """Prepared first, the decode graph's session takes one token only: the prefill graph gets its own."""
+    from tests.support.helpers import executables
+
+    context = quiver.Context.from_binary(llama.out / "model.qctx", backend=quiver.CpuBackend(lazy_prepack=False))
+    try:
+        config = read_dialog_config(llama.config)
+        feeds = {
+            "input_ids": np.array([[1]], np.int64), "seqlens_k": np.array([0], np.int32),
+            "total_sequence_length": np.array(1, np.int32),
+        }  # fmt: skip
+        decode = context.graph("decode")
+        caches = {i.name: np.zeros(i.shape, np.float32) for i in decode.inputs if i.name.startswith("past")}
+        decode.execute(feeds | caches)
+        two = {"input_ids": np.array([[1, 2]], np.int64), "seqlens_k": np.array([1], np.int32),
+               "total_sequence_length": np.array(2, np.int32)}  # fmt: skip
+        context.graph("prefill").execute(two | caches)
+        prepared = executables(context)
+        assert prepared["prefill"] is not prepared["decode"] and config.decode_graph == "decode"
+    finally:
+        context.close()
+
+
+def test_a_float_dialog_is_packed_in_the_background_and_answers_the_same(llama: Tiny) -> None:
+    """Float weights need no packing to compute the same bits: a dialog's first tokens come from the mapped
+    weights while ORT packs in the background (lazily, as the backend packs by default)."""
+    from quiver.backends.cpu import CpuBackend
+    from tests.support.helpers import executables
+
+    with Dialog.from_config(llama.config) as dialog:
+        first = dialog.query(PROMPT, max_new_tokens=8, min_new_tokens=8, greedy=True).new_ids
+        dialog.context.wait_until_ready()
+        assert executables(dialog.context)["prefill"].is_packed
+        dialog.reset()
+        assert dialog.query(PROMPT, max_new_tokens=8, min_new_tokens=8, greedy=True).new_ids == first
+    assert CpuBackend().lazy_prepack

@@ -36,4 +36,27 @@ def main() -> int:
     restart_with_huge_pages(sys.argv[1:])
     from quiver.cli.main import main as run_cli
 
-    return run_cli()
+    code = run_cli()
+    leave_without_waiting_for_packing(code)
+    return code
+
+
+def leave_without_waiting_for_packing(code: int) -> None:
+    """Ends the process now when a float model's packed session is still being made in the background
+    (`quiver t2t run` answers from the mapped weights first): the command is done, nothing will run on
+    that session, and the interpreter would wait for it at exit (seconds, for a 1B model) before tearing
+    ONNX Runtime down. Exit callbacks run and the streams are flushed first; nothing else is skipped but the
+    wait and the C++ destructors (as a forked child ends: `quiver.fork`)."""
+    executable = sys.modules.get("quiver.backends.cpu.executable")  # not loaded: nothing packs
+    if executable is None or not executable.packing_in_background():
+        return
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream: nothing more to write
+            pass
+    portable.flush_c_streams()
+    os._exit(code)

@@ -100,7 +100,7 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.tokenizer = TextTokenizer(config.tokenizer)
         self._lock = threading.Lock()
-        backend = cpu_backend_for(config, packed_weights)
+        backend = cpu_backend_for(config, packed_weights, lazy_prepack=False)
         self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
         try:
             self._setup(adapter_slots if adapter_slots is not None else max_batch)

@@ -38,7 +38,8 @@ class ExternalBatch:
         self.adapters = NoAdapters()
         self.on_fill = None
         self._lock = threading.Lock()
-        self._context = Context.from_binary(config.ctx_bins[0], backend=cpu_backend_for(config, packed_weights))
+        backend = cpu_backend_for(config, packed_weights, lazy_prepack=False)  # packed before the first request
+        self._context = Context.from_binary(config.ctx_bins[0], backend=backend)
         try:
             self._prefill = self._context.graph(config.prefill_graph)
             self._decode = self._context.graph(config.decode_graph)

@@ -33,6 +33,12 @@ from quiver.errors import BackendError
 _C_API_ONLY_IO = {"bfloat16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz", "int4", "uint4"}
 _NOTHING: Mapping[str, np.ndarray] = MappingProxyType({})
 _REDROP_EVERY = 256  # runs between two drops of packed weights' mapped pages (0.7 ms for SmolLM2-135M)
+PACKING_THREAD = "quiver-prepack"  # the thread that makes a packed session in the background
+
+
+def packing_in_background() -> bool:
+    """Whether a packed session is still being made in the background (which exit would wait for)."""
+    return any(thread.name == PACKING_THREAD and thread.is_alive() for thread in threading.enumerate())
 
 
 class Maker(Protocol):
@@ -302,7 +308,7 @@ class CpuExecutable:
                 return
             self._upgrade_pending = False
             # Not a daemon: at exit the interpreter waits for it rather than tearing ORT down mid-session.
-            upgrade = threading.Thread(target=self._build_packed_session, name="quiver-prepack")
+            upgrade = threading.Thread(target=self._build_packed_session, name=PACKING_THREAD)
             upgrade.start()
             self._upgrade = upgrade
 

@@ -61,11 +61,21 @@ def has_integer_matmuls(model: proto.ModelProto) -> bool:
 # into their own layouts). A graph with one runs packed from its first output, which must equal every
 # later one. MatMul, Gemm and FusedMatMul give the same bits either way (checked by the corpus tests).
 _PACKING_CHANGES_RESULTS = {"LSTM", "GRU", "RNN", "MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul"}
+# Contrib operators that pack nothing of a float graph (the skip norms convert float16 parameters only, GQA
+# and rotary embeddings have no weights): a text generator's float graph is made of these and FusedMatMul.
+_CONTRIB_PACKING_NOTHING = {
+    "FusedMatMul",
+    "GroupQueryAttention",
+    "RotaryEmbedding",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+}
 
 
 def packing_changes_results(model: proto.ModelProto) -> bool:
     return any(
-        node.op_type in _PACKING_CHANGES_RESULTS or (node.domain == "com.microsoft" and node.op_type != "FusedMatMul")
+        node.op_type in _PACKING_CHANGES_RESULTS
+        or (node.domain == "com.microsoft" and node.op_type not in _CONTRIB_PACKING_NOTHING)
         for node in iter_nodes(model.graph)
     )
 
