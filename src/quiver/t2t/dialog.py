@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -25,11 +25,13 @@ from quiver.runtime.context import Context
 from quiver.t2t.adapters import AdapterSet
 from quiver.t2t.config import DialogConfig, cpu_backend_for, read_dialog_config
 from quiver.t2t.continuation import Continuation, ending_tokens
-from quiver.t2t.external_cache import ExternalCache
-from quiver.t2t.graph import INPUT_IDS, LOGITS, PAST, PRESENT, SEQLENS_K, TOTAL_LENGTH
+from quiver.t2t.io_names import INPUT_IDS, LOGITS, PAST, PRESENT, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.kv_memory import CacheMemory
 from quiver.t2t.sampling import Sampler, Sampling
 from quiver.t2t.tokenizer import TextTokenizer, is_utf8
+
+if TYPE_CHECKING:  # an imported decoder's cache loads its module (and ONNX's) when one is opened
+    from quiver.t2t.external_cache import ExternalCache
 
 
 def _fixed(shape: tuple[int | str | None, ...] | None) -> tuple[int, ...]:
@@ -83,6 +85,8 @@ class Dialog:
         fork.reset_after_fork(self)
         self._external: ExternalCache | None = None
         if config.kv_cache != "quiver":  # a decoder exported elsewhere: its cache through an attention mask
+            from quiver.t2t.external_cache import ExternalCache
+
             try:
                 self._external = ExternalCache(self._decode, config.kv_cache, config.context_size)
             except Exception:

@@ -28,27 +28,22 @@ from quiver.ir.deferred import Deferred
 from quiver.ir.ops import MS_DOMAIN
 from quiver.passes.load import weight_initializer
 from quiver.t2t.families import DecoderConfig, Rope
+from quiver.t2t.io_names import (  # noqa: F401  (the graph's names, imported from here by its other users)
+    BATCH,
+    INPUT_IDS,
+    LOGITS,
+    PAST,
+    PRESENT,
+    SEQLENS_K,
+    TOTAL_LENGTH,
+    past_names,
+    present_names,
+)
 from quiver.t2t.rope import rotary_tables
 
-INPUT_IDS = "input_ids"
-SEQLENS_K = "seqlens_k"  # [1] int32: tokens in the cache after this step, minus one (GQA's convention)
-TOTAL_LENGTH = "total_sequence_length"  # [] int32: tokens in the cache after this step
-LOGITS = "logits"
-BATCH = "batch"  # the rows (sequences) of a batched graph
 LM_HEAD, LM_HEAD_NODE = "lm_head.weight", "/lm_head/MatMul"
 HEAD_ROWS = "lm_head.rows"  # an untied head's float [vocab, hidden] rows, kept beside its quantized copy
 OPSET = 21
-
-
-PAST, PRESENT = "past_key_values.", "present."  # the KV cache's inputs and outputs: PAST + "{layer}.key"...
-
-
-def past_names(layer: int) -> tuple[str, str]:
-    return f"{PAST}{layer}.key", f"{PAST}{layer}.value"
-
-
-def present_names(layer: int) -> tuple[str, str]:
-    return f"{PRESENT}{layer}.key", f"{PRESENT}{layer}.value"
 
 
 class _Builder:
