@@ -782,3 +782,28 @@ def test_a_float_dialog_is_packed_in_the_background_and_answers_the_same(llama: 
         dialog.reset()
         assert dialog.query(PROMPT, max_new_tokens=8, min_new_tokens=8, greedy=True).new_ids == first
     assert CpuBackend().lazy_prepack
+
+
+_LEAVING = r"""
+import sys, threading, time
+from quiver.backends.cpu import executable
+from quiver.cli import entry
+if sys.argv[1] == "packing":  # a packed session still being made (a thread nothing will join soon)
+    threading.Thread(target=time.sleep, args=(60,), name=executable.PACKING_THREAD).start()
+print("answered")  # left in the buffer: leaving must write it
+entry.leave_without_waiting_for_packing(3)
+print("returned")
+"""
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_cli_leaves_without_waiting_for_background_packing(packing: bool) -> None:
+    """`quiver t2t run` on a float model answers before ORT has packed it: when the command is done, the
+    process ends with the command's status and its output, not waiting for the packing thread."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", _LEAVING, "packing" if packing else "idle"], capture_output=True, text=True, timeout=60
+    )
+    assert time.monotonic() - start < 30
+    expected = (3, ["answered"]) if packing else (0, ["answered", "returned"])
+    assert (result.returncode, result.stdout.split()) == expected
