@@ -807,3 +807,27 @@ def test_the_cli_leaves_without_waiting_for_background_packing(packing: bool) ->
     assert time.monotonic() - start < 30
     expected = (3, ["answered"]) if packing else (0, ["answered", "returned"])
     assert (result.returncode, result.stdout.split()) == expected
+
+
+def test_a_memory_hint_counts_a_shared_executable_once(llama: Tiny) -> None:
+    """The prefill and decode graphs on one executable hold its packed weights once: a hint between one
+    and two copies of them keeps both graphs live."""
+    from quiver.backends.cpu import CpuBackend
+    from tests.support.helpers import executables
+
+    graphs = ("prefill", "decode")
+    with quiver.Context.from_binary(llama.out / "model.qctx", backend=CpuBackend(lazy_prepack=False)) as context:
+        feeds = {"input_ids": np.array([[1]], np.int64), "seqlens_k": np.array([0], np.int32),
+                 "total_sequence_length": np.array(1, np.int32)}  # fmt: skip
+        caches = {i.name: np.zeros(i.shape, np.float32) for i in context.graph("decode").inputs if "past" in i.name}
+        context.graph("prefill").execute(feeds | caches)
+        packed = executables(context)["prefill"].private_bytes
+    assert packed > 0
+    hint = 1.5 * packed / (1 << 20)
+    context = quiver.Context.from_binary(
+        llama.out / "model.qctx", backend=CpuBackend(lazy_prepack=False), memory_limit_hint_mb=hint
+    )
+    with context:
+        for name in graphs:
+            context.graph(name).execute(feeds | caches)
+        assert sorted(context.live_graphs) == sorted(graphs)

@@ -10,7 +10,7 @@ the parent's sessions rely on threads the child does not have, so they are kept 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -213,13 +213,18 @@ class Store:
         if self.memory_limit_hint_mb is None:
             return []
         limit = self.memory_limit_hint_mb * 1024 * 1024
-        total = sum(live.executable.private_bytes for live in self._live.values())
+        # an executable several graphs share (a backend may prepare graphs of one body once) counts once,
+        # and dropping one of its graphs frees nothing while another holds it
+        holders = Counter(id(live.executable) for live in self._live.values())
+        total = sum({id(live.executable): live.executable.private_bytes for live in self._live.values()}.values())
         drop = []
         for name, live in self._live.items():
             if total <= limit or name == keep:
                 break
             drop.append(name)
-            total -= live.executable.private_bytes
+            holders[id(live.executable)] -= 1
+            if holders[id(live.executable)] == 0:
+                total -= live.executable.private_bytes
         return drop
 
     def _retire(self, names: Sequence[str]) -> list[_Live]:
