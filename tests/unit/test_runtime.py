@@ -231,3 +231,13 @@ def test_saved_files_get_the_mode_a_plain_open_would_give(family: dict, tmp_path
     finally:
         os.umask(mask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640  # not mkstemp's 0600
+
+
+def test_a_graph_can_be_prepared_before_its_first_run(family_context: Path, input_ids: np.ndarray) -> None:
+    context = quiver.Context.from_binary(family_context)
+    context.prepare_graph("finetune_1")
+    assert context.live_graphs == ["finetune_1"]
+    context.graph("finetune_1").execute({"input_ids": input_ids})
+    assert context.live_graphs == ["finetune_1"]  # prepared once
+    with pytest.raises(quiver.UnknownGraphError, match="nope"):
+        context.prepare_graph("nope")

@@ -423,6 +423,14 @@ class Context:
                 "the context is damaged: rebuild it"
             ) from None
 
+    def prepare_graph(self, name: str) -> None:
+        """Prepares the graph's backend state now rather than at its first run (QNN prepares a graph when
+        it is finalized); a graph the backend serves with another's state takes that one."""
+        self.graph(name)  # one this context has, enabled
+        store = self._require_store()
+        with store.running(name, lambda: self._finalized_graph(store, name)):
+            pass
+
     def wait_until_ready(self) -> None:
         """Blocks until the live graphs' background preparation (e.g. weight packing) is done."""
         if self._store is not None:

@@ -98,10 +98,12 @@ class Dialog:
         else:
             self._bind_quiver_graphs(config)
         # Prepare (and pack) both graphs now, as Genie does when a dialog is created: a query then
-        # measures generation, not session creation.
+        # measures generation, not session creation. One step runs, on the prefill graph (the first run
+        # of a session allocates what its runs use); the decode graph is prepared without a run, usually
+        # on the prefill graph's executable (the same body), where a step would only read every weight again.
         self._step(self._prefill, [0])
-        self._step(self._decode, [0])
         self._history = []
+        self._context.prepare_graph(config.decode_graph)
 
     def _bind_quiver_graphs(self, config: DialogConfig) -> None:
         """`quiver t2t export`'s graphs: one fixed cache buffer per layer, a decode step bound once."""
