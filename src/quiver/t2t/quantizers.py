@@ -176,16 +176,14 @@ def quantize_weights(
         )
     tabled = {n for n, w in plan.items() if w == TABLE}
     asked = {n for n in tables if any(fnmatch.fnmatchcase(n, p) for p, _ in overrides)}  # by an override
+    table = next((t for t in model.graph.initializer if t.name == head_rows), None) if tabled else None
     if tabled:
-        table = (
-            head_rows if head_rows is not None and any(t.name == head_rows for t in model.graph.initializer) else None
-        )
-        if table is None or table in asked:
+        if table is None or table.name in asked or len(table.dims) != 2:
             raise QuantizationError(
                 f"{HEAD_WEIGHT}={TABLE} makes the head's 4-bit blocks the token table too: it needs a head tied to the "
                 f"token table, and no width of its own for that table; give {HEAD_WEIGHT}={SHORTLIST}, 4, 8 or float"
             )
-        tables = {n: w for n, w in tables.items() if n != table}
+        tables = {n: w for n, w in tables.items() if n != table.name}
     # the head's input and output, and its rows as they are now (ORT's quantizer drops initializers no node
     # reads: an untied head's rows)
     shortlist = None
@@ -216,12 +214,10 @@ def quantize_weights(
         hidden_size = int(shortlist[2].dims[1])  # the float rows' [vocab, hidden]
         model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, False, deferred)
         model = _shortlisted_head(model, *shortlist, quantized_tables.get(shortlist[2].name))
-    if tabled:
-        assert head_rows is not None
-        rows_tensor = next(t for t in model.graph.initializer if t.name == head_rows)
-        symmetric = quantizer == "rtn"  # the layers' blocks: onnxruntime-genai's int4 layout
+    if table is not None:  # the head in the layers' blocks, its rows the table's: onnxruntime-genai's int4 layout
+        symmetric = quantizer == "rtn"
         model = _ort_rtn(model, 4, block_size, tabled, symmetric, deferred)
-        _table_from_head(model, head_rows, HEAD_WEIGHT, int(rows_tensor.dims[1]), block_size, symmetric)
+        _table_from_head(model, table.name, HEAD_WEIGHT, int(table.dims[1]), block_size, symmetric)
     from quiver.ir.edit import drop_unread_initializers
 
     # an untied head's float rows no shortlist reads (the model holds them only for one)
