@@ -831,3 +831,18 @@ def test_a_memory_hint_counts_a_shared_executable_once(llama: Tiny) -> None:
         for name in graphs:
             context.graph(name).execute(feeds | caches)
         assert sorted(context.live_graphs) == sorted(graphs)
+
+
+def test_a_background_packing_waits_for_the_graph_to_be_quiet(llama: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing beside a generation would take a core and the memory bus from it: the packed session is made
+    once the graph has not run for a moment (or at the latest a while after its first output)."""
+    from quiver.backends.cpu import executable
+    from tests.support.helpers import executables
+
+    monkeypatch.setattr(executable, "QUIET_BEFORE_PACKING_S", 0.5)
+    monkeypatch.setattr(executable, "LONGEST_WAIT_FOR_QUIET_S", 60.0)
+    with Dialog.from_config(llama.config) as dialog:
+        dialog.query(PROMPT, max_new_tokens=4, min_new_tokens=4, greedy=True)
+        assert not executables(dialog.context)["prefill"].is_packed  # it ran a moment ago
+        dialog.context.wait_until_ready()
+        assert executables(dialog.context)["prefill"].is_packed

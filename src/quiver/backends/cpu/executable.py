@@ -34,6 +34,11 @@ _C_API_ONLY_IO = {"bfloat16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "f
 _NOTHING: Mapping[str, np.ndarray] = MappingProxyType({})
 _REDROP_EVERY = 256  # runs between two drops of packed weights' mapped pages (0.7 ms for SmolLM2-135M)
 PACKING_THREAD = "quiver-prepack"  # the thread that makes a packed session in the background
+# A background packing waits for a quiet moment (no run for QUIET_BEFORE_PACKING_S), or at most
+# LONGEST_WAIT_FOR_QUIET_S after the first output: packing beside runs takes a core and the memory bus from
+# them (a 1B float dialog's first answer took 1.2 s instead of 0.7 with its packing started at once).
+QUIET_BEFORE_PACKING_S = 0.2
+LONGEST_WAIT_FOR_QUIET_S = 2.0
 
 
 def packing_in_background() -> bool:
@@ -93,6 +98,7 @@ class CpuExecutable:
         self._upgrade_lock = threading.Lock()  # one packing thread, started once, joined only once started
         self._released = False
         self._holders = 1  # graphs this executable serves (`share`): released when the last lets go
+        self._last_run = 0.0  # when a run last returned (time.monotonic()): packing waits for quiet
         io_types = {t.dtype for t in (*graph.inputs, *graph.outputs)}
         # float8 and 4-bit tensors pass only through the C API (one session, packed from the start);
         # strings only through the Python API (its sessions)
@@ -217,11 +223,17 @@ class CpuExecutable:
         # Hand the interpreter back first: the run that started this thread returns its output now,
         # instead of waiting for this thread to give way (~0.7 ms measured, loading ORT's C library).
         time.sleep(0)
+        deadline = time.monotonic() + LONGEST_WAIT_FOR_QUIET_S
+        while not self._released and (wait := min(self._until_quiet(), deadline - time.monotonic())) > 0:
+            time.sleep(wait)
+        if self._released:
+            return
         try:
             # the mapped originals let go as they are packed, or the process would hold both copies of every
-            # weight at its peak (SmolLM2 fp32: 1.10 GB against 0.83): the stand-in's runs meanwhile fault
-            # back in, from the page cache, the pages they read
-            packed = packing_while_dropping(self._droppable, lambda: self._create(packed=True))
+            # weight at its peak (SmolLM2 fp32: 1.10 GB against 0.70), but only while no run reads them (each
+            # would fault every page back in from the page cache: +0.25 s a step for a 1B float model)
+            quiet = lambda: self._until_quiet() <= 0  # noqa: E731
+            packed = packing_while_dropping(self._droppable, lambda: self._create(packed=True), quiet)
         except BackendError:
             return  # keep the unpacked session: slower, but correct
         with self._upgrade_lock:
@@ -251,6 +263,7 @@ class CpuExecutable:
             outputs = session.run(self._output_names, feeds, bound, _NOTHING if out is None else out)
         except Exception as exc:
             raise _ort_failure(exc) from None
+        self._last_run = time.monotonic()
         if self._upgrade_pending:
             self._start_upgrade()
         elif self.is_packed and self._droppable:
@@ -304,6 +317,10 @@ class CpuExecutable:
                 self._count_run()
 
         return run
+
+    def _until_quiet(self) -> float:
+        """Seconds until the graph has not run for QUIET_BEFORE_PACKING_S (0 or less: quiet now)."""
+        return QUIET_BEFORE_PACKING_S - (time.monotonic() - self._last_run)
 
     def _start_upgrade(self) -> None:
         with self._upgrade_lock:

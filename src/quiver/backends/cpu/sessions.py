@@ -48,10 +48,13 @@ def _shared_arena() -> bool:
         return _shared_arena_process == os.getpid()
 
 
-def packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], AnySession]) -> AnySession:
+def packing_while_dropping(
+    arrays: list[np.ndarray], create: Callable[[], AnySession], may_drop: Callable[[], bool] | None = None
+) -> AnySession:
     """Runs `create` (making a packed session) while another thread lets go, every few milliseconds,
     of the mapped pages ORT has read so far: the process never holds the mapped originals and their
     packed copies of every weight at once (SmolLM2-135M's peak was 1.2 GB for 0.54 GB of weights).
+    `may_drop`: asked before each drop (an unpacked session running meanwhile would read them all back).
 
     Pages ORT still reads fault back in from the page cache. Read-ahead stays on while it packs
     (no MADV_RANDOM here): it reads each weight from start to end.
@@ -62,7 +65,8 @@ def packing_while_dropping(arrays: list[np.ndarray], create: Callable[[], AnySes
 
     def drop_until_done() -> None:
         while not done.wait(_DROP_WHILE_PACKING_S):
-            advise(arrays, MADV_DONTNEED)
+            if may_drop is None or may_drop():
+                advise(arrays, MADV_DONTNEED)
 
     dropper = threading.Thread(target=drop_until_done, name="quiver-drop-while-packing", daemon=True)
     dropper.start()
