@@ -846,3 +846,23 @@ def test_a_background_packing_waits_for_the_graph_to_be_quiet(llama: Tiny, monke
         assert not executables(dialog.context)["prefill"].is_packed  # it ran a moment ago
         dialog.context.wait_until_ready()
         assert executables(dialog.context)["prefill"].is_packed
+
+
+_EXITING = r"""
+import sys
+from quiver.backends.cpu import executable
+executable.QUIET_BEFORE_PACKING_S = executable.LONGEST_WAIT_FOR_QUIET_S = 60.0  # never quiet before exit
+from quiver.t2t.dialog import Dialog
+dialog = Dialog.from_config(sys.argv[1])
+print(len(dialog.query("the quick brown fox", max_new_tokens=4, min_new_tokens=4, greedy=True).new_ids))
+"""
+
+
+def test_a_program_that_is_done_does_not_wait_for_a_packing_not_yet_begun(llama: Tiny) -> None:
+    """A script that asks a float dialog once and ends: the packing waiting for a quiet moment gives up
+    when the main thread has ended, rather than holding the interpreter's exit until it is done."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _EXITING, str(llama.config)], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.split() == ["4"], result.stderr
+    assert time.monotonic() - start < 30  # not the 60 s it was told to wait for quiet

@@ -39,6 +39,7 @@ PACKING_THREAD = "quiver-prepack"  # the thread that makes a packed session in t
 # them (a 1B float dialog's first answer took 1.2 s instead of 0.7 with its packing started at once).
 QUIET_BEFORE_PACKING_S = 0.2
 LONGEST_WAIT_FOR_QUIET_S = 2.0
+_POLL_FOR_QUIET_S = 0.05  # how often the waiting thread looks again (the program may end meanwhile)
 
 
 def packing_in_background() -> bool:
@@ -224,9 +225,9 @@ class CpuExecutable:
         # instead of waiting for this thread to give way (~0.7 ms measured, loading ORT's C library).
         time.sleep(0)
         deadline = time.monotonic() + LONGEST_WAIT_FOR_QUIET_S
-        while not self._released and (wait := min(self._until_quiet(), deadline - time.monotonic())) > 0:
-            time.sleep(wait)
-        if self._released:
+        while self._wanted() and (wait := min(self._until_quiet(), deadline - time.monotonic())) > 0:
+            time.sleep(min(wait, _POLL_FOR_QUIET_S))
+        if not self._wanted():
             return
         try:
             # the mapped originals let go as they are packed, or the process would hold both copies of every
@@ -317,6 +318,11 @@ class CpuExecutable:
                 self._count_run()
 
         return run
+
+    def _wanted(self) -> bool:
+        """Whether a packed session is still wanted: not once released, nor once the program's main thread
+        has ended (the interpreter is exiting: it would wait for the packing to finish before it could)."""
+        return not self._released and threading.main_thread().is_alive()
 
     def _until_quiet(self) -> float:
         """Seconds until the graph has not run for QUIET_BEFORE_PACKING_S (0 or less: quiet now)."""
