@@ -71,13 +71,19 @@ def _end_forked_child() -> None:
     """Registered first, so it runs last of the atexit callbacks: only then skip the C++ destructors."""
     if os.getpid() == _IMPORTED_IN or "onnxruntime" not in sys.modules:
         return
+    leave_now(_status_code(_exit_status[0]))
+
+
+def leave_now(status: int) -> None:
+    """Ends the process with `status` once its output is written (Python's and C's buffers), skipping what
+    is left of the exit: joining threads, C++ static destructors (ONNX Runtime's can wait on threads)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a closed or broken stream: nothing more to write
             pass
     portable.flush_c_streams()  # C stdio buffers, which os._exit would drop
-    os._exit(_status_code(_exit_status[0]))
+    os._exit(status)
 
 
 # Registered when Quiver's runtime is first imported: in a forked child, atexit callbacks registered

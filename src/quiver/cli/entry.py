@@ -52,11 +52,7 @@ def leave_without_waiting_for_packing(code: int) -> None:
         return
     import atexit
 
+    from quiver.fork import leave_now
+
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream: nothing more to write
-            pass
-    portable.flush_c_streams()
-    os._exit(code)
+    leave_now(code)

@@ -85,7 +85,7 @@ def cpu_backend_for(
     """The cpu backend the config's engine asks for: its threads, its accuracy level, its threads idle between
     runs (a prefill and the decode steps after it may run on different sessions, each with its own threads:
     one's spinning would slow the other's runs). Packed lazily (`lazy_prepack`), as the backend packs by
-    default: a float model's first token comes from its mapped weights (Llama-3.2-1B fp32: 1.3 s to the
+    default: a float model's first token comes from its mapped weights (Llama-3.2-1B fp32: 0.85 s to the
     first token instead of 5.7), its packed session replacing that one when ready; 4-bit weights are
     packed before their first run (the unpacked kernel computes otherwise, and far slower). Servers pack
     before they take requests (`lazy_prepack=False`)."""
