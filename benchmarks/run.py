@@ -44,7 +44,7 @@ from quantizers import measure_quantizers  # noqa: E402
 from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: E402
 from real_size import measure_real_size  # noqa: E402
 from serve import measure_serve  # noqa: E402
-from serve_ray import measure_serve_ray  # noqa: E402
+from serve_ray import measure_serve_ray, measure_serve_ray_defaults  # noqa: E402
 from structured import measure_structured  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
 from timing import alternating_medians  # noqa: E402
@@ -317,6 +317,7 @@ SECTIONS = (
     "int4_profile",
     "serve",
     "serve_ray",
+    "serve_ray_defaults",
     "tuning",
 )
 
@@ -450,6 +451,10 @@ def main() -> None:
             corpus = _corpus("llms")
             print("serving on Ray ...", file=sys.stderr)
             report["serve_ray"] = measure_serve_ray(folder, corpus)
+        if "serve_ray_defaults" in sections:
+            corpus = _corpus("llms")
+            print("serving on Ray at its default settings ...", file=sys.stderr)
+            report["serve_ray_defaults"] = measure_serve_ray_defaults(folder, corpus)
         if "tuning" in sections:
             models = _corpus()
             llms = _corpus("llms")

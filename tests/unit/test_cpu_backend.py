@@ -45,6 +45,22 @@ def test_eager_packing_and_no_packing_agree_with_onnxruntime(
     assert all(e.is_packed == backend.prepack for e in executables(context).values())
 
 
+def test_a_graph_packed_from_the_start_hands_what_orts_packing_freed_back_to_the_os(
+    family_context: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ORT frees what it read to pack (or before it found the packed form in a file) into the heap, where it
+    # stayed in a server's private memory (34 MB of SmolLM2's): packed-first graphs trim once they are made
+    from quiver.backends.cpu import executable
+
+    trims: list[int] = []
+    monkeypatch.setattr(executable.portable, "return_freed_memory", lambda: trims.append(1))
+    context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(lazy_prepack=False))
+    name = context.graph_names[0]
+    context.prepare_graph(name)
+    assert executables(context)[name].is_packed and trims
+    context.close()
+
+
 @pytest.mark.parametrize("lazy", [False, True])
 def test_graphs_of_one_context_share_one_packing_container(
     family_context: Path, input_ids: np.ndarray, lazy: bool

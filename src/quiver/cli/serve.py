@@ -38,7 +38,8 @@ class ServeError(QuiverError):
 @click.option("--chat-template", type=click.Path(dir_okay=False, path_type=Path),
               help="A Jinja chat template (default: the model's, beside the config).")  # fmt: skip
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
-              help="Sequences decoded together in one step (each has a KV cache of the context size).")  # fmt: skip
+              help="Sequences decoded together in one step (a row's KV cache takes memory as its tokens "
+                   "arrive, up to the context size).")  # fmt: skip
 @click.option("--max-loras", default=None, type=click.IntRange(1, 1024),
               help="Adapter slots: adapters (at given strengths) held at once [default: --max-batch].")  # fmt: skip
 @click.option("--prefill-window", default=None, type=click.IntRange(1, 1 << 20),
