@@ -100,17 +100,22 @@ def _replica_memory() -> list[dict[str, float]]:
 
 
 def _setup(
-    config: Path, models: list[str], replicas: int | None, packed: str = "off", defaults: bool = False
+    config: Path,
+    models: list[str],
+    replicas: int | None,
+    packed: str = "off",
+    defaults: bool = False,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One server (on Ray with `replicas`, else alone): warm-up, then the measured burst of one stream per
     model (adapter names, or the base model's). `packed`: the --packed-weights folder of the replicas
     ("off": each packs its own; "default": where `quiver serve` puts it). `defaults`: no --max-batch or
-    --max-loras (the server's own)."""
+    --max-loras (the server's own). `env`: the server's environment (default: this process's)."""
     port = _free_port()
     ray = ["--ray", "--replicas", str(replicas), "--packed-weights", packed] if replicas else []
     sizes = [] if defaults else ["--max-batch", str(MAX_BATCH), "--max-loras", str(MAX_LORAS)]
     command = [sys.executable, "-m", "quiver", "serve", "-c", str(config), "--port", str(port), *sizes, *ray]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     adapters = set(models) != {config.resolve().parent.name}
     try:
@@ -168,10 +173,7 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
         results[f"ray x{replicas} unshared"] = _setup(config, list(adapters), replicas, "off")
         print(f"  serve_ray: {replicas} replica(s), packed weights not shared", file=sys.stderr)
 
-    def added(key: str, label: str = "", counts: tuple[int, ...] = REPLICAS) -> float:
-        return _added(results, key, label, counts)
-
-    per_replica = added("replica_pss_total_mb")
+    per_replica = _added(results, "replica_pss_total_mb")
     floor = _replica_floor()
     model = json.loads((corpus / "smollm2" / "config.json").read_text())
     head = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
@@ -190,8 +192,8 @@ def measure_serve_ray(folder: Path, corpus: Path) -> dict[str, Any]:
         "empty_ray_replica_vs_context": floor["empty"] / context_mb,
         "quiver_state_per_added_replica_mb": per_replica - floor["imports"],
         # of which in the model's files (mapped: shared by the node's replicas, so about nothing)
-        "model_files_pss_per_added_replica_mb": added("replica_model_files_pss_total_mb"),
-        "unshared_pss_per_added_replica_mb": added("replica_pss_total_mb", " unshared", UNSHARED),
+        "model_files_pss_per_added_replica_mb": _added(results, "replica_model_files_pss_total_mb"),
+        "unshared_pss_per_added_replica_mb": _added(results, "replica_pss_total_mb", " unshared", UNSHARED),
         "kv_cache_per_replica_mb": kv / 2**20,  # allocated: --max-batch rows of the context size
         # allocated: --max-loras slots as large as the largest adapter (rank 8 on every projection), and
         # each of the --max-batch rows' copy of its slot (for steps of mixed adapters)
@@ -215,15 +217,11 @@ def measure_serve_ray_defaults(folder: Path, corpus: Path) -> dict[str, Any]:
     context_mb = sum(p.stat().st_size for p in config.parent.glob("*.qctx")) / 2**20
     packed = out / "packed-weights"  # where "default" puts them for this run ($QUIVER_PACKED_WEIGHTS)
     shutil.rmtree(packed, ignore_errors=True)
-    previous = os.environ.get(FOLDER_ENV)
-    os.environ[FOLDER_ENV] = str(packed)
-    rounds = []
-    try:
-        for _ in range(DEFAULTS_ROUNDS):  # what a replica adds moves with where Ray's router sends each stream
-            rounds.append({f"ray x{n}": _setup(config, [config.parent.name] * CLIENTS, n, "default", defaults=True)
-                           for n in REPLICAS})  # fmt: skip
-    finally:
-        os.environ.pop(FOLDER_ENV) if previous is None else os.environ.update({FOLDER_ENV: previous})
+    env = os.environ | {FOLDER_ENV: str(packed)}
+    base = [config.parent.name] * CLIENTS
+    # what a replica adds moves with where Ray's router sends each stream: rounds of fresh servers
+    rounds = [{f"ray x{n}": _setup(config, base, n, "default", defaults=True, env=env) for n in REPLICAS}
+              for _ in range(DEFAULTS_ROUNDS)]  # fmt: skip
     added = [_added(r, "replica_pss_total_mb") for r in rounds]
     per_replica = statistics.median(added)
     floor = _replica_floor()
