@@ -14,7 +14,11 @@ import pytest
 from safetensors.numpy import save_file
 
 import quiver
+from quiver.backends.cpu import native_ops
+from quiver.backends.cpu import session_model as session_model_module
+from quiver.backends.cpu.native_ops import built_library
 from quiver.errors import QuantizationError
+from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
 from quiver.t2t.config import read_dialog_config
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
@@ -42,12 +46,12 @@ BLOCK = 32
 
 def _on_a_q4_1_grid(weight: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """A Linear weight [out, in] as GGUF's Q4_1 stores one: blocks of 32 along `in`, each s q + m with q
-    spanning 0..15 (its minimum and maximum present)."""
+    spanning 0..15 (its minimum and maximum present), s and m float16 values."""
     out, size = weight.shape
     q = rng.integers(0, 16, (out, size // BLOCK, BLOCK))
     q[..., 0], q[..., 1] = 0, 15
-    scales = rng.uniform(0.002, 0.02, (out, size // BLOCK, 1))
-    minimums = rng.uniform(-0.15, 0.0, (out, size // BLOCK, 1))
+    scales = rng.uniform(0.002, 0.02, (out, size // BLOCK, 1)).astype(np.float16).astype(np.float64)
+    minimums = rng.uniform(-0.15, 0.0, (out, size // BLOCK, 1)).astype(np.float16).astype(np.float64)
     return (scales * q + minimums).astype(np.float32).reshape(out, size)
 
 
@@ -119,21 +123,51 @@ def test_rtn_min_exports_compute_what_the_float_weights_compute(gridded: tuple[P
     assert np.abs(rounded - want).max() > 10 * 2e-4  # symmetric blocks lose the grid
 
 
+def test_rtn_min_decodes_the_same_tokens_with_ort_operators_in_place_of_quivers_kernel(
+    gridded: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Quiver's kernel is not built (no compiler, another processor), the decode graph's MatMul4Bits
+    nodes run as ORT's operators: the same greedy tokens, the same logits within the rounding."""
+    folder, _ = gridded
+    options = ExportOptions(64, weight_bits=4, quantizer="rtn-min", overrides=(("model.embed_tokens.weight", None),))
+    config = export(folder, tmp_path / "rtn-min", options=options).path
+
+    def reply() -> tuple[list[int], np.ndarray]:
+        with Dialog.from_config(config) as dialog:
+            tokens = dialog.token_query(IDS, max_new_tokens=12, min_new_tokens=12, greedy=True).new_ids
+            return tokens, dialog._logits.reshape(-1).astype(np.float64)
+
+    assert native_ops.native_ops().path is not None, native_ops.native_ops().reason
+    kernel_tokens, kernel_logits = reply()
+    lowered_graphs: list[str] = []
+    real_lowered = native_ops.lowered
+    monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
+    monkeypatch.setattr(
+        session_model_module, "lowered", lambda m: lowered_graphs.append(m.graph.name) or real_lowered(m)
+    )
+    ort_tokens, ort_logits = reply()
+    assert lowered_graphs and ort_tokens == kernel_tokens
+    finite = np.isfinite(kernel_logits)  # the shortlist's rescored logits; the others the same -inf on both
+    assert finite.any() and np.array_equal(np.isfinite(ort_logits), finite)
+    scale = np.abs(kernel_logits[finite]).max()
+    np.testing.assert_allclose(ort_logits[finite], kernel_logits[finite], rtol=0, atol=1e-3 * scale)
+
+
 def _product(model: onnx.ModelProto, x: np.ndarray, level: int) -> np.ndarray:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    for node in copy.graph.node:
-        if node.op_type == "MatMulNBits":
+    for node in copy.graph.node:  # a node that sets its own level keeps it, as Quiver's backend runs it
+        if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
             node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return ort.InferenceSession(copy.SerializeToString(), options).run(None, {"x": x})[0]
 
 
-def test_float_minimum_blocks_at_int8_activations_keep_what_float_activations_compute() -> None:
-    """ORT's int8 activations round each block of x to 255 steps; the remainder fed as a second row (the
-    decode graph's form) brings the product back within ~1/200 of that error (activations with outliers,
-    as a norm's output has). The prompt's form sets float activations on its nodes."""
+def test_float_minimum_blocks_are_one_node_for_a_decode_step_and_float_activations_for_a_prompt() -> None:
+    """The decode form is Quiver's MatMul4Bits (the kernel, or ORT's operators in its place: both tested in
+    test_native_ops); the prompt's, MatMulNBits at float activations plus the minimums' product. Both
+    compute x by the fitted blocks, their scales and minimums rounded to float16."""
     rng = np.random.default_rng(5)
     k, n = 192, 96
     weight = rng.standard_normal((k, n)).astype(np.float32) * 0.05
@@ -143,24 +177,26 @@ def test_float_minimum_blocks_at_int8_activations_keep_what_float_activations_co
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
         [onnx.numpy_helper.from_array(weight, "w")],
     )  # fmt: skip
-    model = _with_block_minimums(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)]),
-                                 BLOCK, {"projection"}, exact_rows=True)  # fmt: skip
+    opsets = [onnx.helper.make_opsetid("", 21)]
+    decode = _with_block_minimums(onnx.helper.make_model(graph, opset_imports=opsets), BLOCK, {"projection"},
+                                  exact_rows=True)  # fmt: skip
+    prompt = _with_block_minimums(onnx.helper.make_model(graph, opset_imports=opsets), BLOCK, {"projection"})
+    assert [(node.domain, node.op_type) for node in decode.graph.node] == [(QUIVER_DOMAIN, MATMUL_4BITS)]
     q, scales, minimums = block_minimums(weight, BLOCK)
-    blocks = (scales[..., None] * q + minimums[..., None]).reshape(n, k).T.astype(np.float64)
+    scales, minimums = (a.astype(np.float16).astype(np.float64) for a in (scales, minimums))
+    blocks = (scales[..., None] * q + minimums[..., None]).reshape(n, k).T
     x = (rng.standard_normal((1, 3, k)) * np.where(rng.random(k) < 0.02, 30, 1)).astype(np.float32)
     want = x.astype(np.float64) @ blocks
-    error = {level: np.abs(_product(model, x, level) - want).max() for level in (0, 4)}
-    without_remainder = onnx.ModelProto()
-    without_remainder.CopyFrom(model)
-    for node in without_remainder.graph.node:
-        if node.name.endswith(".lost"):  # x minus x itself: the second row zero, the int8 grid alone
-            node.input[1] = node.input[0]
-    error["int8 alone"] = np.abs(_product(without_remainder, x, 4) - want).max()
-    assert error[0] < 1e-4 * np.abs(want).max() and error[4] < error["int8 alone"] / 50, error
-    plain = _with_block_minimums(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)]),
-                                 BLOCK, {"projection"})  # fmt: skip
+    library = built_library()
+    assert isinstance(library, Path), library
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    decoded = ort.InferenceSession(decode.SerializeToString(), options).run(None, {"x": x})[0]
+    # x's blocks on 16 bits: a block with an outlier (30x) has a 30x coarser step for the others
+    assert np.abs(decoded - want).max() < 3e-4 * np.abs(want).max()
+    assert np.abs(_product(prompt, x, 4) - want).max() < 1e-4 * np.abs(want).max()
     levels = [
-        a.i for n in plain.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"
+        a.i for n in prompt.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"
     ]
     assert levels == [0]
 
@@ -255,7 +291,7 @@ def _bits(model: Any) -> dict[str, int | None]:
     """Each original MatMul's bits in the quantized graph (None: still a float MatMul)."""
     found: dict[str, int | None] = {}
     for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and not node.name.endswith(".exact_rows.grid"):  # not rtn-min's identity
+        if node.op_type == "MatMulNBits":
             found[node.name.removesuffix(".q4").removesuffix("_Q4").removesuffix("_Q8")] = next(
                 a.i for a in node.attribute if a.name == "bits"
             )

@@ -7,6 +7,7 @@ from collections import Counter
 import onnx
 
 from quiver.ir.edit import iter_nodes
+from quiver.ir.quiver_ops import QUIVER_DOMAIN, QUIVER_OPS
 
 # The QNN execution provider's list (DESIGN.md): the floor for every backend.
 QNN_EP_OPS = frozenset(
@@ -36,6 +37,12 @@ def use_microsoft_domain(model: onnx.ModelProto) -> None:
         model.opset_import.add(domain=MS_DOMAIN, version=1)
 
 
+def use_quiver_domain(model: onnx.ModelProto) -> None:
+    """Declares Quiver's own opset (ai.quiver, version 1) unless the model does already."""
+    if not any(o.domain == QUIVER_DOMAIN for o in model.opset_import):
+        model.opset_import.add(domain=QUIVER_DOMAIN, version=1)
+
+
 def schema_checkable(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` (changed in place: give a copy) with ORT's schema-less ONNX-domain operators moved to the
     contrib domain, where ONNX's checker lets operators it has no schema for pass."""
@@ -53,8 +60,8 @@ def op_id(node: onnx.NodeProto) -> str:
 
 
 def is_supported(node: onnx.NodeProto) -> bool:
-    """An operator of ONNX's (any version) or of ONNX Runtime's contrib domain."""
-    if node.domain == MS_DOMAIN:
+    """An operator of ONNX's (any version), of ONNX Runtime's contrib domain, or one of Quiver's own."""
+    if node.domain == MS_DOMAIN or (node.domain == QUIVER_DOMAIN and node.op_type in QUIVER_OPS):
         return True
     domain = "" if node.domain == "ai.onnx" else node.domain
     if domain == "" and node.op_type in ORT_ONNX_DOMAIN_OPS:

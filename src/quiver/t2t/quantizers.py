@@ -6,21 +6,17 @@ Quantizers, by name:
 * `rtn-asym`: round to nearest with a 4-bit integer zero point per block (the same quantizer,
   asymmetric): w = s (q - z).
 * `rtn-min`: round to nearest with a scale and a float minimum per block, as GGUF's Q4_1 stores them:
-  w = s q + m, s = (max - min) / 15, m = min. Exact for weights already on such a grid (a model
-  dequantized from Q4_1, as SmolLM2's are). MatMulNBits' fast kernels take integer zero points only (a
-  float one is far slower), so the minimum is added apart: x W = MatMulNBits(x; q, s, zero
-  point 8) + (x's sums per block) C, with C[b, n] = m + 8 s: one small MatMul per projection, and the
-  sums once per input (a MatMul by ones on each block). Its exactness would be lost to the int8
-  activations of ORT's fast kernel (each block of x rounded to 255 steps: SmolLM2's greedy tokens left
-  the float model's), so its MatMulNBits nodes compute with float activations (accuracy level 0, set
-  on the node: the backend's level leaves them), which is as fast as int8 for a prompt's many rows but
-  slower for a decode step's one. The decode graph (`exact_rows`) feeds each input as two rows
-  instead, x and what the int8 grid loses of it (x minus x on that grid: the grid itself from
-  MatMulNBits by the identity, the kernel's own rounding), at the backend's level, and sums the two
-  results with the minimums' term: the remainder's rounding is 255 times finer again (SmolLM2 keeps the
-  float model's greedy tokens), and two rows cost a step's MatMulNBits little more than one (the weights
-  are read once; the numbers: docs/BENCHMARKS.md).
-* `hqq`: the same form as `rtn-min` (a scale and a float minimum per block, the same two forms), the
+  w = s q + m, s = (max - min) / 15, m = min, both then rounded to float16 (as GGUF stores them: every
+  form below holds the same weights). Exact for weights already on such a grid (a model dequantized
+  from Q4_1, as SmolLM2's are). MatMulNBits' fast kernels take integer zero points only (a float one is
+  far slower) and round the activations to int8 (which loses the grid), so the blocks take two forms. A
+  prompt's (prefill, batched): x W = MatMulNBits(x; q, s, zero point 8) at float activations (accuracy
+  level 0, set on the node: as fast as int8 for many rows) + (x's sums per block) C, C[b, n] = m + 8 s:
+  one small MatMul per projection, the sums once per input (a MatMul by ones on each block). A decode
+  step's (`exact_rows`): one node of Quiver's own operator, `ai.quiver::MatMul4Bits` (the cpu backend's
+  kernel, 16-bit activations, the weights read in place; or, where it is not built, ORT's operators on
+  the input's exact rows: `quiver.backends.cpu.native_ops`), which names both forms' tensors.
+* `hqq`: the same form as `rtn-min` (a scale and a float minimum per block, the same forms), the
   minimum fitted by HQQ (Badri & Shaji, 2023: a few half-quadratic steps that make the rounding error
   sparse, an l0.7 penalty) instead of taken from the block's smallest weight; no calibration.
 * `gptq`, `gptq-asym`: 4-bit blocks by GPTQ (`quiver.passes.gptq`), symmetric or with a 4-bit zero point
@@ -55,7 +51,7 @@ import dataclasses
 import fnmatch
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -750,10 +746,15 @@ def with_given_blocks(
 
 
 def _minimum_form(make: Callable[[], Blocks]) -> list[np.ndarray]:
-    """The blocks `make` gives as `rtn-min`'s tensors: the packed integers, the scales (flat) and what each
-    block's sum of x is multiplied by, m + 8 s ([K / block, N])."""
+    """The blocks `make` gives as `rtn-min`'s tensors: the packed integers, the scales (flat), what each
+    block's sum of x is multiplied by, m + 8 s ([K / block, N]), and the scales and minimums as float16
+    ([N, 2, K / block]: Quiver's own kernel's). Scales and minimums are float16 values in all of them, as
+    GGUF stores them (exact for a GGUF file's blocks; within 2^-11 of a fitted value), so every form holds
+    the same weights."""
     q, scales, minimums = make()
-    return [pack_nibbles(q), scales.reshape(-1), np.ascontiguousarray((minimums + 8 * scales).T)]
+    halves = np.stack([scales, minimums], axis=1).astype(np.float16)
+    scales, minimums = halves[:, 0].astype(np.float32), halves[:, 1].astype(np.float32)
+    return [pack_nibbles(q), scales.reshape(-1), np.ascontiguousarray((minimums + 8 * scales).T), halves]
 
 
 def _fitted(fit: Callable[[np.ndarray, int], Blocks], weight: Deferred, block_size: int) -> Blocks:
@@ -763,41 +764,6 @@ def _fitted(fit: Callable[[np.ndarray, int], Blocks], weight: Deferred, block_si
 def _block_ones(k: int, block_size: int) -> np.ndarray:
     """E [K, K / block]: ones on each block, x E the sums of x per block."""
     return np.kron(np.eye(k // block_size, dtype=np.float32), np.ones((block_size, 1), np.float32))
-
-
-def _identity_blocks(block_size: int) -> np.ndarray:
-    """The identity [block, block] as one 4-bit block per row (q 9 on the diagonal, 8 elsewhere; scale 1)."""
-    q = np.full((block_size, 1, block_size), 8, np.uint8)
-    q[np.arange(block_size), 0, np.arange(block_size)] = 9
-    return pack_nibbles(q)
-
-
-def _exact_rows(weights: _Weights, source: str, block_size: int) -> tuple[str, list[onnx.NodeProto]]:
-    """`source`'s rows followed by what ORT's int8 activations lose of them (see the module): x's blocks
-    through MatMulNBits by the identity are x on the int8 grid the kernel quantizes it to, x minus that the
-    remainder, both as rows of one input [..., 2 S, K]."""
-    from onnx import helper
-
-    from quiver.ir.ops import MS_DOMAIN
-
-    identity = f"quiver.identity{block_size}"
-    if f"{identity}.q4" not in weights.tensors:  # one identity per graph, whatever reads it
-        weights.add(f"{identity}.q4", _identity_blocks(block_size))
-        weights.add(f"{identity}.scales", np.ones(block_size, np.float32))
-        weights.add(f"{identity}.blocks", np.array([-1, block_size], np.int64))
-    rows = f"{source}.exact_rows"
-    return rows, [
-        helper.make_node("Reshape", [source, f"{identity}.blocks"], [f"{rows}.blocks"], name=f"{rows}.blocks"),
-        helper.make_node(
-            "MatMulNBits", [f"{rows}.blocks", f"{identity}.q4", f"{identity}.scales"], [f"{rows}.grid"],
-            name=f"{rows}.grid", domain=MS_DOMAIN, K=block_size, N=block_size, bits=4, block_size=block_size,
-        ),
-        helper.make_node("Sub", [f"{rows}.blocks", f"{rows}.grid"], [f"{rows}.lost"], name=f"{rows}.lost"),
-        helper.make_node("Shape", [source], [f"{rows}.shape"], name=f"{rows}.shape"),
-        helper.make_node("Reshape", [f"{rows}.lost", f"{rows}.shape"], [f"{rows}.remainder"],
-                         name=f"{rows}.remainder"),
-        helper.make_node("Concat", [source, f"{rows}.remainder"], [rows], name=rows, axis=-2),
-    ]  # fmt: skip
 
 
 def _with_block_minimums(
@@ -817,14 +783,15 @@ def _with_block_minimums(
     from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
-    from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
+    from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain, use_quiver_domain
+    from quiver.ir.quiver_ops import MATMUL_4BITS, MATMUL_4BITS_BLOCK, QUIVER_DOMAIN
 
     graph = model.graph
     weights = _Weights(graph, deferred)
     block_sums: dict[str, str] = {}  # input -> its sums per block (one per input, whatever reads it)
-    inputs: dict[str, str] = {}  # input -> what MatMulNBits reads of it: itself, or its exact rows
     nodes: list[onnx.NodeProto] = []
     replaced: set[str] = set()
+    native = exact_rows and block_size == MATMUL_4BITS_BLOCK  # Quiver's kernel takes blocks of 32
     for node in graph.node:
         weight = weights.tensors.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if weight is None or len(weight.dims) != 2 or weight.dims[0] % block_size or node.name not in include:
@@ -835,33 +802,28 @@ def _with_block_minimums(
         if name not in replaced:  # a weight read by several MatMuls is quantized once
             make = given[name] if given and name in given else partial(_fitted, fit, weights.value(name), block_size)
             count = k // block_size
-            parts = made_together(
-                [((n, count, block_size // 2), np.uint8), ((n * count,), np.float32), ((count, n), np.float32)],
-                partial(_minimum_form, make),
-            )
-            for suffix, part in zip((".q4", ".scales", ".offsets"), parts):
-                weights.add(f"{name}{suffix}", part)
+            shapes = [((n, count, block_size // 2), np.uint8), ((n * count,), np.float32), ((count, n), np.float32)]
+            parts = made_together([*shapes, ((n, 2, count), np.float16)], partial(_minimum_form, make))
+            for suffix, part in zip((".q4", ".scales", ".offsets", ".halves"), parts):
+                if suffix != ".halves" or native:  # Quiver's kernel's own form, for the nodes that read it
+                    weights.add(f"{name}{suffix}", part)
             replaced.add(name)
+        if native:  # one node: Quiver's kernel, or ORT's operators in its place (the cpu backend's choice)
+            inputs = [source, f"{name}.q4", f"{name}.halves", f"{name}.scales", f"{name}.offsets"]
+            nodes.append(helper.make_node(MATMUL_4BITS, inputs, [out], name=node.name, domain=QUIVER_DOMAIN,
+                                          K=k, N=n, block_size=block_size, few_rows=1))  # fmt: skip
+            continue
         if source not in block_sums:  # x E, E [K, K / block] ones on each block: one MatMul, any input rank
             sums = block_sums[source] = f"{source}.block_sums"
             weights.add(
                 f"{sums}.blocks", Deferred((k, k // block_size), np.float32, partial(_block_ones, k, block_size))
             )
             nodes.append(helper.make_node("MatMul", [source, f"{sums}.blocks"], [sums], name=sums))
-            inputs[source] = source
-            if exact_rows:
-                inputs[source], made = _exact_rows(weights, source, block_size)
-                nodes += made
-        level: dict[str, Any] = {} if exact_rows else {"accuracy_level": 0}
         nodes.append(helper.make_node(
-            "MatMulNBits", [inputs[source], f"{name}.q4", f"{name}.scales"], [f"{out}.q4"], name=f"{node.name}.q4",
-            domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=block_size, **level,
+            "MatMulNBits", [source, f"{name}.q4", f"{name}.scales"], [f"{out}.q4"], name=f"{node.name}.q4",
+            domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=block_size, accuracy_level=0,
         ))  # fmt: skip
         terms = [f"{out}.q4"]
-        if exact_rows:  # the rows' products, x's and its remainder's, summed
-            terms = [f"{out}.grid", f"{out}.remainder"]
-            nodes.append(helper.make_node("Split", [f"{out}.q4"], terms, name=f"{node.name}.split", axis=-2,
-                                          num_outputs=2))  # fmt: skip
         nodes += [
             helper.make_node("MatMul", [block_sums[source], f"{name}.offsets"], [f"{out}.minimums"],
                              name=f"{node.name}.minimums"),
@@ -871,4 +833,6 @@ def _with_block_minimums(
     graph.node.extend(nodes)
     drop_unread_initializers(graph, replaced)
     use_microsoft_domain(model)
+    if any(n.domain == QUIVER_DOMAIN for n in graph.node):
+        use_quiver_domain(model)
     return model

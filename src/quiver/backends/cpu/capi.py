@@ -101,7 +101,9 @@ class Api:
         except OSError as exc:
             raise CApiUnavailableError(f"cannot load ONNX Runtime's C library: {exc}") from None
         lib.OrtGetApiBase.restype = ctypes.POINTER(_P * 2)
-        base = lib.OrtGetApiBase().contents
+        base_pointer = lib.OrtGetApiBase()
+        self.api_base = ctypes.cast(base_pointer, _P).value or 0  # for custom-op libraries' entry points
+        base = base_pointer.contents
         get_api = ctypes.CFUNCTYPE(_P, ctypes.c_uint32)(base[0])
         table = get_api(_API_VERSION)
         if not table:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from quiver.backends.cpu.capi import LOG_FATAL, Tensor, api, to_numpy
+from quiver.backends.cpu.native_ops import register_c
 
 _BOUND_WRAPPERS = 8192
 _P = ctypes.c_void_p
@@ -109,6 +110,7 @@ class Session:
                         len(self._readable),
                     )
                 )
+            capi.check(register_c(options, capi.api_base, model))
             self.handle = capi.handle_from(
                 capi.CreateSessionFromArrayWithContainer, capi.env, model, len(model), options, container.handle
             )

@@ -22,6 +22,7 @@ import numpy as np
 
 from quiver.backends.base import AheadOfTimeForm, FinalizedGraph, PreparedGraph, WeightFile
 from quiver.backends.cpu.capi import fork_waits
+from quiver.backends.cpu.native_ops import register_python
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes, proto
 from quiver.ir.edit import iter_nodes
@@ -107,9 +108,11 @@ def prepare(
         }
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
+        skeleton = readable.SerializeToString()
+        register_python(options, skeleton)
         try:
             with fork_waits():  # a server may build contexts on a thread while another forks
-                ort.InferenceSession(readable.SerializeToString(), options, providers=["CPUExecutionProvider"])
+                ort.InferenceSession(skeleton, options, providers=["CPUExecutionProvider"])
             prepared = proto.ModelProto.FromString(target.read_bytes())
         except Exception:  # noqa: BLE001 - what ORT cannot prepare now it prepares at open, as before
             return None

@@ -6,6 +6,7 @@ import numpy as np
 
 from quiver.backends.base import FinalizedGraph
 from quiver.backends.cpu.lora_strengths import StrengthFolding, fold_lora_strengths
+from quiver.backends.cpu.native_ops import lowered, native_ops, uses_native_ops
 from quiver.backends.cpu.settings import SessionSettings
 from quiver.errors import BackendError
 from quiver.ir import proto
@@ -108,9 +109,12 @@ def _without_trailing_empty_inputs(model: proto.ModelProto) -> proto.ModelProto:
 
 
 def session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[proto.ModelProto, StrengthFolding | None]:
-    """The model ORT is given for this graph: LoRA strengths folded, and Quiver's MatMulNBits at the
-    settings' accuracy level (the same at build, for a prepared form, as at open)."""
+    """The model ORT is given for this graph: LoRA strengths folded, Quiver's own ops as ORT's where their
+    library is not built here (`native_ops`), and Quiver's MatMulNBits at the settings' accuracy level
+    (the same at build, for a prepared form, as at open)."""
     model, strengths = fold_lora_strengths(_without_trailing_empty_inputs(graph.model))
+    if uses_native_ops(model) and native_ops().path is None:
+        model = lowered(model)
     if not _TRUSTED_MOE and any(n.op_type == "MoE" for n in model.graph.node):
         raise BackendError(f"graph {graph.name!r} has mixture-of-experts layers, which need onnxruntime >= 1.32 "
                            f"(this is {ort.__version__}, whose MoE kernel gave other tokens in Quiver's tests): "

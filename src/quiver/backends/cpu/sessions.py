@@ -13,6 +13,7 @@ from quiver import portable
 from quiver.backends.base import FinalizedGraph
 from quiver.backends.cpu import capi, capi_session, packed_file
 from quiver.backends.cpu.memory import MADV_DONTNEED, advise
+from quiver.backends.cpu.native_ops import register_python
 from quiver.backends.cpu.settings import SessionSettings
 from quiver.backends.cpu.weights import PLACEHOLDER_FOLDER, SessionWeights
 from quiver.errors import BackendError
@@ -128,6 +129,7 @@ class PythonApiSession:
             options.add_external_initializers(list(self._readable), list(self._readable.values()))
         if global_thread_pools_in_use():
             options.use_per_session_threads = False
+        register_python(options, weights.model)
         try:
             self._session = ort.InferenceSession(weights.model, options, providers=["CPUExecutionProvider"])
         except RuntimeError as exc:  # global pools made by a direct call to onnxruntime: use them from now on

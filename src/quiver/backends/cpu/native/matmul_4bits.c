@@ -1,0 +1,561 @@
+/* Quiver's 4-bit MatMul for ONNX Runtime's CPU provider: op `MatMul4Bits` in domain `ai.quiver`.
+ *
+ * Y[..., N] = A[..., K] W, W [K, N] in blocks of 32 along K with a scale and a minimum each, as GGUF's
+ * Q4_1 holds them: w = s q + m, q in 0..15. Inputs: A (float); B (uint8 [N, K/32, 16], MatMulNBits'
+ * layout: two values a byte, the low nibble first); the blocks' scales and minimums (float16 [N, 2, K/32]:
+ * a column's scales, then its minimums). Two more float inputs may follow (MatMulNBits' scales and the
+ * minimums' product beside it, for ORT's operators in this one's place): this kernel does not read them.
+ * The weights are read where they lie (nothing is packed or copied when a session is made). A's blocks
+ * are rounded to 16 bits each for a few rows (exact to ~2e-5 of the float product, where ORT's fast
+ * kernel rounds them to 8 bits), kept in float for many (a prompt). Built by
+ * quiver.backends.cpu.native_ops with the machine's own compiler (-march=native); it uses only ONNX
+ * Runtime's C ABI, declared here from its documented function table (append-only across releases; the
+ * indices are positions in it). */
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+#include <immintrin.h>
+#define FAST 1
+#else
+#define FAST 0
+#endif
+
+#define BLOCK 32
+#define TASK_BYTES (48 * 1024) /* the least weight bytes a task reads */
+#define MAX_TASKS 16           /* tasks a group of rows is cut into, at most */
+#define MANY_ROWS 8            /* from this many rows of A on, the float path (a prompt) */
+#define OP_VERSION 17          /* the OrtCustomOp fields read: up to GetEndVersion (ORT >= 1.17) */
+
+typedef void *Status; /* OrtStatus*: NULL is success */
+typedef void *const *Api;
+
+/* positions in struct OrtApi */
+enum {
+  CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
+  GET_TENSOR_MUTABLE_DATA = 51, GET_TENSOR_ELEMENT_TYPE = 60, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
+  GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, KERNEL_CONTEXT_GET_INPUT_COUNT = 88,
+  KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_STATUS = 93,
+  RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, RELEASE_CUSTOM_OP_DOMAIN = 101, KERNEL_CONTEXT_PARALLEL_FOR = 274,
+};
+enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
+enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_FLOAT16 = 10 };
+enum { REQUIRED = 0, OPTIONAL = 1 };
+
+typedef struct OrtApiBase {
+  Api (*GetApi)(uint32_t version);
+  const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+typedef struct OrtCustomOp OrtCustomOp;
+struct OrtCustomOp {
+  uint32_t version;
+  void *(*CreateKernel)(const OrtCustomOp *, Api, const void *);
+  const char *(*GetName)(const OrtCustomOp *);
+  const char *(*GetExecutionProviderType)(const OrtCustomOp *);
+  int (*GetInputType)(const OrtCustomOp *, size_t);
+  size_t (*GetInputTypeCount)(const OrtCustomOp *);
+  int (*GetOutputType)(const OrtCustomOp *, size_t);
+  size_t (*GetOutputTypeCount)(const OrtCustomOp *);
+  void (*KernelCompute)(void *, void *);
+  void (*KernelDestroy)(void *);
+  int (*GetInputCharacteristic)(const OrtCustomOp *, size_t);
+  int (*GetOutputCharacteristic)(const OrtCustomOp *, size_t);
+  int (*GetInputMemoryType)(const OrtCustomOp *, size_t);
+  int (*GetVariadicInputMinArity)(const OrtCustomOp *);
+  int (*GetVariadicInputHomogeneity)(const OrtCustomOp *);
+  int (*GetVariadicOutputMinArity)(const OrtCustomOp *);
+  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp *);
+  Status (*CreateKernelV2)(const OrtCustomOp *, Api, const void *, void **);
+  Status (*KernelComputeV2)(void *, void *);
+  Status (*InferOutputShapeFn)(const OrtCustomOp *, void *);
+  int (*GetStartVersion)(const OrtCustomOp *);
+  int (*GetEndVersion)(const OrtCustomOp *);
+  void *later[4]; /* fields of later versions, unread at OP_VERSION */
+};
+
+#define CALL(api, index, type) ((type)(api)[index])
+typedef Status (*create_status_t)(int, const char *);
+
+static Status failure(Api api, const char *message) {
+  return CALL(api, CREATE_STATUS, create_status_t)(ORT_INVALID_ARGUMENT, message);
+}
+
+/* ---- A's rows, prepared: each block rounded to 16 bits, laid out for the kernel --------------------- */
+
+/* Per pair of blocks: the even elements (32 int16: block 2p's 16, then 2p+1's), the odd ones, and the
+ * blocks' scales spread over the 8 lanes each fills. Then the blocks' float sums (the minimums' factor),
+ * zeros up to a multiple of 16. */
+typedef struct {
+  int16_t *even, *odd;
+  float *scale, *sum;
+} Row;
+
+static int64_t round16(int64_t count) { return (count + 15) / 16 * 16; }
+
+static size_t row_bytes(int64_t k) {
+  const int64_t blocks = k / BLOCK, pairs = (blocks + 1) / 2;
+  return (size_t)(pairs * 192 + round16(blocks) * 4);
+}
+
+static Row row_at(char *memory, int64_t k) {
+  const int64_t pairs = (k / BLOCK + 1) / 2;
+  Row r = {(int16_t *)memory, (int16_t *)(memory + pairs * 64), (float *)(memory + pairs * 128),
+           (float *)(memory + pairs * 192)};
+  return r;
+}
+
+static void prepare_row(const float *x, int64_t k, Row r) {
+  const int64_t blocks = k / BLOCK;
+  memset(r.even, 0, row_bytes(k)); /* a missing second block of the last pair, and the padding: zeros */
+  for (int64_t b = 0; b < blocks; b++) {
+    const float *xb = x + b * BLOCK;
+    float largest = 0.f, sum = 0.f;
+    for (int i = 0; i < BLOCK; i++) {
+      const float a = fabsf(xb[i]);
+      largest = a > largest ? a : largest;
+      sum += xb[i];
+    }
+    r.sum[b] = sum;
+    const float inverse = largest > 0.f ? 32767.f / largest : 0.f;
+    const int64_t pair = b / 2, half = b % 2;
+    int16_t *even = r.even + pair * 32 + half * 16, *odd = r.odd + pair * 32 + half * 16;
+    for (int j = 0; j < 16; j++) {
+      even[j] = (int16_t)lrintf(xb[2 * j] * inverse);
+      odd[j] = (int16_t)lrintf(xb[2 * j + 1] * inverse);
+    }
+    float *scale = r.scale + pair * 16 + half * 8;
+    for (int i = 0; i < 8; i++) scale[i] = largest / 32767.f;
+  }
+}
+
+/* ---- the products --------------------------------------------------------------------------------- */
+
+#if FAST
+/* One pair of blocks of one column into a float accumulator: the 32 bytes widened to 16 bits, low
+ * nibbles against the even elements and high against the odd (VNNI's 16-bit dot product), each block's
+ * integer sum, over its 8 lanes, scaled by the column's and the row's scales for it. */
+#define PAIR(column_bytes, column_scales, pair, whole, f)                                                   \
+  {                                                                                                         \
+    const __m512i w_ = _mm512_cvtepu8_epi16(WEIGHTS((column_bytes) + (pair) * 32, whole));                 \
+    __m512i dot_ = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_and_si512(w_, low), even);            \
+    dot_ = _mm512_dpwssd_epi32(dot_, _mm512_srli_epi16(w_, 4), odd);                                        \
+    const __m512 scale_ = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(HALF_PAIR((column_scales) + (pair) * 2))); \
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_), _mm512_mul_ps(scale_, row_scale), f);                    \
+  }
+
+/* A pair's 32 bytes; the last pair of an odd count has one block (16 bytes: a masked load, as the
+ * column's end may be the tensor's). */
+#define WEIGHTS(at, whole) \
+  ((whole) ? _mm256_loadu_si256((const __m256i *)(at)) : _mm256_maskz_loadu_epi8(0xFFFFu, (at)))
+
+#define ROW_PARTS(r, pair)                                                                                  \
+  const __m512i even = _mm512_load_si512((r).even + (pair) * 32), odd = _mm512_load_si512((r).odd + (pair) * 32); \
+  const __m512 row_scale = _mm512_load_ps((r).scale + (pair) * 16);
+
+/* Two float16 scales (a pair's), as floats in the low lanes. */
+static inline __m128 HALF_PAIR(const uint16_t *at) {
+  uint32_t bits;
+  memcpy(&bits, at, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128((int)bits));
+}
+
+/* The column's minimums times the row's block sums, added to f: sixteen blocks at a time. */
+static inline __m512 with_minimums(__m512 f, const uint16_t *minimums, const float *sums, int64_t blocks) {
+  for (int64_t b = 0; b < blocks; b += 16) {
+    const __mmask16 keep = blocks - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (blocks - b)) - 1);
+    const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, minimums + b));
+    f = _mm512_fmadd_ps(m, _mm512_load_ps(sums + b), f);
+  }
+  return f;
+}
+
+/* Columns [n0, n1) of one row, four at a time. */
+static void one_row(Row r, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0, int64_t n1, float *y) {
+  const int64_t blocks = k / BLOCK, pairs = (blocks + 1) / 2, whole_pairs = blocks / 2;
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t column = blocks * 16, planes = 2 * blocks;
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    const uint8_t *b = B + n * column;
+    const uint16_t *s = halves16 + n * planes;
+#define FOUR_COLUMNS(p, whole)                                                                              \
+  {                                                                                                         \
+    ROW_PARTS(r, p)                                                                                         \
+    PAIR(b, s, p, whole, f0)                                                                                \
+    PAIR(b + column, s + planes, p, whole, f1)                                                              \
+    PAIR(b + 2 * column, s + 2 * planes, p, whole, f2)                                                      \
+    PAIR(b + 3 * column, s + 3 * planes, p, whole, f3)                                                      \
+  }
+    /* the next four columns' bytes, asked for while these are read: they lie right after (128 bytes a pair) */
+    const char *next = (const char *)(b + 4 * column);
+    const int ahead = n + 8 <= n1;
+    for (int64_t p = 0; p < whole_pairs; p++) {
+      if (ahead) {
+        _mm_prefetch(next + p * 128, _MM_HINT_T0);
+        _mm_prefetch(next + p * 128 + 64, _MM_HINT_T0);
+      }
+      FOUR_COLUMNS(p, 1)
+    }
+    if (whole_pairs < pairs) FOUR_COLUMNS(whole_pairs, 0)
+    y[n] = _mm512_reduce_add_ps(with_minimums(f0, s + blocks, r.sum, blocks));
+    y[n + 1] = _mm512_reduce_add_ps(with_minimums(f1, s + planes + blocks, r.sum, blocks));
+    y[n + 2] = _mm512_reduce_add_ps(with_minimums(f2, s + 2 * planes + blocks, r.sum, blocks));
+    y[n + 3] = _mm512_reduce_add_ps(with_minimums(f3, s + 3 * planes + blocks, r.sum, blocks));
+  }
+  for (; n < n1; n++) {
+    __m512 f0 = _mm512_setzero_ps();
+    const uint16_t *s = halves16 + n * planes;
+    for (int64_t p = 0; p < pairs; p++) {
+      ROW_PARTS(r, p)
+      PAIR(B + n * column, s, p, p < whole_pairs, f0)
+    }
+    y[n] = _mm512_reduce_add_ps(with_minimums(f0, s + blocks, r.sum, blocks));
+  }
+}
+
+/* Columns [n0, n1) of four rows: each pair of blocks widened once for the four. */
+static void four_rows(const Row *r, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0, int64_t n1,
+                      float *y, int64_t ldy) {
+  const int64_t blocks = k / BLOCK, pairs = (blocks + 1) / 2;
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t column = blocks * 16, planes = 2 * blocks;
+  for (int64_t n = n0; n < n1; n++) {
+    __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const uint8_t *b = B + n * column;
+    const uint16_t *s = halves16 + n * planes;
+    for (int64_t p = 0; p < pairs; p++) {
+      const __m512i w = _mm512_cvtepu8_epi16(WEIGHTS(b + p * 32, 2 * p + 1 < blocks));
+      const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_srli_epi16(w, 4);
+      const __m512 scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(HALF_PAIR(s + p * 2)));
+      for (int i = 0; i < 4; i++) {
+        __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(r[i].even + p * 32));
+        dot = _mm512_dpwssd_epi32(dot, hi, _mm512_load_si512(r[i].odd + p * 32));
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_load_ps(r[i].scale + p * 16)), f[i]);
+      }
+    }
+    for (int i = 0; i < 4; i++) y[i * ldy + n] = _mm512_reduce_add_ps(with_minimums(f[i], s + blocks, r[i].sum, blocks));
+  }
+}
+
+/* Many rows (a prompt): 16 columns at a time as float, [K, 16] (w = s q + m exactly, in float), then eight
+ * rows against them by float FMAs: each weight widened once for every row, A in float. */
+static void many_rows(const float *a, int64_t m, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0,
+                      int64_t n1, float *y, int64_t ldy, float *tile) {
+  const int64_t blocks = k / BLOCK;
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int64_t width = n1 - n < 16 ? n1 - n : 16;
+    for (int64_t c = 0; c < 16; c++) {
+      if (c >= width) { /* columns past the end: zeros */
+        for (int64_t i = 0; i < k; i++) tile[i * 16 + c] = 0.f;
+        continue;
+      }
+      const uint8_t *bytes = B + (n + c) * blocks * 16;
+      const uint16_t *s = halves16 + (n + c) * 2 * blocks;
+      for (int64_t b = 0; b < blocks; b++) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + b * 16)));
+        const __m128 sm = _mm_cvtph_ps(_mm_setr_epi16((short)s[b], (short)s[blocks + b], 0, 0, 0, 0, 0, 0));
+        const __m512 scale = _mm512_set1_ps(_mm_cvtss_f32(sm));
+        const __m512 minimum = _mm512_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(sm, sm, 1)));
+        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, low)), scale, minimum);
+        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), scale, minimum);
+        float l[16], h[16];
+        _mm512_storeu_ps(l, lo);
+        _mm512_storeu_ps(h, hi);
+        float *t = tile + b * BLOCK * 16 + c;
+        for (int j = 0; j < 16; j++) {
+          t[(2 * j) * 16] = l[j];
+          t[(2 * j + 1) * 16] = h[j];
+        }
+      }
+    }
+    const __mmask16 keep = (__mmask16)((1u << width) - 1);
+    int64_t r = 0;
+    for (; r + 8 <= m; r += 8) {
+      __m512 f[8];
+      for (int i = 0; i < 8; i++) f[i] = _mm512_setzero_ps();
+      const float *x = a + r * k;
+      for (int64_t i = 0; i < k; i++) {
+        const __m512 w = _mm512_load_ps(tile + i * 16);
+        for (int j = 0; j < 8; j++) f[j] = _mm512_fmadd_ps(_mm512_set1_ps(x[j * k + i]), w, f[j]);
+      }
+      for (int j = 0; j < 8; j++) _mm512_mask_storeu_ps(y + (r + j) * ldy + n, keep, f[j]);
+    }
+    for (; r < m; r++) {
+      __m512 f0 = _mm512_setzero_ps();
+      const float *x = a + r * k;
+      for (int64_t i = 0; i < k; i++) f0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_load_ps(tile + i * 16), f0);
+      _mm512_mask_storeu_ps(y + r * ldy + n, keep, f0);
+    }
+  }
+}
+#else
+/* float16 bits to float (a machine without F16C: Quiver does not choose this op there, see quiver_fast) */
+static float half_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else { /* subnormal */
+      float value = ldexpf((float)mantissa, -24);
+      return sign ? -value : value;
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float value;
+  memcpy(&value, &bits, 4);
+  return value;
+}
+
+/* The same sums, portably. */
+static void one_row(Row r, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0, int64_t n1, float *y) {
+  const int64_t blocks = k / BLOCK;
+  for (int64_t n = n0; n < n1; n++) {
+    float total = 0.f;
+    const uint16_t *s = halves16 + n * 2 * blocks;
+    for (int64_t b = 0; b < blocks; b++) {
+      const uint8_t *bytes = B + (n * blocks + b) * 16;
+      const int16_t *even = r.even + (b / 2) * 32 + (b % 2) * 16, *odd = r.odd + (b / 2) * 32 + (b % 2) * 16;
+      int32_t dot = 0;
+      for (int j = 0; j < 16; j++) dot += (bytes[j] & 15) * even[j] + (bytes[j] >> 4) * odd[j];
+      total += (float)dot * half_float(s[b]) * r.scale[(b / 2) * 16 + (b % 2) * 8] + half_float(s[blocks + b]) * r.sum[b];
+    }
+    y[n] = total;
+  }
+}
+
+static void four_rows(const Row *r, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0, int64_t n1,
+                      float *y, int64_t ldy) {
+  for (int i = 0; i < 4; i++) one_row(r[i], B, halves16, k, n0, n1, y + i * ldy);
+}
+#endif
+
+/* ---- the kernel ----------------------------------------------------------------------------------- */
+
+typedef struct {
+  Api api;
+  int64_t k, n;
+} Kernel;
+
+typedef struct {
+  const float *a;
+  const uint8_t *b;
+  const uint16_t *halves;
+  float *y;
+  char *rows;
+  int64_t m, k, n, columns_per_task, tasks_per_rows;
+  int failed;
+} Work;
+
+static void prepare_task(void *data, size_t i) {
+  Work *w = data;
+  prepare_row(w->a + (int64_t)i * w->k, w->k, row_at(w->rows + i * row_bytes(w->k), w->k));
+}
+
+/* Task i: one range of columns, for one group of four rows (or the last rows, one by one). */
+static void product_task(void *data, size_t i) {
+  Work *w = data;
+  const int64_t group = (int64_t)i / w->tasks_per_rows, part = (int64_t)i % w->tasks_per_rows;
+  const int64_t n0 = part * w->columns_per_task;
+  const int64_t n1 = n0 + w->columns_per_task < w->n ? n0 + w->columns_per_task : w->n;
+  const int64_t first = group * 4, last = first + 4 <= w->m ? first + 4 : w->m;
+  const size_t bytes = row_bytes(w->k);
+  Row rows[4];
+  for (int64_t m = first; m < last; m++) rows[m - first] = row_at(w->rows + m * bytes, w->k);
+  if (last - first == 4) {
+    four_rows(rows, w->b, w->halves, w->k, n0, n1, w->y + first * w->n, w->n);
+  } else {
+    for (int64_t m = first; m < last; m++) one_row(rows[m - first], w->b, w->halves, w->k, n0, n1, w->y + m * w->n);
+  }
+}
+
+#if FAST
+/* Task i of a prompt's many rows: one range of columns, every row, A in float. */
+static void many_rows_task(void *data, size_t i) {
+  Work *w = data;
+  const int64_t n0 = (int64_t)i * w->columns_per_task;
+  const int64_t n1 = n0 + w->columns_per_task < w->n ? n0 + w->columns_per_task : w->n;
+  float *tile = aligned_alloc(64, (size_t)w->k * 16 * sizeof(float));
+  if (!tile) {
+    __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  many_rows(w->a, w->m, w->b, w->halves, w->k, n0, n1, w->y, w->n, tile);
+  free(tile);
+}
+#endif
+
+typedef Status (*get_input_t)(const void *, size_t, const void **);
+typedef Status (*get_count_t)(const void *, size_t *);
+typedef Status (*get_shape_t)(const void *, void **);
+typedef Status (*dims_count_t)(const void *, size_t *);
+typedef Status (*dims_t)(const void *, int64_t *, size_t);
+typedef Status (*element_type_t)(const void *, int *);
+typedef void (*release_t)(void *);
+typedef Status (*mutable_data_t)(const void *, void **);
+typedef Status (*get_output_t)(void *, size_t, const int64_t *, size_t, void **);
+typedef Status (*parallel_for_t)(const void *, void (*)(void *, size_t), size_t, size_t, void *);
+
+/* A tensor's element count (its shape checked: at most 8 dimensions, none negative, no overflow) and
+ * its element type checked against what the op takes. */
+static Status shape_of(Api api, const void *value, int type, int64_t *dims, size_t *rank, int64_t *count) {
+  void *info = NULL;
+  Status status = CALL(api, GET_TENSOR_TYPE_AND_SHAPE, get_shape_t)(value, &info);
+  if (status) return status;
+  int element = 0;
+  status = CALL(api, GET_TENSOR_ELEMENT_TYPE, element_type_t)(info, &element);
+  if (!status) status = CALL(api, GET_DIMENSIONS_COUNT, dims_count_t)(info, rank);
+  if (!status && *rank > 8) status = failure(api, "MatMul4Bits: a tensor of more than 8 dimensions");
+  if (!status) status = CALL(api, GET_DIMENSIONS, dims_t)(info, dims, *rank);
+  CALL(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, release_t)(info);
+  if (status) return status;
+  if (element != type) return failure(api, "MatMul4Bits: an input of another element type");
+  *count = 1;
+  for (size_t i = 0; i < *rank; i++) {
+    if (dims[i] < 0 || (dims[i] && *count > INT64_MAX / dims[i])) return failure(api, "MatMul4Bits: a bad shape");
+    *count *= dims[i];
+  }
+  return NULL;
+}
+
+static Status compute(void *kernel, void *context) {
+  const Kernel *self = kernel;
+  Api api = self->api;
+  const int64_t k = self->k, n = self->n, blocks = k / BLOCK;
+  size_t inputs = 0;
+  Status status = CALL(api, KERNEL_CONTEXT_GET_INPUT_COUNT, get_count_t)(context, &inputs);
+  if (status) return status;
+  const void *values[3] = {NULL, NULL, NULL};
+  for (size_t i = 0; i < inputs && i < 3; i++) {
+    if ((status = CALL(api, KERNEL_CONTEXT_GET_INPUT, get_input_t)(context, i, &values[i]))) return status;
+  }
+  if (!values[0] || !values[1] || !values[2]) return failure(api, "MatMul4Bits: A, B and the blocks' scales are required");
+  int64_t dims[8], other[8], count = 0, a_count = 0;
+  size_t rank = 0, other_rank = 0;
+  if ((status = shape_of(api, values[0], TYPE_FLOAT, dims, &rank, &a_count))) return status;
+  if (rank < 1 || dims[rank - 1] != k) return failure(api, "MatMul4Bits: A's last dimension is not K");
+  if ((status = shape_of(api, values[1], TYPE_UINT8, other, &other_rank, &count))) return status;
+  if (count != n * blocks * 16) return failure(api, "MatMul4Bits: B does not hold N x K / 32 blocks");
+  if ((status = shape_of(api, values[2], TYPE_FLOAT16, other, &other_rank, &count))) return status;
+  if (count != n * 2 * blocks) return failure(api, "MatMul4Bits: the scales and minimums are not N x 2 x K / 32");
+  const int64_t m = a_count / k;
+  dims[rank - 1] = n;
+  void *output = NULL, *data[3] = {NULL, NULL, NULL}, *y = NULL;
+  if ((status = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, get_output_t)(context, 0, dims, rank, &output))) return status;
+  for (int i = 0; i < 3; i++)
+    if ((status = CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(values[i], &data[i]))) return status;
+  if ((status = CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(output, &y))) return status;
+  if (m == 0) return NULL;
+  /* Tasks of whole columns, each reading at least TASK_BYTES of weights (a long run the prefetchers follow;
+   * a small matrix's tasks cost more to hand out than to compute), at most MAX_TASKS a row group. */
+  int64_t tasks = n * blocks * 20 / TASK_BYTES;
+  tasks = tasks < 1 ? 1 : tasks > MAX_TASKS ? MAX_TASKS : tasks;
+  const int64_t columns = ((n + tasks - 1) / tasks + 3) / 4 * 4;
+  Work work = {data[0], data[1], data[2], y, NULL, m, k, n, columns, (n + columns - 1) / columns, 0};
+  parallel_for_t parallel = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, parallel_for_t);
+#if FAST
+  if (m >= MANY_ROWS) {
+    work.columns_per_task = ((n + 31) / 32 + 15) / 16 * 16; /* about 32 tasks, whole tiles of 16 columns */
+    status = parallel(context, many_rows_task, (size_t)((n + work.columns_per_task - 1) / work.columns_per_task), 0, &work);
+    if (!status && work.failed) status = CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
+    return status;
+  }
+#endif
+  const size_t bytes = row_bytes(k);
+  if ((size_t)m > SIZE_MAX / bytes) return failure(api, "MatMul4Bits: too many rows");
+  work.rows = aligned_alloc(64, bytes * (size_t)m);
+  if (!work.rows) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
+  if (m == 1) {
+    prepare_task(&work, 0);
+  } else {
+    status = parallel(context, prepare_task, (size_t)m, 0, &work);
+  }
+  if (!status) status = parallel(context, product_task, (size_t)(((m + 3) / 4) * work.tasks_per_rows), 0, &work);
+  free(work.rows);
+  return status;
+}
+
+typedef Status (*attribute_t)(const void *, const char *, int64_t *);
+typedef void (*release_status_t)(void *);
+
+static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, void **kernel) {
+  (void)op;
+  int64_t k = 0, n = 0, block = BLOCK;
+  Status status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "K", &k);
+  if (!status) status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "N", &n);
+  if (status) return status;
+  status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "block_size", &block);
+  if (status) { /* absent: blocks of 32 */
+    CALL(api, RELEASE_STATUS, release_status_t)(status);
+    block = BLOCK;
+  }
+  if (block != BLOCK || k <= 0 || n <= 0 || k % BLOCK || k > (INT64_C(1) << 32) || n > (INT64_C(1) << 32))
+    return failure(api, "MatMul4Bits: K and N must be positive, K a multiple of 32, in blocks of 32");
+  Kernel *self = malloc(sizeof(Kernel));
+  if (!self) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
+  self->api = api;
+  self->k = k;
+  self->n = n;
+  *kernel = self;
+  return NULL;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMul4Bits"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 1 ? TYPE_UINT8 : i == 2 ? TYPE_FLOAT16 : TYPE_FLOAT;
+}
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 5; }
+static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static int input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i >= 3 ? OPTIONAL : REQUIRED; }
+static int output_kind(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return REQUIRED; }
+static int memory_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
+static int zero(const OrtCustomOp *op) { (void)op; return 0; }
+static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
+static int end_version(const OrtCustomOp *op) { (void)op; return INT_MAX; }
+
+static const OrtCustomOp MATMUL_4BITS = {
+    OP_VERSION, NULL, op_name, op_provider, input_type, input_count, output_type, output_count, NULL,
+    destroy_kernel, input_kind, output_kind, memory_type, zero, zero, zero, zero, create_kernel, compute,
+    NULL, start_version, end_version, {NULL, NULL, NULL, NULL},
+};
+
+/* Whether this build has the fast path (AVX-512 VNNI): Quiver chooses the op only where it has. */
+int quiver_fast(void) { return FAST; }
+
+typedef Status (*create_domain_t)(const char *, void **);
+typedef Status (*domain_add_t)(void *, const OrtCustomOp *);
+typedef Status (*add_domain_t)(void *, void *);
+
+/* ORT's entry point for a custom-op library (SessionOptions.register_custom_ops_library, or called with
+ * the C library's own OrtApiBase). A domain of its own for each session options: ORT's Python API may
+ * release the domains of the options it drops, so one is never handed out twice (each is ~100 bytes,
+ * kept for the process, as sessions keep pointing at it). */
+Status RegisterCustomOps(void *options, const OrtApiBase *base) {
+  Api api = base->GetApi(OP_VERSION);
+  if (!api) return NULL; /* an ORT older than 1.17: nothing registered, its session fails on the op */
+  void *domain = NULL;
+  Status status = CALL(api, CREATE_CUSTOM_OP_DOMAIN, create_domain_t)("ai.quiver", &domain);
+  if (!status) status = CALL(api, CUSTOM_OP_DOMAIN_ADD, domain_add_t)(domain, &MATMUL_4BITS);
+  if (!status) status = CALL(api, ADD_CUSTOM_OP_DOMAIN, add_domain_t)(options, domain);
+  if (status && domain) {
+    typedef void (*release_domain_t)(void *);
+    CALL(api, RELEASE_CUSTOM_OP_DOMAIN, release_domain_t)(domain);
+  }
+  return status;
+}
