@@ -33,6 +33,7 @@ from quiver.t2t.quantizers import (
     TABLE,
     _with_block_minimums,
     block_minimums,
+    carried_head,
     head_bits,
     hqq_minimums,
     parse_override,
@@ -540,3 +541,13 @@ def test_a_quantized_export_has_an_8_bit_token_table_close_to_float_and_no_float
     assert int(np.argmax(logits)) == int(np.argmax(want))
     table_bytes = weights["model.embed_tokens.weight"].nbytes
     assert small.ctx_bins[0].stat().st_size < plain.ctx_bins[0].stat().st_size - table_bytes / 2  # a quarter
+
+
+def test_beside_a_gguf_files_carried_blocks_only_the_head_takes_an_override() -> None:
+    assert carried_head() == SHORTLIST and carried_head(tied=False) is None
+    assert carried_head((parse_override("lm_head.weight=float"),)) is None
+    assert carried_head((parse_override("lm_head.weight=8"),)) == 8
+    with pytest.raises(QuantizationError, match="keep their own bits: only lm_head.weight"):
+        carried_head((parse_override("model.layers.*=8"),))
+    with pytest.raises(QuantizationError, match="is for `rtn` and `rtn-asym` exports"):
+        carried_head((parse_override("lm_head.weight=table"),))

@@ -64,8 +64,9 @@ def t2t() -> None:
               help="Bits for the weights whose names match (fnmatch; in order, the last match wins), e.g. "
                    "'lm_head.weight=4' or 'model.layers.0.*=8'; 'lm_head.weight=shortlist': 4-bit, its best 32 "
                    "logits from the table's rows; 'lm_head.weight=table': a tied head's 4-bit blocks are the "
-                   "token table too. [default: a tied LM head a table with rtn and rtn-asym at 4 bits, else a "
-                   "shortlist; an untied one 8-bit, float with rtn-min and hqq]")  # fmt: skip
+                   "token table too; beside a GGUF file's carried blocks, lm_head.weight alone. [default: a tied "
+                   "LM head a table with rtn and rtn-asym at 4 bits, else a shortlist (a GGUF file's carried "
+                   "blocks too); an untied one 8-bit, float with rtn-min, hqq and carried blocks]")  # fmt: skip
 @click.option("--report", is_flag=True,
               help="With --weight-bitwidth: what quantizing cost, against a float export made aside: greedy "
                    "agreement per prompt, perplexity on a text, sizes.")  # fmt: skip
@@ -129,7 +130,7 @@ def t2t_export(
         if adapters:
             raise click.BadParameter("give --lora or --lora-config, not both")
         _, adapters, use_cases = read_adapters_and_use_cases(lora_config)
-    if overrides and not weight_bitwidth:
+    if overrides and not weight_bitwidth and model_dir.suffix.lower() != ".gguf":
         raise click.BadParameter("--override sets bits of quantized weights: give --weight-bitwidth too")
     reporting = bool(report or report_prompts or report_text)
     if reporting and not weight_bitwidth:

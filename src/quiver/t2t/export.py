@@ -45,11 +45,13 @@ from quiver.t2t.quantizers import (
     ACCURACY_LEVELS,
     CALIBRATED,
     DEFAULT_QUANTIZER,
+    HEAD_WEIGHT,
     MINIMUM_FORM,
     SHORTLIST,
     TABLE_BITS,
     Override,
     calibration_moments,
+    carried_head,
     head_bits,
     joined_blocks,
     quantize_weights,
@@ -244,11 +246,16 @@ def export(
     # the LM head its own MatMul where it is quantized; a float head multiplies by the tied embedding itself
     tied = config.tie_embeddings
     head = head_bits(options.quantizer, options.overrides, tied, options.weight_bits) if options.weight_bits else None
-    # a shortlist head rescores with float rows: a tied head's embedding, an untied one's kept copy
-    rows = f"{config.embedding}.weight" if tied else HEAD_ROWS if head == SHORTLIST else None
     # a GGUF file's 4-bit blocks run as they are (unless asked to quantize again), fused where every part is
     carried = isinstance(weights, GgufModel) and options.weight_bits is None and options.gguf_blocks == "carry"
     blocks, joinable = _carried_blocks(weights, config) if isinstance(weights, GgufModel) and carried else ({}, {})
+    if blocks:  # its tied head a shortlist (the file's own rows give the best tokens' logits), unless told
+        head = carried_head(options.overrides, tied)
+    elif options.overrides and not options.weight_bits:
+        raise QuantizationError("--override sets bits of quantized weights: give --weight-bitwidth too (a GGUF "
+                                f"file's carried blocks take {HEAD_WEIGHT}=... alone)")  # fmt: skip
+    # a shortlist head rescores with float rows: a tied head's embedding, an untied one's kept copy
+    rows = f"{config.embedding}.weight" if tied else HEAD_ROWS if head == SHORTLIST else None
     fused = {
         key: joinable.get(key, not carried) and not adapted & set(parts)
         for key, parts in (("fuse_qkv", ("q_proj", "k_proj", "v_proj")), ("fuse_gate_up", ("gate_proj", "up_proj")))
@@ -290,6 +297,17 @@ def export(
         on_step(f"carrying {len(blocks)} 4-bit tensors of the GGUF file as they are")
         model, batched = (with_given_blocks(m, 32, blocks, deferred) for m in (model, batched))
         decode = with_given_blocks(decode, 32, blocks, deferred, exact_rows=True)
+        if head is not None:  # the head alone (every other weight carried, or float as the file has it) and
+            # the token table in 8-bit blocks (a file's Q8_0 table comes back as it is)
+            def only_head(m: onnx.ModelProto, exact_rows: bool = False) -> onnx.ModelProto:
+                others = {n.input[1] for n in m.graph.node if n.op_type == "MatMul" and n.name != LM_HEAD_NODE}
+                return quantize_weights(
+                    m, bits=4, block_size=32, exclude=others | set(updateable), head=LM_HEAD_NODE, quantizer="rtn-min",
+                    overrides=((HEAD_WEIGHT, head),), head_rows=rows, deferred=deferred, table_bits=TABLE_BITS,
+                    exact_rows=exact_rows,
+                )  # fmt: skip
+
+            model, batched, decode = only_head(model), only_head(batched), only_head(decode, exact_rows=True)
     if options.weight_bits is not None:
         moments = None
         solved: dict[str, BlockWeights] = {}  # GPTQ's blocks, found for the prefill graph, reused by the batched one

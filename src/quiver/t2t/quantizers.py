@@ -128,6 +128,21 @@ def head_bits(quantizer: str, overrides: Sequence[Override] = (), tied: bool = F
     return _overridden(HEAD_WEIGHT, default, overrides)
 
 
+def carried_head(overrides: Sequence[Override] = (), tied: bool = True) -> Width:
+    """The LM head's width beside a GGUF file's carried blocks: a tied head a shortlist (its 4-bit ranking
+    from the file's token table, the best tokens' logits from the table's own rows: the file's values),
+    an untied one float; `lm_head.weight` overrides alone (the carried blocks have their bits)."""
+    stray = [pattern for pattern, _ in overrides if pattern != HEAD_WEIGHT]
+    if stray:
+        raise QuantizationError(f"a GGUF file's carried blocks keep their own bits: only {HEAD_WEIGHT}=... applies "
+                                f"(not {stray[0]}); give --weight-bitwidth to quantize again")  # fmt: skip
+    width = _overridden(HEAD_WEIGHT, SHORTLIST if tied else None, overrides)
+    if width == TABLE:
+        raise QuantizationError(f"{HEAD_WEIGHT}={TABLE} is for `rtn` and `rtn-asym` exports; beside a GGUF file's "
+                                f"carried blocks give {HEAD_WEIGHT}={SHORTLIST}, 4, 8 or float")  # fmt: skip
+    return width
+
+
 def quantize_weights(
     model: onnx.ModelProto,
     bits: int,
