@@ -6,8 +6,8 @@ onnxruntime-genai's int4, side by side.
 
 Engines in fresh processes, alternated round by round (benchmarks/t2t.py's worker: prompts of 128 and 512
 tokens, 128 new tokens, greedy, 2 intra-op threads on every side): the carried blocks as exported
-(a prompt on float activations, decode steps on int8 activations with their remainder as a second row:
-the file's values), Quiver's default int4 (`rtn`, symmetric blocks, from
+(a prompt on float activations, decode steps on Quiver's own 4-bit kernel, `ai.quiver::MatMul4Bits`: the
+file's values; its tied head a shortlist), Quiver's default int4 (`rtn`, symmetric blocks, from
 the float folder) and genai's int4; context sizes; 128-token greedy agreement with transformers on the
 dequantized model.
 """

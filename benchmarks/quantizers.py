@@ -5,8 +5,8 @@ onnxruntime-genai's int4 export of the same weights.
 
 Per quantizer of `quiver t2t export --weight-bitwidth 4 --quantizer NAME` (blocks of 32; the tied LM head
 a shortlist: 4-bit ranking, its best 32 logits from the float rows), at the backend's accuracy level (4,
-int8 activations; rtn-min's and hqq's blocks set float activations for a prompt and feed a decode step's
-activations with their remainder), gptq and gptq-asym calibrated on tests/data/calibration_prompts.txt,
+int8 activations; rtn-min's and hqq's blocks set float activations for a prompt and run a decode step on
+Quiver's own 4-bit kernel), gptq and gptq-asym calibrated on tests/data/calibration_prompts.txt,
 and rtn with a plain 4-bit LM head
 (`--override lm_head.weight=4`: genai's int4 layout): greedy agreement with transformers' fp32 continuation (leading
 identical tokens of 128, per prompt of the corpus, and their mean), the context's size, and prefill /

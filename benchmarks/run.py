@@ -397,7 +397,7 @@ def main() -> None:
             report["t2t"] = measure_t2t(folder, corpus, rounds=15)
         if "gguf" in sections:
             print("a GGUF file's blocks ...", file=sys.stderr)
-            report["gguf"] = measure_gguf(folder, _corpus("llms"), _corpus("families"))
+            report["gguf"] = measure_gguf(folder, _corpus("llms"), _corpus("families"), rounds=args.rounds)
         if "families" in sections:
             corpus = _corpus("families")
             quiver_cache = Path.home() / ".cache" / "quiver"
