@@ -189,3 +189,41 @@ def test_a_failed_build_is_a_reason_and_leaves_nothing_behind(monkeypatch: pytes
     monkeypatch.setenv("QUIVER_NATIVE", str(tmp_path / "native"))
     assert built_library() == f"its build failed ({compiler}: cc: error: out of luck)"
     assert not list((tmp_path / "native").rglob("*.so"))
+
+
+def test_a_build_folder_others_may_write_is_not_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("QUIVER_NATIVE", str(shared))
+    assert "is not this user's alone" in str(built_library())
+    shared.chmod(0o700)
+    assert isinstance(built_library(), Path) and (shared.stat().st_mode & 0o777) == 0o700
+
+
+_BUILD_FAMILY = """
+import sys, quiver
+from quiver.testing.family import SMALL, make_family
+context = quiver.Context.create("cpu")
+for name, model in make_family(SMALL, count=2, tuned_layers=1, seed=7).items():
+    context.add_graph(name, model)
+sys.stdout.buffer.write(context.get_binary())
+"""
+
+
+def test_a_context_built_after_the_kernel_ran_is_the_same_file() -> None:
+    """ORT writes every custom-op domain its process has met into the optimized graphs it saves (a context's
+    prepared forms): Quiver leaves `ai.quiver` out of those that do not use it."""
+    import subprocess
+    import sys
+
+    import quiver
+    from quiver.testing.family import SMALL, make_family
+
+    tensors, _ = _blocks(np.random.default_rng(7), 64, 8)
+    _run(_model(64, 8, tensors, 2), np.ones((1, 64), np.float32), _library())  # the domain met in this process
+    context = quiver.Context.create("cpu")
+    for name, model in make_family(SMALL, count=2, tuned_layers=1, seed=7).items():
+        context.add_graph(name, model)
+    fresh = subprocess.run([sys.executable, "-c", _BUILD_FAMILY], capture_output=True, check=True).stdout
+    assert context.get_binary() == fresh

@@ -128,6 +128,13 @@ def built_library() -> Path | str:
         return f"the C compiler {compiler} does not run: {exc}"
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), compiler.encode(), version, _processor().encode()]))
     target = folder / key.hexdigest()[:20] / _LIBRARY
+    for place in (folder, target.parent):  # code this process loads: only its user may have written it
+        try:
+            status = place.stat()
+        except OSError:
+            continue  # made below, owner-only
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            return f"{place} is not this user's alone (chmod go-w, or set {SETTING} to a folder of your own)"
     if not target.is_file():
         failed = _compile(compiler, target)
         if failed:
@@ -142,7 +149,9 @@ def _compile(compiler: str, target: Path) -> str:
     import tempfile
 
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        # owner-only, as code this process will load: another user writing there would run as this one
+        target.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o700, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
             made = Path(scratch) / _LIBRARY
             command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(made), str(_SOURCE)]

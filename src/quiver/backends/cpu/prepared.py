@@ -26,6 +26,7 @@ from quiver.backends.cpu.native_ops import register_python
 from quiver.formats.layout import INLINE_LIMIT, WEIGHT_LOCATION
 from quiver.ir import dtypes, proto
 from quiver.ir.edit import iter_nodes
+from quiver.ir.quiver_ops import QUIVER_DOMAIN
 from quiver.ort_package import onnxruntime as ort
 
 RUNTIME = f"onnxruntime {ort.__version__}"
@@ -113,7 +114,7 @@ def prepare(
         try:
             with fork_waits():  # a server may build contexts on a thread while another forks
                 ort.InferenceSession(skeleton, options, providers=["CPUExecutionProvider"])
-            prepared = proto.ModelProto.FromString(target.read_bytes())
+            prepared = _without_unused_quiver_opset(proto.ModelProto.FromString(target.read_bytes()))
         except Exception:  # noqa: BLE001 - what ORT cannot prepare now it prepares at open, as before
             return None
         data_path = Path(folder) / "prepared.data"  # absent when no initializer is large enough to go there
@@ -126,6 +127,18 @@ def prepare(
         return None
     reused, added = mapped
     return AheadOfTimeForm(RUNTIME, source, prepared, reused, added)
+
+
+def _without_unused_quiver_opset(model: proto.ModelProto) -> proto.ModelProto:
+    """ORT writes the opset of every custom-op domain its process has met into an optimized model: a graph
+    without Quiver's own operators keeps no `ai.quiver` import (its form is the same whatever ran before)."""
+    if any(o.domain == QUIVER_DOMAIN for o in model.opset_import) and not any(
+        node.domain == QUIVER_DOMAIN for node in iter_nodes(model.graph)
+    ):
+        kept = [o for o in model.opset_import if o.domain != QUIVER_DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
+    return model
 
 
 class _Originals:
