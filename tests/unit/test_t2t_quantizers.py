@@ -4,6 +4,7 @@ level the config asks for, and the report of what quantizing cost, on the tiny m
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,13 @@ def test_the_cli_exports_with_a_named_quantizer(gridded: tuple[Path, dict], tmp_
                "--quantizer", "rtn-min"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+    assert "4-bit kernel is not used" not in result.stderr  # built on this machine
+    without = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ,
+                             "QUIVER_NATIVE": "off"})  # fmt: skip
+    assert without.returncode == 0 and without.stderr.strip().splitlines()[-1] == (
+        "quiver: note: Quiver's 4-bit kernel is not used here (turned off (QUIVER_NATIVE=off)): decode steps run "
+        "on ONNX Runtime's operators instead, the same tokens, slower"
+    )
     # rtn-min's blocks hold the grid: the float weights' logits (rtn's would be off by > 2e-3)
     np.testing.assert_allclose(_logits(tmp_path / "genie_config.json"), forward(gridded[1], IDS), rtol=0, atol=2e-4)
     refused = subprocess.run([*command[:-1], "awq"], capture_output=True, text=True, timeout=300)

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.table import Table
 
-from quiver.cli.common import as_mb, cli, console, emit_json, named_path, status_line
+from quiver.cli.common import as_mb, cli, console, emit_json, err_console, named_path, status_line
 from quiver.cli.tune import print_tuning, run_tuning, tuning_options
 from quiver.formats.files import read_text
-from quiver.t2t.quantizers import DEFAULT_QUANTIZER, QUANTIZERS, parse_override
+from quiver.t2t.quantizers import DEFAULT_QUANTIZER, MINIMUM_FORM, QUANTIZERS, parse_override
 
 if TYPE_CHECKING:
     from quiver.t2t.config import DialogConfig
@@ -165,6 +165,21 @@ def t2t_export(
         else None
     )
     _print_files(dialog, files, as_json, quality)
+    carried = model_dir.suffix.lower() == ".gguf" and gguf_blocks == "carry" and not weight_bitwidth
+    if carried or (weight_bitwidth == "4" and quantizer in MINIMUM_FORM):
+        _say_if_the_kernel_is_missing()
+
+
+def _say_if_the_kernel_is_missing() -> None:
+    """A float-minimum export decodes on Quiver's own 4-bit kernel where it is built: say so where it is not
+    (built now if need be, as the first run would)."""
+    from quiver.backends.cpu.native_ops import native_ops
+
+    missing = native_ops().reason
+    if missing:
+        err_console.print(f"quiver: note: Quiver's 4-bit kernel is not used here ({missing}): decode steps run on "
+                          "ONNX Runtime's operators instead, the same tokens, slower", markup=False,
+                          highlight=False, soft_wrap=True)  # fmt: skip
 
 
 def _print_files(dialog: DialogConfig, files: list[Path], as_json: bool, quality: QualityReport | None) -> None:
