@@ -10,7 +10,8 @@ few rows (exact to ~2e-5 of the float product), float for many, the weights read
 
 It is compiled with the machine's C compiler at first use (`$CC`, else `cc`, `gcc` or `clang`; `-O3
 -march=native`) into the user's cache (`$QUIVER_NATIVE`, else ~/.cache/quiver/native), keyed by the
-source, the compiler and the processor, and used where it has its fast path (x86-64 with AVX-512 VNNI).
+source, the compiler and the processor, and used where it has a fast path (x86-64 with AVX-512 VNNI, or
+AVX2 with FMA and F16C).
 Elsewhere — no compiler, another processor, `QUIVER_NATIVE=off`, a build that failed — each node is
 lowered to ORT's own operators on `scales` and `offsets`, the same numbers within the rounding:
 MatMulNBits at float activations plus the minimums' product, or, for a node marked `few_rows` (a decode
@@ -104,7 +105,7 @@ def _build() -> NativeOps:
     except (OSError, AttributeError) as exc:
         return NativeOps(None, f"its build {built} does not load: {exc}; delete that folder to build it again")
     if not fast:
-        return NativeOps(None, "this processor has no AVX-512 VNNI, which its fast path needs")
+        return NativeOps(None, "this processor has neither AVX-512 VNNI nor AVX2 with FMA and F16C (its fast paths)")
     return NativeOps(built)
 
 

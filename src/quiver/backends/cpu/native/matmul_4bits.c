@@ -20,7 +20,10 @@
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
-#define FAST 1
+#define FAST 1 /* AVX-512: 32 blocks' 16-bit products a VNNI instruction */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FAST 2 /* AVX2: one block's a pair of vpmaddwd */
 #else
 #define FAST 0
 #endif
@@ -135,7 +138,7 @@ static void prepare_row(const float *x, int64_t k, Row r) {
 
 /* ---- the products --------------------------------------------------------------------------------- */
 
-#if FAST
+#if FAST == 1
 /* One pair of blocks of one column into a float accumulator: the 32 bytes widened to 16 bits, low
  * nibbles against the even elements and high against the odd (VNNI's 16-bit dot product), each block's
  * integer sum, over its 8 lanes, scaled by the column's and the row's scales for it. */
@@ -297,6 +300,57 @@ static void many_rows(const float *a, int64_t m, const uint8_t *B, const uint16_
     }
   }
 }
+#elif FAST == 2
+/* The column's minimums times the row's block sums, added to f: eight blocks at a time. */
+static inline __m256 with_minimums8(__m256 f, const uint16_t *minimums, const float *sums, int64_t blocks) {
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8)
+    f = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + b))), _mm256_load_ps(sums + b), f);
+  if (b < blocks) { /* the last few: the sums are zeros past the last block */
+    uint16_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    memcpy(tail, minimums + b, (size_t)(blocks - b) * sizeof(uint16_t));
+    f = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tail)), _mm256_load_ps(sums + b), f);
+  }
+  return f;
+}
+
+static inline float sum8(__m256 f) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+/* Columns [n0, n1) of one row, up to four at a time: each block's 16 bytes widened to 16 bits, low nibbles
+ * against the even elements and high against the odd (vpmaddwd), scaled by the column's and row's scales. */
+static void one_row(Row r, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0, int64_t n1, float *y) {
+  const int64_t blocks = k / BLOCK, column = blocks * 16, planes = 2 * blocks;
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int width = n1 - n < 4 ? (int)(n1 - n) : 4;
+    __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const uint8_t *b = B + n * column;
+    const uint16_t *s = halves16 + n * planes;
+    for (int64_t q = 0; q < blocks; q++) {
+      const int64_t at = (q / 2) * 32 + (q % 2) * 16;
+      const __m256i even = _mm256_load_si256((const __m256i *)(r.even + at));
+      const __m256i odd = _mm256_load_si256((const __m256i *)(r.odd + at));
+      const float row_scale = r.scale[(q / 2) * 16 + (q % 2) * 8];
+      for (int c = 0; c < width; c++) {
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + c * column + q * 16)));
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(w, low), even),
+                                             _mm256_madd_epi16(_mm256_srli_epi16(w, 4), odd));
+        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(s[c * planes + q]) * row_scale);
+        f[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, f[c]);
+      }
+    }
+    for (int c = 0; c < width; c++) y[n + c] = sum8(with_minimums8(f[c], s + c * planes + blocks, r.sum, blocks));
+  }
+}
+
+static void four_rows(const Row *r, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0, int64_t n1,
+                      float *y, int64_t ldy) {
+  for (int i = 0; i < 4; i++) one_row(r[i], B, halves16, k, n0, n1, y + i * ldy);
+}
 #else
 /* float16 bits to float (a machine without F16C: Quiver does not choose this op there, see quiver_fast) */
 static float half_float(uint16_t h) {
@@ -381,7 +435,7 @@ static void product_task(void *data, size_t i) {
   }
 }
 
-#if FAST
+#if FAST == 1
 /* Task i of a prompt's many rows: one range of columns, every row, A in float. */
 static void many_rows_task(void *data, size_t i) {
   Work *w = data;
@@ -465,7 +519,7 @@ static Status compute(void *kernel, void *context) {
   const int64_t columns = ((n + tasks - 1) / tasks + 3) / 4 * 4;
   Work work = {data[0], data[1], data[2], y, NULL, m, k, n, columns, (n + columns - 1) / columns, 0};
   parallel_for_t parallel = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, parallel_for_t);
-#if FAST
+#if FAST == 1
   if (m >= MANY_ROWS) {
     work.columns_per_task = ((n + 31) / 32 + 15) / 16 * 16; /* about 32 tasks, whole tiles of 16 columns */
     status = parallel(context, many_rows_task, (size_t)((n + work.columns_per_task - 1) / work.columns_per_task), 0, &work);
@@ -535,7 +589,7 @@ static const OrtCustomOp MATMUL_4BITS = {
     NULL, start_version, end_version, {NULL, NULL, NULL, NULL},
 };
 
-/* Whether this build has the fast path (AVX-512 VNNI): Quiver chooses the op only where it has. */
+/* Which fast path this build has (1: AVX-512 VNNI, 2: AVX2; 0: none): Quiver uses the op only where it has one. */
 int quiver_fast(void) { return FAST; }
 
 typedef Status (*create_domain_t)(const char *, void **);
