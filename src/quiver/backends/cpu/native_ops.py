@@ -22,6 +22,7 @@ rows: the remainder's rounding is 255 times finer).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import threading
@@ -170,9 +171,22 @@ def uses_native_ops(model: proto.ModelProto) -> bool:
     return any(node.domain == DOMAIN for node in model.graph.node)
 
 
+def _library_for(model: bytes) -> Path | None:
+    """The built library, for a model that names Quiver's domain (built on first need); else None."""
+    return native_ops().path if DOMAIN.encode() in model else None
+
+
+@functools.cache
+def _entry(library: Path) -> Any:
+    """The library's RegisterCustomOps, loaded once per process (not at every session)."""
+    entry = ctypes.CDLL(str(library)).RegisterCustomOps
+    entry.restype, entry.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p]
+    return entry
+
+
 def register_python(options: object, model: bytes) -> None:
     """Registers the library with ORT Python-API session options, for a model that uses its ops."""
-    built = native_ops().path if DOMAIN.encode() in model else None
+    built = _library_for(model)
     if built is not None:
         options.register_custom_ops_library(str(built))  # type: ignore[attr-defined]
 
@@ -180,12 +194,8 @@ def register_python(options: object, model: bytes) -> None:
 def register_c(options: int, api_base: int, model: bytes) -> int:
     """Registers the library with C-API session options (`api_base`: that ORT's OrtApiBase); the
     OrtStatus* its entry point returns (0: done, or nothing to register)."""
-    built = native_ops().path if DOMAIN.encode() in model else None
-    if built is None:
-        return 0
-    entry = ctypes.CDLL(str(built)).RegisterCustomOps
-    entry.restype, entry.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p]
-    return int(entry(options, api_base) or 0)
+    built = _library_for(model)
+    return 0 if built is None else int(_entry(built)(options, api_base) or 0)
 
 
 def lowered(model: proto.ModelProto) -> proto.ModelProto:

@@ -555,7 +555,8 @@ static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, vo
     CALL(api, RELEASE_STATUS, release_status_t)(status);
     block = BLOCK;
   }
-  if (block != BLOCK || k <= 0 || n <= 0 || k % BLOCK || k > (INT64_C(1) << 31) || n > (INT64_C(1) << 31)) /* N x K / 32 x 20 fits in int64 */
+  /* at most 2^31 each: N x K / 32 x 20 (the task sizing) fits in int64 */
+  if (block != BLOCK || k <= 0 || n <= 0 || k % BLOCK || k > (INT64_C(1) << 31) || n > (INT64_C(1) << 31))
     return failure(api, "MatMul4Bits: K and N must be positive, K a multiple of 32, in blocks of 32");
   Kernel *self = malloc(sizeof(Kernel));
   if (!self) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
