@@ -139,13 +139,17 @@ def _bandwidth_use(folder: Path, model: Path, rounds: int) -> dict[str, Any]:
     }
 
 
-def _side_by_side(folder: Path, model: Path, venv_python: Path, rounds: int) -> dict[str, Any]:
+def _side_by_side(
+    folder: Path, model: Path, venv_python: Path, rounds: int, precisions: tuple[str, ...] = ("fp32", "int4")
+) -> dict[str, Any]:
     """Quiver's 1B exports (no adapter, as the peers') beside genai's and llama.cpp's of the same weights:
-    the exports, then opening and generating in alternating rounds."""
+    the exports, then opening and generating in alternating rounds; `precisions`: fp32, int4 or both."""
     engines: dict[str, Callable[[], dict[str, Any]]] = {}
     exports: dict[str, Any] = {}
     opens: dict[str, Callable[[], float]] = {}
     for label, bits in (("fp32", None), ("int4", 4)):
+        if label not in precisions:
+            continue
         print(f"  size: Quiver's {label} export of 1b, no adapter", file=sys.stderr)
         out = folder / f"quiver-1b-{label}"
         exports[f"quiver {label}"] = _export(model, None, out, bits, "--context-size", str(CONTEXT))
@@ -154,7 +158,7 @@ def _side_by_side(folder: Path, model: Path, venv_python: Path, rounds: int) -> 
         engines[f"quiver {label}"] = partial(_worker, "quiver", str(config), "both")
     unavailable: dict[str, str] = {}
     if venv_python.is_file():
-        for precision in ("fp32", "int4"):
+        for precision in precisions:
             print(f"  size: genai's {precision} export of 1b", file=sys.stderr)
             out = folder / f"genai-1b-{precision}"
             exports[f"genai {precision}"] = genai_export(model, out, precision, venv_python)
@@ -170,6 +174,8 @@ def _side_by_side(folder: Path, model: Path, venv_python: Path, rounds: int) -> 
         print("  size: llama.cpp's F32 conversion and Q4_0 quantization of 1b", file=sys.stderr)
         ggufs = gguf_exports(model, folder / "llama-1b-gguf", venv_python, build(), env)
         for kind, made in ggufs.items():
+            if {"f32": "fp32", "q4_0": "int4"}[kind] not in precisions:
+                continue
             label = f"llama.cpp {kind.upper()}"
             exports[label] = made
             llama = {"server": server, "model": Path(made["path"]), "env": env}

@@ -88,12 +88,21 @@ def _run(model: onnx.ModelProto, x: np.ndarray, library: Path | None, threads: i
     return np.asarray(session.run(None, {"x": x})[0])
 
 
+def _on_8_bits(x: np.ndarray) -> np.ndarray:
+    """x with each block of 32 rounded to 8 bits as ORT's int8 kernels and Quiver's (a prompt's) round it:
+    to the nearest of 255 steps of its largest magnitude / 127, in float32."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), 0).astype(np.float32)
+    return (np.rint(blocks * inverse) * (largest / np.float32(127))).reshape(x.shape)
+
+
 @pytest.mark.parametrize(
     ("k", "n", "shape", "tolerance"),
     [
         (576, 96, (1, 1), 1e-4),  # a decode step: one row, 16-bit activations
         (544, 41, (2, 3), 1e-4),  # an odd count of blocks, columns not a multiple of 4, rows in a group of 4 + 2
-        (96, 37, (1, 9), 1e-5),  # a prompt: float activations, a last tile of 5 columns
+        (96, 37, (1, 9), 1e-5),  # a prompt: activations on 8 bits, a last tile of 5 columns
         (1056, 24, (130,), 1e-5),  # 2-D A, many rows
         (64, 8, (0,), 0.0),  # no rows
     ],
@@ -102,15 +111,35 @@ def _run(model: onnx.ModelProto, x: np.ndarray, library: Path | None, threads: i
 def test_the_kernel_computes_the_float_product_of_its_blocks(
     k: int, n: int, shape: tuple[int, ...], tolerance: float, build: str, builds: dict[str, Path]
 ) -> None:
+    """Against the float64 product of its blocks; a prompt's rows (8 and more, AVX-512's path) after
+    rounding them to 8 bits a block, the minimums' term on their float sums."""
     rng = np.random.default_rng(k + n)
     tensors, w = _blocks(rng, k, n)
     x = (rng.standard_normal((*shape, k)) * np.where(rng.random(k) < 0.02, 30, 1)).astype(np.float32)
-    if build != "native" and int(np.prod(shape)) >= 8:
-        tolerance = 1e-4  # those paths take a prompt's rows on 16 bits too
     y = _run(_model(k, n, tensors, len(shape) + 1), x, builds[build])
     want = x.astype(np.float64) @ w
+    if int(np.prod(shape)) >= 8:
+        if build == "native":
+            minimums = np.repeat(tensors["halves"][:, 1].astype(np.float64), BLOCK, axis=1).T  # [K, N]
+            want = _on_8_bits(x).astype(np.float64) @ (w - minimums) + x.astype(np.float64) @ minimums
+        else:
+            tolerance = 1e-4  # those paths take a prompt's rows on 16 bits too
     assert y.shape == (*shape, n)
     assert np.abs(y - want).max(initial=0) <= tolerance * np.abs(want).max(initial=1)
+
+
+def test_below_accuracy_level_4_a_prompt_keeps_about_16_bits() -> None:
+    """A node at accuracy level 0 (a float activations' request) takes a prompt's rows on 8 bits twice (x,
+    then what that loses): within the 16-bit paths' error of the float product, far below 8 bits'."""
+    rng = np.random.default_rng(8)
+    tensors, w = _blocks(rng, 256, 48)
+    x = (rng.standard_normal((12, 256)) * np.where(rng.random(256) < 0.02, 30, 1)).astype(np.float32)
+    want = x.astype(np.float64) @ w
+    model = _model(256, 48, tensors, 2)
+    eight = np.abs(_run(model, x, _library()) - want).max()
+    model.graph.node[0].attribute.append(helper.make_attribute("accuracy_level", 0))
+    sixteen = np.abs(_run(model, x, _library()) - want).max()
+    assert sixteen <= 1e-4 * np.abs(want).max() and sixteen < eight / 20, (sixteen, eight)
 
 
 def test_the_kernel_reads_only_the_blocks_and_its_threads_agree() -> None:
@@ -184,6 +213,40 @@ def test_ort_operators_in_its_place_compute_the_same_product() -> None:
               if a.name == "accuracy_level"]  # fmt: skip
     assert levels == [0]
     assert np.abs(_product(prompt, x, 4) - want).max() < 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("few_rows", [0, 1])
+def test_ort_operators_in_its_place_make_their_tensors_of_the_halves(few_rows: int) -> None:
+    """A node naming only the blocks and their halves (as exports write it): ORT's scales and offsets are
+    made of the halves in the graph, the same product."""
+    rng = np.random.default_rng(9)
+    k, n = 160, 40
+    tensors, w = _blocks(rng, k, n)
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
+    model = lowered(_model(k, n, {"B": tensors["B"], "halves": tensors["halves"]}, 3, few_rows=few_rows))
+    assert {node.domain for node in model.graph.node} <= {"", "com.microsoft"}
+    want = x.astype(np.float64) @ w
+    assert np.abs(_product(model, x, 4) - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_symmetric_blocks_are_one_matmulnbits_without_the_kernel() -> None:
+    """`symmetric` (m = -8 s, `rtn`'s blocks): ORT's MatMulNBits alone at the session's accuracy level, as
+    ORT's own quantizer writes it; the kernel gives the same product."""
+    rng = np.random.default_rng(10)
+    k, n = 128, 24
+    tensors, _ = _blocks(rng, k, n)
+    halves = tensors["halves"].copy()
+    halves[:, 1] = -8 * halves[:, 0].astype(np.float32)
+    q = np.stack([tensors["B"] & 15, tensors["B"] >> 4], -1).reshape(n, k // BLOCK, BLOCK)  # low nibble first
+    w = ((q.astype(np.float64) - 8) * halves[:, 0, :, None].astype(np.float64)).reshape(n, k).T
+    node = _model(k, n, {"B": tensors["B"], "halves": halves}, 2, few_rows=0)
+    node.graph.node[0].attribute.append(helper.make_attribute("symmetric", 1))
+    model = lowered(node)
+    assert [n.op_type for n in model.graph.node if n.op_type.startswith("MatMul")] == ["MatMulNBits"]
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    want = x.astype(np.float64) @ w
+    for y in (_product(model, x, 0), _run(node, x, _library())):
+        assert np.abs(y - want).max() < 1e-4 * np.abs(want).max()
 
 
 def test_without_the_kernel_a_session_model_has_ort_operators(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from quiver.ir import dtypes
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.nibbles import unpack_bits
 from quiver.ir.ops import MS_DOMAIN
+from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
 
 
 def _ms_gelu(self: OpRun, x: np.ndarray, approximate: str | None = None) -> tuple[np.ndarray]:
@@ -40,6 +41,18 @@ def _ms_matmul_nbits(
     if rest and rest[0] is not None and rest[0].size:
         zero = unpack_bits(rest[0].reshape(n, -1), bits).reshape(n, -1)[:, :blocks, None].astype(np.float32)
     weight = ((q - zero) * scales.reshape(n, blocks, 1).astype(np.float32)).reshape(n, -1)[:, :k]
+    return ((a.astype(np.float32) @ weight.T).astype(a.dtype),)
+
+
+def _quiver_matmul_4bits(
+    self: OpRun, a: np.ndarray, b: np.ndarray, halves: np.ndarray, *rest: Any, **attributes: Any
+) -> tuple[np.ndarray]:
+    """Quiver's MatMul4Bits (`quiver.backends.cpu.native_ops`), exactly: B [N, K/32, 16] as MatMulNBits'
+    4 bits, w = s q + m with each block's float16 scale and minimum ([N, 2, K/32]); float activations."""
+    k, n = int(attributes["K"]), int(attributes["N"])
+    q = unpack_bits(b, 4).reshape(n, k // 32, 32).astype(np.float32)
+    scales, minimums = (halves[:, i, :, None].astype(np.float32) for i in (0, 1))
+    weight = (q * scales + minimums).reshape(n, k)
     return ((a.astype(np.float32) @ weight.T).astype(a.dtype),)
 
 
@@ -183,6 +196,7 @@ _MS_OPS: list[Any] = [
     QuantizeLinear,
     DequantizeLinear,
     type("MatMulNBits", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_matmul_nbits}),
+    type(MATMUL_4BITS, (OpRun,), {"op_domain": QUIVER_DOMAIN, "_run": _quiver_matmul_4bits}),
     type("GatherBlockQuantized", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gather_block_quantized}),
     type("FusedMatMul", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_fused_matmul}),
     type("GroupQueryAttention", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_group_query_attention}),

@@ -171,13 +171,13 @@ def t2t_export(
 
 
 def _say_if_the_kernel_is_missing() -> None:
-    """A float-minimum export decodes on Quiver's own 4-bit kernel where it is built: say so where it is not
+    """A float-minimum export runs on Quiver's own 4-bit kernel where it is built: say so where it is not
     (built now if need be, as the first run would)."""
     from quiver.backends.cpu.native_ops import native_ops
 
     missing = native_ops().reason
     if missing:
-        err_console.print(f"quiver: note: Quiver's 4-bit kernel is not used here ({missing}): decode steps run on "
+        err_console.print(f"quiver: note: Quiver's 4-bit kernel is not used here ({missing}): these blocks run on "
                           "ONNX Runtime's operators instead, the same tokens, slower", markup=False,
                           highlight=False, soft_wrap=True)  # fmt: skip
 

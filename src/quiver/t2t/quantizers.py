@@ -2,20 +2,25 @@
 
 Quantizers, by name:
 
-* `rtn`: round to nearest, symmetric blocks (ONNX Runtime's `MatMulNBitsQuantizer`): w = s (q - 8).
+* `rtn`: round to nearest, symmetric blocks (ONNX Runtime's `MatMulNBitsQuantizer`): w = s (q - 8). In
+  blocks of 32 (the default) each weight is one node of Quiver's own operator, `ai.quiver::MatMul4Bits`
+  (the cpu backend's kernel: `quiver.backends.cpu.native_ops`), ORT's blocks with their scales in
+  float16 (the minimum -8 s): read where they lie, where ORT's MatMulNBits packs its own copy at each
+  session (the open's time and memory at 1B); a prompt's activations on 8 bits as ORT's, a decode step's
+  on 16. Where the kernel is not built the node is ORT's MatMulNBits again, on the same blocks.
 * `rtn-asym`: round to nearest with a 4-bit integer zero point per block (the same quantizer,
   asymmetric): w = s (q - z).
 * `rtn-min`: round to nearest with a scale and a float minimum per block, as GGUF's Q4_1 stores them:
   w = s q + m, s = (max - min) / 15, m = min, both then rounded to float16 (as GGUF stores them: every
   form below holds the same weights). Exact for weights already on such a grid (a model dequantized
   from Q4_1, as SmolLM2's are). MatMulNBits' fast kernels take integer zero points only (a float one is
-  far slower) and round the activations to int8 (which loses the grid), so the blocks take two forms. A
-  prompt's (prefill, batched): x W = MatMulNBits(x; q, s, zero point 8) at float activations (accuracy
-  level 0, set on the node: as fast as int8 for many rows) + (x's sums per block) C, C[b, n] = m + 8 s:
-  one small MatMul per projection, the sums once per input (a MatMul by ones on each block). A decode
-  step's (`exact_rows`): one node of Quiver's own operator, `ai.quiver::MatMul4Bits` (the cpu backend's
-  kernel, 16-bit activations, the weights read in place; or, where it is not built, ORT's operators on
-  the input's exact rows: `quiver.backends.cpu.native_ops`), which names both forms' tensors.
+  far slower) and round the activations to int8 (which loses the grid), so in blocks of 32 each weight
+  is one `MatMul4Bits` node: a prompt's at accuracy level 0 (its activations on ~16 bits: two 8-bit
+  rows), a decode step's (`exact_rows`, a graph of its own) marked `few_rows` (16 bits). Where the
+  kernel is not built, ORT's operators in its place (see native_ops); in other block sizes, a prompt's
+  x W = MatMulNBits(x; q, s, zero point 8) at float activations (accuracy level 0, set on the node) +
+  (x's sums per block) C, C[b, n] = m + 8 s: one small MatMul per projection, the sums once per input
+  (a MatMul by ones on each block).
 * `hqq`: the same form as `rtn-min` (a scale and a float minimum per block, the same forms), the
   minimum fitted by HQQ (Badri & Shaji, 2023: a few half-quadratic steps that make the rounding error
   sparse, an l0.7 penalty) instead of taken from the block's smallest weight; no calibration.
@@ -51,7 +56,7 @@ import dataclasses
 import fnmatch
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -219,7 +224,8 @@ def quantize_weights(
     else:
         for width in (4, 8):
             if nodes[width]:
-                model = _ort_rtn(model, width, block_size, nodes[width], quantizer == "rtn", deferred)
+                # `rtn`'s 4-bit blocks of 32 on Quiver's kernel: read in place (ORT packs its own copy)
+                model = _ort_rtn(model, width, block_size, nodes[width], quantizer == "rtn", deferred, native=True)
     quantized_tables = _quantized_tables(model, tables, block_size, deferred, asked) if tables else {}
     if shortlist is not None:  # the approximate head ranks, whatever the quantizer
         hidden_size = int(shortlist[2].dims[1])  # the float rows' [vocab, hidden]
@@ -562,6 +568,16 @@ def _rtn_of(weight: Deferred, bits: int, block_size: int, symmetric: bool) -> li
     return _rtn_blocks(weight.compute(), bits, block_size, symmetric)
 
 
+def _symmetric_halves(weight: Deferred, block_size: int) -> list[np.ndarray]:
+    """ORT's symmetric 4-bit blocks of `weight` in Quiver's kernel's form: the packed blocks, and each
+    block's scale and minimum (-8 s) as float16 ([N, 2, K / block])."""
+    packed, scales = _rtn_of(weight, 4, block_size, True)
+    halves = np.empty((scales.shape[0], 2, scales.shape[1]), np.float16)
+    halves[:, 0] = scales
+    halves[:, 1] = -8 * halves[:, 0].astype(np.float32)  # exact: a power of two times a float16
+    return [packed, halves]
+
+
 def _ort_rtn(
     model: onnx.ModelProto,
     bits: int,
@@ -569,13 +585,19 @@ def _ort_rtn(
     include: Collection[str],
     symmetric: bool,
     deferred: dict[str, Deferred] | None = None,
+    native: bool = False,
 ) -> onnx.ModelProto:
     """ORT's round to nearest on the MatMul nodes named in `include` (a [K, N] constant weight each): the
-    MatMulNBits nodes, tensors and names ORT's `MatMulNBitsQuantizer` writes, one weight at a time."""
+    MatMulNBits nodes, tensors and names ORT's `MatMulNBitsQuantizer` writes, one weight at a time; with
+    `native` (symmetric 4-bit blocks of 32), the same blocks as Quiver's `MatMul4Bits` nodes, their scales
+    float16 (see `quiver.backends.cpu.native_ops`: ORT's node again where that kernel is not built)."""
     from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
-    from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain
+    from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain, use_quiver_domain
+    from quiver.ir.quiver_ops import MATMUL_4BITS, MATMUL_4BITS_BLOCK, QUIVER_DOMAIN
+
+    native = native and bits == 4 and symmetric and block_size == MATMUL_4BITS_BLOCK
 
     graph = model.graph
     weights = _Weights(graph, deferred)
@@ -588,6 +610,19 @@ def _ort_rtn(
             continue
         name = node.input[1]
         k, n = (int(d) for d in tensor.dims)
+        if native:
+            names = [f"{name}_Q4", f"{name}.halves"]
+            if name not in done:
+                count = k // block_size
+                forms = [((n, count, block_size // 2), np.uint8), ((n, 2, count), np.float16)]
+                for part, array in zip(names, made_together(forms, partial(_symmetric_halves, weights.value(name),
+                                                                               block_size))):  # fmt: skip
+                    weights.add(part, array)
+                done.add(name)
+            nodes.append(helper.make_node(MATMUL_4BITS, [node.input[0], *names], list(node.output),
+                                          name=f"{node.name}_Q4", domain=QUIVER_DOMAIN, K=k, N=n,
+                                          block_size=block_size, few_rows=0, symmetric=1))  # fmt: skip
+            continue
         names = [f"{name}_Q{bits}", f"{name}_scales"] + ([] if symmetric else [f"{name}_zero_points"])
         if name not in done:  # a weight several MatMuls read is quantized once
             count, per_byte = -(-k // block_size), 8 // bits
@@ -606,6 +641,8 @@ def _ort_rtn(
     graph.node.extend(nodes)
     drop_unread_initializers(graph, done)
     use_microsoft_domain(model)
+    if native and any(n.domain == QUIVER_DOMAIN for n in graph.node):
+        use_quiver_domain(model)
     return model
 
 
@@ -791,10 +828,9 @@ def _with_block_minimums(
     exact_rows: bool = False,
 ) -> onnx.ModelProto:
     """`rtn-min` and `hqq` (see the module): each MatMul named in `include` that fits (a [K, N] weight, K a
-    multiple of the block) becomes MatMulNBits + the minimums' MatMul, its blocks by `fit` (or `given`,
-    by weight name); the others stay as they are. MatMulNBits computes with float activations (its
-    accuracy level set to 0 on the node), or with `exact_rows` on its input's exact rows at the backend's
-    level (a decode step's few rows: see the module)."""
+    multiple of the block) takes its blocks by `fit` (or `given`, by weight name), as one MatMul4Bits
+    node in blocks of 32 (`exact_rows`: a decode step's, marked `few_rows`; else a prompt's, at accuracy
+    level 0), else as MatMulNBits at float activations + the minimums' MatMul; the others stay as they are."""
     from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
@@ -806,7 +842,7 @@ def _with_block_minimums(
     block_sums: dict[str, str] = {}  # input -> its sums per block (one per input, whatever reads it)
     nodes: list[onnx.NodeProto] = []
     replaced: set[str] = set()
-    native = exact_rows and block_size == MATMUL_4BITS_BLOCK  # Quiver's kernel takes blocks of 32
+    native = block_size == MATMUL_4BITS_BLOCK  # Quiver's kernel takes blocks of 32
     for node in graph.node:
         weight = weights.tensors.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if weight is None or len(weight.dims) != 2 or weight.dims[0] % block_size or node.name not in include:
@@ -819,14 +855,19 @@ def _with_block_minimums(
             count = k // block_size
             shapes = [((n, count, block_size // 2), np.uint8), ((n * count,), np.float32), ((count, n), np.float32)]
             parts = made_together([*shapes, ((n, 2, count), np.float16)], partial(_minimum_form, make))
+            # Quiver's kernel reads the blocks and their halves (ORT's form is made of those where it is
+            # not built); ORT's operators the blocks, scales and offsets
+            kept = (".q4", ".halves") if native else (".q4", ".scales", ".offsets")
             for suffix, part in zip((".q4", ".scales", ".offsets", ".halves"), parts):
-                if suffix != ".halves" or native:  # Quiver's kernel's own form, for the nodes that read it
+                if suffix in kept:
                     weights.add(f"{name}{suffix}", part)
             replaced.add(name)
         if native:  # one node: Quiver's kernel, or ORT's operators in its place (the cpu backend's choice)
-            inputs = [source, f"{name}.q4", f"{name}.halves", f"{name}.scales", f"{name}.offsets"]
-            nodes.append(helper.make_node(MATMUL_4BITS, inputs, [out], name=node.name, domain=QUIVER_DOMAIN,
-                                          K=k, N=n, block_size=block_size, few_rows=1))  # fmt: skip
+            # a prompt's activations kept to ~16 bits, as the blocks' accuracy asks (accuracy level 0)
+            level: dict[str, Any] = {} if exact_rows else {"accuracy_level": 0}
+            nodes.append(helper.make_node(MATMUL_4BITS, [source, f"{name}.q4", f"{name}.halves"], [out],
+                                          name=node.name, domain=QUIVER_DOMAIN, K=k, N=n, block_size=block_size,
+                                          few_rows=int(exact_rows), **level))  # fmt: skip
             continue
         if source not in block_sums:  # x E, E [K, K / block] ones on each block: one MatMul, any input rank
             sums = block_sums[source] = f"{source}.block_sums"

@@ -3,20 +3,27 @@
 `MatMul4Bits(A, B, halves[, scales, offsets])` multiplies A by 4-bit blocks of 32 with a scale and a
 minimum each (GGUF's Q4_1: w = s q + m): B [N, K/32, 16] in MatMulNBits' layout, `halves` float16
 [N, 2, K/32] (a column's scales, then its minimums). `scales` ([N * K/32], float) and `offsets` ([K/32, N]
-float, m + 8 s) are the same blocks as ORT's operators take them: MatMulNBits (zero point 8) plus each
-block's sum of A times the offsets. ONNX Runtime has no fast kernel for such blocks (its float zero points
-leave its fast path), so Quiver carries one (`native/matmul_4bits.c`): A's blocks rounded to 16 bits for a
-few rows (exact to ~2e-5 of the float product), float for many, the weights read where they lie.
+float, m + 8 s) are the same blocks as ORT's operators take them (MatMulNBits with zero point 8, plus each
+block's sum of A times the offsets); exports leave them out and the lowering makes them of `halves`.
+Attribute `symmetric` marks blocks with m = -8 s (`rtn`'s: ORT's MatMulNBits alone in its place). The
+weights are read where they lie: nothing is packed or copied when a session is made, so a context's
+mapped blocks are all the memory they take. ONNX Runtime has no fast kernel for float minimums, and
+packs its own copy of every block at each session, so Quiver carries one (`native/matmul_4bits.c`):
+a few rows (a decode step) with A's blocks rounded to 16 bits (exact to ~2e-5 of the float product);
+many (a prompt, 8 rows and more) as MLAS does, on 8 bits with VNNI's integer products (accuracy level
+4, the backend's default), or on 8 bits twice, A then what that loses (~16 bits: a node or backend at
+a level below 4, as `rtn-min`'s and `hqq`'s prompts ask).
 
 It is compiled with the machine's C compiler at first use (`$CC`, else `cc`, `gcc` or `clang`; `-O3
 -march=native`) into the user's cache (`$QUIVER_NATIVE`, else ~/.cache/quiver/native), keyed by the
 source, the compiler and the processor, and used where it has a fast path (x86-64 with AVX-512 VNNI, or
-AVX2 with FMA and F16C).
+AVX2 with FMA and F16C: there a prompt takes the 16-bit path).
 Elsewhere — no compiler, another processor, `QUIVER_NATIVE=off`, a build that failed — each node is
 lowered to ORT's own operators on `scales` and `offsets`, the same numbers within the rounding:
-MatMulNBits at float activations plus the minimums' product, or, for a node marked `few_rows` (a decode
-step's), MatMulNBits on the input's exact rows (the input and what ORT's int8 grid loses of it, as two
-rows: the remainder's rounding is 255 times finer).
+MatMulNBits at float activations plus the minimums' product (a symmetric node: MatMulNBits alone, at
+the session's accuracy level), or, for a node marked `few_rows` (a decode step's), MatMulNBits on the
+input's exact rows (the input and what ORT's int8 grid loses of it, as two rows: the remainder's
+rounding is 255 times finer).
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from quiver.errors import BackendError
 from quiver.formats.files import cache_folder_setting
 from quiver.ir import proto
 from quiver.ir.nibbles import pack_nibbles
@@ -156,7 +162,7 @@ def _compile(compiler: str, target: Path) -> str:
         target.parent.mkdir(mode=0o700, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
             made = Path(scratch) / _LIBRARY
-            command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(made), str(_SOURCE)]
+            command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", str(made), str(_SOURCE)]
             result = subprocess.run(command, capture_output=True, timeout=_BUILD_TIMEOUT_S, check=False, text=True)
             if result.returncode != 0:
                 first = (result.stderr.strip().splitlines() or ["no message"])[0]
@@ -200,7 +206,8 @@ def register_c(options: int, api_base: int, model: bytes) -> int:
 
 def lowered(model: proto.ModelProto) -> proto.ModelProto:
     """The model with each `MatMul4Bits` node as ORT's own operators (see the module); the constants they
-    add (the block-sum matrices, the identity blocks) inline."""
+    add (the block-sum matrices, the identity blocks, ORT's form of `halves` where the node names none)
+    inline or as nodes on constants, which ORT folds when it makes the session."""
     from onnx import helper, numpy_helper
 
     result = proto.ModelProto()
@@ -210,18 +217,25 @@ def lowered(model: proto.ModelProto) -> proto.ModelProto:
     sums: dict[str, str] = {}  # input -> its block sums
     exact: dict[str, str] = {}  # input -> its exact rows
     weights: dict[str, np.ndarray] = {}  # the constants added
+    formed: dict[str, tuple[str, str]] = {}  # halves -> ORT's scales and offsets made of them
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type != MATMUL_4BITS:
             nodes.append(node)
             continue
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        k, n, few_rows = int(attributes["K"]), int(attributes["N"]), bool(attributes.get("few_rows", 0))
+        k, n = int(attributes["K"]), int(attributes["N"])
+        few_rows, symmetric = bool(attributes.get("few_rows", 0)), bool(attributes.get("symmetric", 0))
         source, out = node.input[0], node.output[0]
-        if len(node.input) < 5 or not node.input[3] or not node.input[4]:
-            raise BackendError(f"node {node.name!r} ({MATMUL_4BITS}) names no scales and offsets for ONNX Runtime's "
-                               f"operators, and Quiver's kernel is not built here ({native_ops().reason}); "
-                               "export the model again")  # fmt: skip
-        scales, minimums = node.input[3], node.input[4]
+        scales, minimums = (node.input[i] if len(node.input) > i else "" for i in (3, 4))
+        if not scales or (not minimums and not symmetric):  # ORT's form from the halves, folded at the session
+            if node.input[2] not in formed:
+                made, formed[node.input[2]] = _ort_form(node.input[2], k, n, weights, with_offsets=not symmetric)
+                nodes += made
+            scales, minimums = formed[node.input[2]]
+        if symmetric and not few_rows:  # w = s (q - 8): MatMulNBits alone, at the session's accuracy level
+            nodes.append(helper.make_node("MatMulNBits", [source, node.input[1], scales], [out], name=node.name,
+                                          domain=MS_DOMAIN, K=k, N=n, bits=4, block_size=BLOCK))  # fmt: skip
+            continue
         read = source
         if few_rows:
             if source not in exact:
@@ -238,14 +252,15 @@ def lowered(model: proto.ModelProto) -> proto.ModelProto:
             terms = [f"{out}.grid", f"{out}.remainder"]
             nodes.append(helper.make_node("Split", [f"{out}.q4"], terms, name=f"{node.name}.split", axis=-2,
                                           num_outputs=2))  # fmt: skip
-        if source not in sums:
-            sums[source] = f"{source}.block_sums"
-            ones = f"{sums[source]}.blocks"
-            weights[ones] = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
-            nodes.append(helper.make_node("MatMul", [source, ones], [sums[source]], name=sums[source]))
-        nodes.append(helper.make_node("MatMul", [sums[source], minimums], [f"{out}.minimums"],
-                                      name=f"{node.name}.minimums"))  # fmt: skip
-        terms.append(f"{out}.minimums")
+        if not symmetric:  # each block's sum of x times its offset
+            if source not in sums:
+                sums[source] = f"{source}.block_sums"
+                ones = f"{sums[source]}.blocks"
+                weights[ones] = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
+                nodes.append(helper.make_node("MatMul", [source, ones], [sums[source]], name=sums[source]))
+            nodes.append(helper.make_node("MatMul", [sums[source], minimums], [f"{out}.minimums"],
+                                          name=f"{node.name}.minimums"))  # fmt: skip
+            terms.append(f"{out}.minimums")
         nodes.append(helper.make_node("Sum", terms, [out], name=node.name))
     del graph.node[:]
     graph.node.extend(nodes)
@@ -256,6 +271,40 @@ def lowered(model: proto.ModelProto) -> proto.ModelProto:
     if not any(o.domain == MS_DOMAIN for o in kept):
         result.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return result
+
+
+def _ort_form(
+    halves: str, k: int, n: int, weights: dict[str, np.ndarray], with_offsets: bool
+) -> tuple[list[proto.NodeProto], tuple[str, str]]:
+    """Nodes making ORT's tensors from `halves` [N, 2, K/32] (float16): the scales [N * K/32] and, if
+    `with_offsets`, the offsets [K/32, N] (m + 8 s), both float; constant, so ORT folds them once when it
+    makes the session. The nodes, and the two tensors' names."""
+    from onnx import TensorProto, helper
+
+    at = f"{halves}.ort"
+    constants = {"zero": [0], "one": [1], "two": [2], "flat": [-1], "columns": [n, k // BLOCK]}
+    for name, values in constants.items():
+        weights[f"{at}.{name}"] = np.array(values, np.int64)
+    scales, offsets = f"{at}.scales", f"{at}.offsets"
+
+    def node(op: str, inputs: tuple[str, ...], out: str, **attributes: Any) -> proto.NodeProto:
+        return helper.make_node(op, [f"{at}.{i}" for i in inputs], [f"{at}.{out}"], name=f"{at}.{out}", **attributes)
+
+    made = [
+        helper.make_node("Cast", [halves], [f"{at}.float"], name=f"{at}.float", to=TensorProto.FLOAT),
+        node("Slice", ("float", "zero", "one", "one"), "s"),
+        node("Reshape", ("s", "flat"), "scales"),
+    ]
+    if with_offsets:
+        weights[f"{at}.eight"] = np.array(8, np.float32)
+        made += [
+            node("Slice", ("float", "one", "two", "one"), "m"),
+            node("Mul", ("s", "eight"), "8s"),
+            node("Add", ("m", "8s"), "m8s"),
+            node("Reshape", ("m8s", "columns"), "by_column"),
+            node("Transpose", ("by_column",), "offsets", perm=[1, 0]),
+        ]
+    return made, (scales, offsets if with_offsets else "")
 
 
 def _exact_rows(weights: dict[str, np.ndarray], source: str) -> tuple[str, list[proto.NodeProto]]:

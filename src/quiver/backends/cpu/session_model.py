@@ -11,6 +11,7 @@ from quiver.backends.cpu.settings import SessionSettings
 from quiver.errors import BackendError
 from quiver.ir import proto
 from quiver.ir.edit import iter_nodes
+from quiver.ir.quiver_ops import MATMUL_4BITS
 from quiver.ort_package import onnxruntime as ort
 
 # Level 4 of ORT's MatMulNBits (see DEFAULT_ACCURACY_LEVEL) runs only on prepacked weights, so a graph
@@ -82,12 +83,14 @@ def packing_changes_results(model: proto.ModelProto) -> bool:
 
 
 def _with_accuracy_level(model: proto.ModelProto, level: int) -> proto.ModelProto:
-    """MatMulNBits nodes at the backend's accuracy level, but for those that set their own (as ORT runs
-    them: a float-minimum block that needs float activations, a model exported for a given level)."""
+    """MatMulNBits and MatMul4Bits nodes at the backend's accuracy level, but for those that set their own
+    (as ORT runs them: a float-minimum block that needs float activations, a model exported for a given
+    level). Below 4, Quiver's kernel keeps every row's activations at 16 bits (none rounded to 8)."""
     result = proto.ModelProto()
     result.CopyFrom(model)
     for node in result.graph.node:
-        if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+        leveled = node.op_type in ("MatMulNBits", MATMUL_4BITS)
+        if leveled and not any(a.name == "accuracy_level" for a in node.attribute):
             node.attribute.append(proto.AttributeProto(name="accuracy_level", type=proto.AttributeProto.INT, i=level))
     return result
 
@@ -113,8 +116,8 @@ def session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[pro
     library is not built here (`native_ops`), and Quiver's MatMulNBits at the settings' accuracy level
     (the same at build, for a prepared form, as at open)."""
     model, strengths = fold_lora_strengths(_without_trailing_empty_inputs(graph.model))
-    if uses_native_ops(model) and native_ops().path is None:
-        model = lowered(model)
+    if uses_native_ops(model):
+        model = lowered(model) if native_ops().path is None else _with_accuracy_level(model, settings.accuracy_level)
     if not _TRUSTED_MOE and any(n.op_type == "MoE" for n in model.graph.node):
         raise BackendError(f"graph {graph.name!r} has mixture-of-experts layers, which need onnxruntime >= 1.32 "
                            f"(this is {ort.__version__}, whose MoE kernel gave other tokens in Quiver's tests): "

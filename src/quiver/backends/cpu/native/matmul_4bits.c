@@ -7,12 +7,15 @@
  * minimums' product beside it, for ORT's operators in this one's place): this kernel does not read them.
  * The weights are read where they lie (nothing is packed or copied when a session is made). A's blocks
  * are rounded to 16 bits each for a few rows (exact to ~2e-5 of the float product, where ORT's fast
- * kernel rounds them to 8 bits), kept in float for many (a prompt). Built by
+ * kernel rounds them to 8 bits); for many (a prompt: AVX-512 VNNI) to 8 bits, as MLAS does, 16 columns of
+ * weights widened at a time for VNNI's u8 x s8 products, or (attribute accuracy_level below 4) to 8 bits
+ * twice, A then what that loses (~16 bits). Built by
  * quiver.backends.cpu.native_ops with the machine's own compiler (-march=native); it uses only ONNX
  * Runtime's C ABI, declared here from its documented function table (append-only across releases; the
  * indices are positions in it). */
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,7 +34,9 @@
 #define BLOCK 32
 #define TASK_BYTES (48 * 1024) /* the least weight bytes a task reads */
 #define MAX_TASKS 16           /* tasks a group of rows is cut into, at most */
-#define MANY_ROWS 8            /* from this many rows of A on, the float path (a prompt) */
+#ifndef MANY_ROWS
+#define MANY_ROWS 8            /* from this many rows of A on, 8-bit activations (a prompt) */
+#endif
 #define OP_VERSION 17          /* the OrtCustomOp fields read: up to GetEndVersion (ORT >= 1.17) */
 
 typedef void *Status; /* OrtStatus*: NULL is success */
@@ -248,56 +253,172 @@ static void four_rows(const Row *r, const uint8_t *B, const uint16_t *halves16, 
   }
 }
 
-/* Many rows (a prompt): 16 columns at a time as float, [K, 16] (w = s q + m exactly, in float), then eight
- * rows against them by float FMAs: each weight widened once for every row, A in float. */
-static void many_rows(const float *a, int64_t m, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0,
-                      int64_t n1, float *y, int64_t ldy, float *tile) {
+/* Many rows (a prompt), MLAS's way: A's blocks rounded to 8 bits (a scale each, and their float sums for
+ * the minimums), 16 columns of weights at a time laid out for VNNI's u8 x s8 product (the 4-bit values as
+ * they are: 0..15 is the unsigned side) and every row against them, several rows a pass. */
+typedef struct {
+  int8_t *q;      /* [m, blocks, 32]: a block's even elements, then its odd ones */
+  float *scale;   /* [m, blocks] */
+  float *sum;     /* [m, blocks] */
+} Rows8;
+
+static size_t rows8_bytes(int64_t m, int64_t k) {
+  return (size_t)m * (size_t)k + 2 * (size_t)m * (size_t)(k / BLOCK) * sizeof(float);
+}
+
+static Rows8 rows8_at(char *memory, int64_t m, int64_t k) {
+  Rows8 r = {(int8_t *)memory, (float *)(memory + m * k), (float *)(memory + m * k) + m * (k / BLOCK)};
+  return r;
+}
+
+/* Row x's blocks on 8 bits: q, the scales and the float sums; with `rest` (a prompt at accuracy levels
+ * below 4), what that loses too, as a second row on 8 bits of its own (255 times finer: the two together
+ * are within ~2^-15 of x, as the few rows' 16 bits), its sums zero (the minimums' term is x's alone). */
+static void prepare_row8(const float *x, int64_t k, int8_t *q, float *scale, float *sum, int8_t *rest,
+                         float *rest_scale, float *rest_sum) {
   const int64_t blocks = k / BLOCK;
-  const __m512i low = _mm512_set1_epi32(0x0F);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  /* even elements to a block's first 16 bytes, odd to the next (the nibbles' order) */
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int64_t b = 0; b < blocks; b++) {
+    const __m512 lo = _mm512_loadu_ps(x + b * BLOCK), hi = _mm512_loadu_ps(x + b * BLOCK + 16);
+    __m512 e = _mm512_permutex2var_ps(lo, evens, hi), o = _mm512_permutex2var_ps(lo, odds, hi);
+    sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    for (int pass = 0; pass < (rest ? 2 : 1); pass++) {
+      const float largest =
+          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, e), _mm512_andnot_ps(sign, o)));
+      const float step = largest / 127.f;
+      const __m512 inverse = _mm512_set1_ps(largest > 0.f ? 127.f / largest : 0.f);
+      const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(e, inverse));
+      const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(o, inverse));
+      int8_t *to = pass ? rest + b * BLOCK : q + b * BLOCK;
+      _mm_storeu_si128((__m128i *)to, _mm512_cvtsepi32_epi8(qe));
+      _mm_storeu_si128((__m128i *)(to + 16), _mm512_cvtsepi32_epi8(qo));
+      if (pass) {
+        rest_scale[b] = step;
+        rest_sum[b] = 0.f;
+      } else {
+        scale[b] = step;
+        /* what the 8 bits lose: the next pass's row */
+        e = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qe), _mm512_set1_ps(step), e);
+        o = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qo), _mm512_set1_ps(step), o);
+      }
+    }
+  }
+}
+
+/* 16 columns' weights for VNNI: per block, 8 groups of 16 dwords, a dword holding 4 of one column's values
+ * (groups 0-3 the low nibbles of its bytes 0-15, groups 4-7 the high: the even elements, then the odd);
+ * then the 16 scales and the 16 minimums as floats. Columns past n1 are zeros. */
+static void tile_of(const uint8_t *B, const uint16_t *halves16, int64_t blocks, int64_t n, int64_t width,
+                    uint32_t *tile) {
+  /* four columns at a time, each read in order (16 columns side by side would be 16 streams a column's
+   * length apart, which alias in the first-level cache when K is large): a 4 x 4 transpose of their words.
+   * A column past the end reads one block of zeros over and over (stride 0). */
+  static const uint8_t zero_bytes[16] = {0};
+  static const uint16_t zero_halves[1] = {0};
+  for (int64_t c = 0; c < 16; c += 4) {
+    const uint8_t *bytes[4];
+    const uint16_t *scales[4], *minimums[4];
+    int64_t stride[4];
+    for (int i = 0; i < 4; i++) {
+      const int there = c + i < width;
+      bytes[i] = there ? B + (n + c + i) * blocks * 16 : zero_bytes;
+      scales[i] = there ? halves16 + (n + c + i) * 2 * blocks : zero_halves;
+      minimums[i] = there ? scales[i] + blocks : zero_halves;
+      stride[i] = there;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+      __m128 r0 = _mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(bytes[0] + b * stride[0] * 16)));
+      __m128 r1 = _mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(bytes[1] + b * stride[1] * 16)));
+      __m128 r2 = _mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(bytes[2] + b * stride[2] * 16)));
+      __m128 r3 = _mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(bytes[3] + b * stride[3] * 16)));
+      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+      uint32_t *t = tile + b * 160 + c;
+      _mm_store_ps((float *)t, r0);
+      _mm_store_ps((float *)t + 16, r1);
+      _mm_store_ps((float *)t + 32, r2);
+      _mm_store_ps((float *)t + 48, r3);
+      const __m256 f = _mm256_cvtph_ps(_mm_setr_epi16(
+          (short)scales[0][b * stride[0]], (short)scales[1][b * stride[1]], (short)scales[2][b * stride[2]],
+          (short)scales[3][b * stride[3]], (short)minimums[0][b * stride[0]], (short)minimums[1][b * stride[1]],
+          (short)minimums[2][b * stride[2]], (short)minimums[3][b * stride[3]]));
+      _mm_store_ps((float *)t + 128, _mm256_castps256_ps128(f));
+      _mm_store_ps((float *)t + 144, _mm256_extractf128_ps(f, 1));
+    }
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; b++) {
+    uint32_t *t = tile + b * 160;
+    for (int g = 0; g < 4; g++) {
+      const __m512i v = _mm512_load_si512(t + g * 16);
+      _mm512_store_si512(t + g * 16, _mm512_and_si512(v, low));
+      _mm512_store_si512(t + (g + 4) * 16, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+  }
+}
+
+/* R rows against one tile: per block, 8 VNNI products a row into integer sums, then scaled into floats. */
+static inline __attribute__((always_inline)) void rows_on_tile(const int R, Rows8 a, int64_t first, int64_t blocks,
+                                                               const uint32_t *tile, float *y, int64_t ldy,
+                                                               __mmask16 keep, int add) {
+  __m512 f[8];
+  for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint32_t *t = tile + b * 160;
+    __m512i dot[8];
+    for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) {
+      const __m512i w = _mm512_load_si512(t + g * 16);
+      for (int i = 0; i < R; i++) {
+        int32_t word;
+        memcpy(&word, a.q + ((first + i) * blocks + b) * BLOCK + g * 4, 4);
+        dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(word));
+      }
+    }
+    const __m512 scale = _mm512_load_ps((const float *)t + 128), minimum = _mm512_load_ps((const float *)t + 144);
+    for (int i = 0; i < R; i++) {
+      const int64_t at = (first + i) * blocks + b;
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(scale, _mm512_set1_ps(a.scale[at])), f[i]);
+      f[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(a.sum[at]), f[i]);
+    }
+  }
+  for (int i = 0; i < R; i++) {
+    float *out = y + (first + i) * ldy;
+    if (add) f[i] = _mm512_add_ps(f[i], _mm512_maskz_loadu_ps(keep, out));
+    _mm512_mask_storeu_ps(out, keep, f[i]);
+  }
+}
+
+/* Rows [first, last) of `a` into y's rows [0, last - first) (added to them with `add`), one tile. */
+static void rows_of_tile(Rows8 a, int64_t first, int64_t last, int64_t blocks, const uint32_t *tile, float *y,
+                         int64_t ldy, __mmask16 keep, int add) {
+  int64_t r = first;
+  y -= first * ldy;
+  for (; r + 8 <= last; r += 8) rows_on_tile(8, a, r, blocks, tile, y, ldy, keep, add);
+  switch (last - r) {
+    case 7: rows_on_tile(7, a, r, blocks, tile, y, ldy, keep, add); break;
+    case 6: rows_on_tile(6, a, r, blocks, tile, y, ldy, keep, add); break;
+    case 5: rows_on_tile(5, a, r, blocks, tile, y, ldy, keep, add); break;
+    case 4: rows_on_tile(4, a, r, blocks, tile, y, ldy, keep, add); break;
+    case 3: rows_on_tile(3, a, r, blocks, tile, y, ldy, keep, add); break;
+    case 2: rows_on_tile(2, a, r, blocks, tile, y, ldy, keep, add); break;
+    case 1: rows_on_tile(1, a, r, blocks, tile, y, ldy, keep, add); break;
+    default: break;
+  }
+}
+
+/* `a` holds m rows, then (`exact`) their remainders as m more: those are added to the first ones' products. */
+static void many_rows(Rows8 a, int64_t m, int exact, const uint8_t *B, const uint16_t *halves16, int64_t k,
+                      int64_t n0, int64_t n1, float *y, int64_t ldy, uint32_t *tile) {
+  const int64_t blocks = k / BLOCK;
   for (int64_t n = n0; n < n1; n += 16) {
     const int64_t width = n1 - n < 16 ? n1 - n : 16;
-    for (int64_t c = 0; c < 16; c++) {
-      if (c >= width) { /* columns past the end: zeros */
-        for (int64_t i = 0; i < k; i++) tile[i * 16 + c] = 0.f;
-        continue;
-      }
-      const uint8_t *bytes = B + (n + c) * blocks * 16;
-      const uint16_t *s = halves16 + (n + c) * 2 * blocks;
-      for (int64_t b = 0; b < blocks; b++) {
-        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + b * 16)));
-        const __m128 sm = _mm_cvtph_ps(_mm_setr_epi16((short)s[b], (short)s[blocks + b], 0, 0, 0, 0, 0, 0));
-        const __m512 scale = _mm512_set1_ps(_mm_cvtss_f32(sm));
-        const __m512 minimum = _mm512_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(sm, sm, 1)));
-        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, low)), scale, minimum);
-        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), scale, minimum);
-        float l[16], h[16];
-        _mm512_storeu_ps(l, lo);
-        _mm512_storeu_ps(h, hi);
-        float *t = tile + b * BLOCK * 16 + c;
-        for (int j = 0; j < 16; j++) {
-          t[(2 * j) * 16] = l[j];
-          t[(2 * j + 1) * 16] = h[j];
-        }
-      }
-    }
+    tile_of(B, halves16, blocks, n, width, tile);
     const __mmask16 keep = (__mmask16)((1u << width) - 1);
-    int64_t r = 0;
-    for (; r + 8 <= m; r += 8) {
-      __m512 f[8];
-      for (int i = 0; i < 8; i++) f[i] = _mm512_setzero_ps();
-      const float *x = a + r * k;
-      for (int64_t i = 0; i < k; i++) {
-        const __m512 w = _mm512_load_ps(tile + i * 16);
-        for (int j = 0; j < 8; j++) f[j] = _mm512_fmadd_ps(_mm512_set1_ps(x[j * k + i]), w, f[j]);
-      }
-      for (int j = 0; j < 8; j++) _mm512_mask_storeu_ps(y + (r + j) * ldy + n, keep, f[j]);
-    }
-    for (; r < m; r++) {
-      __m512 f0 = _mm512_setzero_ps();
-      const float *x = a + r * k;
-      for (int64_t i = 0; i < k; i++) f0 = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_load_ps(tile + i * 16), f0);
-      _mm512_mask_storeu_ps(y + r * ldy + n, keep, f0);
-    }
+    rows_of_tile(a, 0, m, blocks, tile, y + n, ldy, keep, 0);
+    if (exact) rows_of_tile(a, m, 2 * m, blocks, tile, y + n, ldy, keep, 1);
   }
 }
 #elif FAST == 2
@@ -401,6 +522,8 @@ static void four_rows(const Row *r, const uint8_t *B, const uint16_t *halves16, 
 typedef struct {
   Api api;
   int64_t k, n;
+  int exact_rows; /* many rows' activations on 8 bits twice (x, then what that loses), not once: accuracy
+                   * levels below 4, as a float activations' request (4, the default: once) */
 } Kernel;
 
 typedef struct {
@@ -410,7 +533,7 @@ typedef struct {
   float *y;
   char *rows;
   int64_t m, k, n, columns_per_task, tasks_per_rows;
-  int failed;
+  int failed, exact;
 } Work;
 
 static void prepare_task(void *data, size_t i) {
@@ -436,18 +559,58 @@ static void product_task(void *data, size_t i) {
 }
 
 #if FAST == 1
-/* Task i of a prompt's many rows: one range of columns, every row, A in float. */
+static void prepare8_task(void *data, size_t i) {
+  Work *w = data;
+  const int64_t rows = w->exact ? 2 * w->m : w->m, blocks = w->k / BLOCK, at = (int64_t)i, rest = at + w->m;
+  const Rows8 r = rows8_at(w->rows, rows, w->k);
+  prepare_row8(w->a + at * w->k, w->k, r.q + at * w->k, r.scale + at * blocks, r.sum + at * blocks,
+               w->exact ? r.q + rest * w->k : NULL, r.scale + rest * blocks, r.sum + rest * blocks);
+}
+
+/* A thread's tile, kept for its next task (a tile is up to ~300 KB: allocating one a task cost the page
+ * faults of a fresh mapping each time), freed when the thread ends. */
+static pthread_key_t tile_key;
+static pthread_once_t tile_once = PTHREAD_ONCE_INIT;
+typedef struct {
+  uint32_t *tile;
+  size_t size;
+} Tile;
+static void free_tile(void *held) {
+  free(((Tile *)held)->tile);
+  free(held);
+}
+static void make_tile_key(void) { (void)pthread_key_create(&tile_key, free_tile); }
+
+static uint32_t *thread_tile(size_t size) {
+  (void)pthread_once(&tile_once, make_tile_key);
+  Tile *held = pthread_getspecific(tile_key);
+  if (!held) {
+    held = calloc(1, sizeof(Tile));
+    if (!held || pthread_setspecific(tile_key, held)) {
+      free(held);
+      return NULL;
+    }
+  }
+  if (held->size < size) {
+    free(held->tile);
+    held->tile = aligned_alloc(64, size);
+    held->size = held->tile ? size : 0;
+  }
+  return held->tile;
+}
+
+/* Task i of a prompt's many rows: one range of columns, every row. */
 static void many_rows_task(void *data, size_t i) {
   Work *w = data;
   const int64_t n0 = (int64_t)i * w->columns_per_task;
   const int64_t n1 = n0 + w->columns_per_task < w->n ? n0 + w->columns_per_task : w->n;
-  float *tile = aligned_alloc(64, (size_t)w->k * 16 * sizeof(float));
+  uint32_t *tile = thread_tile((size_t)(w->k / BLOCK) * 160 * sizeof(uint32_t));
   if (!tile) {
     __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
     return;
   }
-  many_rows(w->a, w->m, w->b, w->halves, w->k, n0, n1, w->y, w->n, tile);
-  free(tile);
+  many_rows(rows8_at(w->rows, w->exact ? 2 * w->m : w->m, w->k), w->m, w->exact, w->b, w->halves, w->k, n0, n1,
+            w->y, w->n, tile);
 }
 #endif
 
@@ -517,12 +680,20 @@ static Status compute(void *kernel, void *context) {
   int64_t tasks = n * blocks * 20 / TASK_BYTES;
   tasks = tasks < 1 ? 1 : tasks > MAX_TASKS ? MAX_TASKS : tasks;
   const int64_t columns = ((n + tasks - 1) / tasks + 3) / 4 * 4;
-  Work work = {data[0], data[1], data[2], y, NULL, m, k, n, columns, (n + columns - 1) / columns, 0};
+  Work work = {data[0], data[1], data[2], y, NULL, m, k, n, columns, (n + columns - 1) / columns, 0, 0};
   parallel_for_t parallel = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, parallel_for_t);
 #if FAST == 1
   if (m >= MANY_ROWS) {
+    work.exact = self->exact_rows;
+    const size_t bytes = rows8_bytes(work.exact ? 2 : 1, k);
+    if ((size_t)m > SIZE_MAX / bytes) return failure(api, "MatMul4Bits: too many rows");
+    work.rows = aligned_alloc(64, (bytes * (size_t)m + 63) / 64 * 64);
+    if (!work.rows) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
     work.columns_per_task = ((n + 31) / 32 + 15) / 16 * 16; /* about 32 tasks, whole tiles of 16 columns */
-    status = parallel(context, many_rows_task, (size_t)((n + work.columns_per_task - 1) / work.columns_per_task), 0, &work);
+    status = parallel(context, prepare8_task, (size_t)m, 0, &work);
+    if (!status)
+      status = parallel(context, many_rows_task, (size_t)((n + work.columns_per_task - 1) / work.columns_per_task), 0, &work);
+    free(work.rows);
     if (!status && work.failed) status = CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
     return status;
   }
@@ -546,7 +717,7 @@ typedef void (*release_status_t)(void *);
 
 static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, void **kernel) {
   (void)op;
-  int64_t k = 0, n = 0, block = BLOCK;
+  int64_t k = 0, n = 0, block = BLOCK, level = 4;
   Status status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "K", &k);
   if (!status) status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "N", &n);
   if (status) return status;
@@ -554,6 +725,12 @@ static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, vo
   if (status) { /* absent: blocks of 32 */
     CALL(api, RELEASE_STATUS, release_status_t)(status);
     block = BLOCK;
+  }
+  /* as MatMulNBits': 4 lets many rows' activations round to 8 bits; below, to ~16 (two 8-bit rows) */
+  status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "accuracy_level", &level);
+  if (status) {
+    CALL(api, RELEASE_STATUS, release_status_t)(status);
+    level = 4;
   }
   /* at most 2^31 each: N x K / 32 x 20 (the task sizing) fits in int64 */
   if (block != BLOCK || k <= 0 || n <= 0 || k % BLOCK || k > (INT64_C(1) << 31) || n > (INT64_C(1) << 31))
@@ -563,6 +740,7 @@ static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, vo
   self->api = api;
   self->k = k;
   self->n = n;
+  self->exact_rows = level < 4;
   *kernel = self;
   return NULL;
 }
