@@ -120,12 +120,34 @@ def test_the_kernel_computes_the_float_product_of_its_blocks(
     want = x.astype(np.float64) @ w
     if int(np.prod(shape)) >= 8:
         if build == "native":
-            minimums = np.repeat(tensors["halves"][:, 1].astype(np.float64), BLOCK, axis=1).T  # [K, N]
-            want = _on_8_bits(x).astype(np.float64) @ (w - minimums) + x.astype(np.float64) @ minimums
+            want = _with_8_bit_rows(x, w, tensors["halves"])
         else:
             tolerance = 1e-4  # those paths take a prompt's rows on 16 bits too
     assert y.shape == (*shape, n)
     assert np.abs(y - want).max(initial=0) <= tolerance * np.abs(want).max(initial=1)
+
+
+def _with_8_bit_rows(x: np.ndarray, w: np.ndarray, halves: np.ndarray) -> np.ndarray:
+    """The float64 product of x's blocks on 8 bits by w's blocks, the minimums' term on x's float sums."""
+    minimums = np.repeat(halves[:, 1].astype(np.float64), BLOCK, axis=1).T  # [K, N]
+    return _on_8_bits(x).astype(np.float64) @ (w - minimums) + x.astype(np.float64) @ minimums
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "rows"),
+    [(576, 96, 1), (544, 41, 3), (96, 37, 5), (1056, 24, 4), (224, 9, 7)],  # block counts 18, 17, 3, 33, 7
+)
+def test_a_few_rows_at_level_4_are_on_8_bits_as_mlas_rounds_them(k: int, n: int, rows: int) -> None:
+    """A node not marked few_rows (`rtn`'s) at accuracy level 4: a decode step's rows on 8 bits a block too
+    (AVX-512 VNNI's path: four blocks of a column a load, the last group ragged)."""
+    rng = np.random.default_rng(k + rows)
+    tensors, w = _blocks(rng, k, n)
+    x = (rng.standard_normal((rows, k)) * np.where(rng.random(k) < 0.02, 30, 1)).astype(np.float32)
+    y = _run(_model(k, n, {"B": tensors["B"], "halves": tensors["halves"]}, 2, few_rows=0), x, _library())
+    want = _with_8_bit_rows(x, w, tensors["halves"])
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+    exact = x.astype(np.float64) @ w
+    assert np.abs(y - exact).max() > 1e-4 * np.abs(exact).max()  # not the 16-bit path's
 
 
 def test_below_accuracy_level_4_a_prompt_keeps_about_16_bits() -> None:
@@ -231,7 +253,7 @@ def test_ort_operators_in_its_place_make_their_tensors_of_the_halves(few_rows: i
 
 def test_symmetric_blocks_are_one_matmulnbits_without_the_kernel() -> None:
     """`symmetric` (m = -8 s, `rtn`'s blocks): ORT's MatMulNBits alone at the session's accuracy level, as
-    ORT's own quantizer writes it; the kernel gives the same product."""
+    ORT's own quantizer writes it; the kernel gives the same product (at level 4 on 8-bit activations)."""
     rng = np.random.default_rng(10)
     k, n = 128, 24
     tensors, _ = _blocks(rng, k, n)
@@ -245,8 +267,9 @@ def test_symmetric_blocks_are_one_matmulnbits_without_the_kernel() -> None:
     assert [n.op_type for n in model.graph.node if n.op_type.startswith("MatMul")] == ["MatMulNBits"]
     x = rng.standard_normal((1, k)).astype(np.float32)
     want = x.astype(np.float64) @ w
-    for y in (_product(model, x, 0), _run(node, x, _library())):
-        assert np.abs(y - want).max() < 1e-4 * np.abs(want).max()
+    assert np.abs(_product(model, x, 0) - want).max() < 1e-4 * np.abs(want).max()  # ORT's, at float activations
+    on_8_bits = _with_8_bit_rows(x, w, halves)  # the kernel's at level 4, as ORT's int8 kernel
+    assert np.abs(_run(node, x, _library()) - on_8_bits).max() < 1e-5 * np.abs(want).max()
 
 
 def test_without_the_kernel_a_session_model_has_ort_operators(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -363,7 +363,7 @@ def test_a_shortlist_head_takes_its_best_logits_from_the_float_rows() -> None:
     h1 = run(body)
     want = (h1.astype(np.float64) @ head.astype(np.float64)).reshape(-1)
     got = run(quantized).reshape(-1).astype(np.float64)
-    exact = np.abs(got - want) <= 1e-4
+    exact = np.abs(got - want) <= 1e-3  # float32's rounding of logits in the hundreds; the 4-bit ones are ~1 off
     assert exact.sum() == SHORTLIST_SIZE and exact[np.argsort(want)[-8:]].all()
     assert np.abs(got - want).max() > 1e-3  # the others keep their 4-bit values
 

@@ -421,6 +421,98 @@ static void many_rows(Rows8 a, int64_t m, int exact, const uint8_t *B, const uin
     if (exact) rows_of_tile(a, m, 2 * m, blocks, tile, y + n, ldy, keep, 1);
   }
 }
+
+/* A few rows on 8 bits (accuracy level 4, a node not marked few_rows: `rtn`'s decode step, as MLAS rounds
+ * it): per row, each group of four blocks as 64 even elements then 64 odd ones (the order of a column's 64
+ * bytes' low and high nibbles), each block's scale over its 4 lanes, and the blocks' float sums. */
+typedef struct {
+  int8_t *q;
+  float *scale, *sum;
+} Few8;
+
+static size_t few8_bytes(int64_t k) {
+  const int64_t blocks = k / BLOCK, groups = (blocks + 3) / 4;
+  return (size_t)(groups * 192 + round16(blocks) * 4);
+}
+
+static Few8 few8_at(char *memory, int64_t k) {
+  const int64_t groups = (k / BLOCK + 3) / 4;
+  Few8 r = {(int8_t *)memory, (float *)(memory + groups * 128), (float *)(memory + groups * 192)};
+  return r;
+}
+
+static void prepare_few8(const float *x, int64_t k, Few8 r) {
+  const int64_t blocks = k / BLOCK;
+  memset(r.q, 0, few8_bytes(k)); /* the last group's missing blocks, and the sums' padding: zeros */
+  for (int64_t b = 0; b < blocks; b++) {
+    int8_t block[BLOCK]; /* its evens, then its odds */
+    float scale;
+    prepare_row8(x + b * BLOCK, BLOCK, block, &scale, r.sum + b, NULL, NULL, NULL);
+    int8_t *group = r.q + (b / 4) * 128;
+    memcpy(group + (b % 4) * 16, block, 16);
+    memcpy(group + 64 + (b % 4) * 16, block + 16, 16);
+    for (int i = 0; i < 4; i++) r.scale[(b / 4) * 16 + (b % 4) * 4 + i] = scale;
+  }
+}
+
+/* Columns [n0, n1) of R rows (1 to 4), two columns at a time: a column's four blocks a 64-byte load, its
+ * low and high nibbles against the rows' even and odd elements (VNNI's u8 x s8 products), each block's
+ * integer sum over its 4 lanes scaled by the column's and the row's scales. */
+static inline __attribute__((always_inline)) void few8_columns(const int R, const Few8 *r, const uint8_t *B,
+                                                               const uint16_t *halves16, int64_t k, int64_t n0,
+                                                               int64_t n1, float *y, int64_t ldy) {
+  const int64_t blocks = k / BLOCK, groups = (blocks + 3) / 4, whole = blocks / 4, column = blocks * 16;
+  const int64_t planes = 2 * blocks;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int left = (int)(blocks - whole * 4); /* the last group's blocks, if it is not whole */
+  const __mmask64 tail_bytes = left ? (((__mmask64)1 << (left * 16)) - 1) : 0;
+  const __mmask8 tail_scales = (__mmask8)((1u << left) - 1);
+  for (int64_t n = n0; n < n1; n += 2) {
+    const int C = n + 1 < n1 ? 2 : 1;
+    __m512 f[2][4];
+    for (int c = 0; c < 2; c++)
+      for (int i = 0; i < R; i++) f[c][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      for (int c = 0; c < C; c++) {
+        const uint8_t *b = B + (n + c) * column + g * 64;
+        const uint16_t *s = halves16 + (n + c) * planes + g * 4;
+        if (n + 2 + c < n1) _mm_prefetch((const char *)(b + 2 * column), _MM_HINT_T0);
+        __m512i w;
+        __m128 sc;
+        if (g < whole) {
+          w = _mm512_loadu_si512(b);
+          sc = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s));
+        } else { /* masked: the column's end may be the tensor's */
+          w = _mm512_maskz_loadu_epi8(tail_bytes, b);
+          sc = _mm_cvtph_ps(_mm_maskz_loadu_epi16(tail_scales, s));
+        }
+        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sc));
+        for (int i = 0; i < R; i++) {
+          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(r[i].q + g * 128));
+          dot = _mm512_dpbusd_epi32(dot, hi, _mm512_load_si512(r[i].q + g * 128 + 64));
+          f[c][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_load_ps(r[i].scale + g * 16)),
+                                    f[c][i]);
+        }
+      }
+    }
+    for (int c = 0; c < C; c++) {
+      const uint16_t *minimums = halves16 + (n + c) * planes + blocks;
+      for (int i = 0; i < R; i++) y[i * ldy + n + c] = _mm512_reduce_add_ps(with_minimums(f[c][i], minimums, r[i].sum, blocks));
+    }
+  }
+}
+
+static void few8_rows(const Few8 *r, int rows, const uint8_t *B, const uint16_t *halves16, int64_t k, int64_t n0,
+                      int64_t n1, float *y, int64_t ldy) {
+  switch (rows) {
+    case 4: few8_columns(4, r, B, halves16, k, n0, n1, y, ldy); break;
+    case 3: few8_columns(3, r, B, halves16, k, n0, n1, y, ldy); break;
+    case 2: few8_columns(2, r, B, halves16, k, n0, n1, y, ldy); break;
+    default: few8_columns(1, r, B, halves16, k, n0, n1, y, ldy); break;
+  }
+}
 #elif FAST == 2
 /* The column's minimums times the row's block sums, added to f: eight blocks at a time. */
 static inline __m256 with_minimums8(__m256 f, const uint16_t *minimums, const float *sums, int64_t blocks) {
@@ -524,6 +616,7 @@ typedef struct {
   int64_t k, n;
   int exact_rows; /* many rows' activations on 8 bits twice (x, then what that loses), not once: accuracy
                    * levels below 4, as a float activations' request (4, the default: once) */
+  int few_rows;   /* a decode step's node (attribute few_rows): a few rows always on 16 bits */
 } Kernel;
 
 typedef struct {
@@ -533,11 +626,17 @@ typedef struct {
   float *y;
   char *rows;
   int64_t m, k, n, columns_per_task, tasks_per_rows;
-  int failed, exact;
+  int failed, exact, eight; /* eight: a few rows on 8 bits */
 } Work;
 
 static void prepare_task(void *data, size_t i) {
   Work *w = data;
+#if FAST == 1
+  if (w->eight) {
+    prepare_few8(w->a + (int64_t)i * w->k, w->k, few8_at(w->rows + i * few8_bytes(w->k), w->k));
+    return;
+  }
+#endif
   prepare_row(w->a + (int64_t)i * w->k, w->k, row_at(w->rows + i * row_bytes(w->k), w->k));
 }
 
@@ -548,6 +647,14 @@ static void product_task(void *data, size_t i) {
   const int64_t n0 = part * w->columns_per_task;
   const int64_t n1 = n0 + w->columns_per_task < w->n ? n0 + w->columns_per_task : w->n;
   const int64_t first = group * 4, last = first + 4 <= w->m ? first + 4 : w->m;
+#if FAST == 1
+  if (w->eight) { /* the rows on 8 bits */
+    Few8 rows[4];
+    for (int64_t m = first; m < last; m++) rows[m - first] = few8_at(w->rows + m * few8_bytes(w->k), w->k);
+    few8_rows(rows, (int)(last - first), w->b, w->halves, w->k, n0, n1, w->y + first * w->n, w->n);
+    return;
+  }
+#endif
   const size_t bytes = row_bytes(w->k);
   Row rows[4];
   for (int64_t m = first; m < last; m++) rows[m - first] = row_at(w->rows + m * bytes, w->k);
@@ -680,7 +787,7 @@ static Status compute(void *kernel, void *context) {
   int64_t tasks = n * blocks * 20 / TASK_BYTES;
   tasks = tasks < 1 ? 1 : tasks > MAX_TASKS ? MAX_TASKS : tasks;
   const int64_t columns = ((n + tasks - 1) / tasks + 3) / 4 * 4;
-  Work work = {data[0], data[1], data[2], y, NULL, m, k, n, columns, (n + columns - 1) / columns, 0, 0};
+  Work work = {data[0], data[1], data[2], y, NULL, m, k, n, columns, (n + columns - 1) / columns, 0, 0, 0};
   parallel_for_t parallel = CALL(api, KERNEL_CONTEXT_PARALLEL_FOR, parallel_for_t);
 #if FAST == 1
   if (m >= MANY_ROWS) {
@@ -698,7 +805,12 @@ static Status compute(void *kernel, void *context) {
     return status;
   }
 #endif
+#if FAST == 1
+  work.eight = !self->exact_rows && !self->few_rows; /* as MLAS rounds them (ORT's level 4) */
+  const size_t bytes = work.eight ? few8_bytes(k) : row_bytes(k);
+#else
   const size_t bytes = row_bytes(k);
+#endif
   if ((size_t)m > SIZE_MAX / bytes) return failure(api, "MatMul4Bits: too many rows");
   work.rows = aligned_alloc(64, bytes * (size_t)m);
   if (!work.rows) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
@@ -726,11 +838,18 @@ static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, vo
     CALL(api, RELEASE_STATUS, release_status_t)(status);
     block = BLOCK;
   }
-  /* as MatMulNBits': 4 lets many rows' activations round to 8 bits; below, to ~16 (two 8-bit rows) */
+  /* as MatMulNBits': 4 lets the activations round to 8 bits (a decode step's too, unless few_rows); below,
+   * a prompt's to ~16 (two 8-bit rows) */
   status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "accuracy_level", &level);
   if (status) {
     CALL(api, RELEASE_STATUS, release_status_t)(status);
     level = 4;
+  }
+  int64_t few_rows = 0;
+  status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "few_rows", &few_rows);
+  if (status) {
+    CALL(api, RELEASE_STATUS, release_status_t)(status);
+    few_rows = 0;
   }
   /* at most 2^31 each: N x K / 32 x 20 (the task sizing) fits in int64 */
   if (block != BLOCK || k <= 0 || n <= 0 || k % BLOCK || k > (INT64_C(1) << 31) || n > (INT64_C(1) << 31))
@@ -741,6 +860,7 @@ static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, vo
   self->k = k;
   self->n = n;
   self->exact_rows = level < 4;
+  self->few_rows = few_rows != 0;
   *kernel = self;
   return NULL;
 }
