@@ -34,7 +34,8 @@ table the embedding Gather reads) takes one of two layouts:
 
 * `TABLE` (`rtn`, `rtn-asym` at 4 bits: the fast quantizers' default, onnxruntime-genai's int4 layout):
   the head's 4-bit blocks are the token table too; the embedding gathers the bytes of its rows from the
-  head's MatMulNBits tensors and dequantizes them in the graph. One copy of the table, at 4 bits.
+  head's tensors (MatMulNBits', or under `rtn` in blocks of 32 MatMul4Bits': the scales the first half of
+  its float16 halves) and dequantizes them in the graph. One copy of the table, at 4 bits.
 * `SHORTLIST` (the accurate quantizers' default, and at 8 bits): at 4 bits the head loses most of a small
   model's greedy agreement (measured), so 4-bit blocks rank every token, and the top `SHORTLIST_SIZE`
   logits are computed again from the table's rows (TopK, a Gather of those rows, one small MatMul,
@@ -233,8 +234,9 @@ def quantize_weights(
         model = _shortlisted_head(model, *shortlist, quantized_tables.get(shortlist[2].name))
     if table is not None:  # the head in the layers' blocks, its rows the table's: onnxruntime-genai's int4 layout
         symmetric = quantizer == "rtn"
-        model = _ort_rtn(model, 4, block_size, tabled, symmetric, deferred)
-        _table_from_head(model, table.name, HEAD_WEIGHT, int(table.dims[1]), block_size, symmetric)
+        model = _ort_rtn(model, 4, block_size, tabled, symmetric, deferred, native=True)
+        halves = _on_quivers_kernel(4, block_size, symmetric, int(table.dims[1]))  # as _ort_rtn wrote the head
+        _table_from_head(model, table.name, HEAD_WEIGHT, int(table.dims[1]), block_size, symmetric, halves)
     from quiver.ir.edit import drop_unread_initializers
 
     # an untied head's float rows no shortlist reads (the model holds them only for one)
@@ -332,10 +334,13 @@ def _quantized_tables(
     return done
 
 
-def _table_from_head(model: onnx.ModelProto, table: str, head: str, hidden: int, block: int, symmetric: bool) -> None:
+def _table_from_head(
+    model: onnx.ModelProto, table: str, head: str, hidden: int, block: int, symmetric: bool, halves: bool = False
+) -> None:
     """Every Gather of `table`'s rows reads them from the 4-bit head's blocks instead (MatMulNBits' tensors of
     `head`: [vocab, blocks, block / 2], a scale per block and, unless `symmetric`, a 4-bit zero point; else
-    8): the rows' bytes gathered, their nibbles split (the low one first, as MatMulNBits packs them), and
+    8; with `halves`, MatMul4Bits' symmetric blocks: the scales the first half of `head`.halves, float16):
+    the rows' bytes gathered, their nibbles split (the low one first, as MatMulNBits packs them), and
     (q - zero) * scale. ORT's GatherBlockQuantized computes the same, but only from tensors of other shapes
     (2-d data, scales of the data's rank), which would be a second copy of the table in the context. The
     ids' rank is read from the graph's inputs: the reshapes then copy the leading sizes (0), with no Shape
@@ -349,7 +354,7 @@ def _table_from_head(model: onnx.ModelProto, table: str, head: str, hidden: int,
     constants: dict[str, np.ndarray] = {
         "fifteen": np.array(15, np.uint8), "four": np.array(4, np.uint8), "eight": np.array(8, np.float32),
         "last": np.array([-1], np.int64), "start": np.array([0], np.int64), "blocks": np.array([count], np.int64),
-        "hidden": np.array([hidden], np.int64),
+        "hidden": np.array([hidden], np.int64), "first": np.array([0], np.int64), "pair": np.array([-2], np.int64),
     }  # fmt: skip
     ranks = {i.name: len(i.type.tensor_type.shape.dim) for i in graph.input if i.type.tensor_type.HasField("shape")}
     c = {key: weights.add(f"/model/embed_tokens/from_head/{key}", value) for key, value in constants.items()}
@@ -386,9 +391,20 @@ def _table_from_head(model: onnx.ModelProto, table: str, head: str, hidden: int,
             continue
         ids, p = node.input[1], f"{node.name}/from_head"
         rank = ranks.get(ids)
-        parts = ("Q4", "scales", *(() if symmetric else ("zero_points",)))
-        nodes += [helper.make_node("Gather", [f"{head}_{part}", ids], [f"{p}/{part}"], name=f"{p}/Gather_{part}",
-                                   axis=0) for part in parts]  # fmt: skip
+        parts = {"Q4": f"{head}_Q4"}
+        if halves:  # [..., 2, blocks] float16: the scales are the first of the two
+            parts["halves"] = f"{head}.halves"
+        else:
+            parts.update({part: f"{head}_{part}" for part in ("scales", *(() if symmetric else ("zero_points",)))})
+        nodes += [helper.make_node("Gather", [tensor, ids], [f"{p}/{part}"], name=f"{p}/Gather_{part}", axis=0)
+                  for part, tensor in parts.items()]  # fmt: skip
+        if halves:
+            nodes += [
+                helper.make_node("Gather", [f"{p}/halves", c["first"]], [f"{p}/scales1"], name=f"{p}/GatherScales",
+                                 axis=-2),
+                helper.make_node("Squeeze", [f"{p}/scales1", c["pair"]], [f"{p}/scales16"], name=f"{p}/Squeeze"),
+                helper.make_node("Cast", [f"{p}/scales16"], [f"{p}/scales"], name=f"{p}/CastScales", to=1),
+            ]  # fmt: skip
         nodes += nibbles(f"{p}/Q4", None if rank is None else rank + 1, f"{p}/q")  # [..., blocks, block]
         zero = c["eight"]
         if not symmetric:
@@ -578,6 +594,14 @@ def _symmetric_halves(weight: Deferred, block_size: int) -> list[np.ndarray]:
     return [packed, halves]
 
 
+def _on_quivers_kernel(bits: int, block_size: int, symmetric: bool, k: int) -> bool:
+    """Whether ORT's round to nearest of a [K, N] weight can be Quiver's MatMul4Bits (symmetric 4-bit blocks
+    of 32, K a multiple of them: ORT's quantizer pads others)."""
+    from quiver.ir.quiver_ops import MATMUL_4BITS_BLOCK
+
+    return bits == 4 and symmetric and block_size == MATMUL_4BITS_BLOCK and k % block_size == 0
+
+
 def _ort_rtn(
     model: onnx.ModelProto,
     bits: int,
@@ -595,9 +619,7 @@ def _ort_rtn(
 
     from quiver.ir.edit import drop_unread_initializers
     from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain, use_quiver_domain
-    from quiver.ir.quiver_ops import MATMUL_4BITS, MATMUL_4BITS_BLOCK, QUIVER_DOMAIN
-
-    native = native and bits == 4 and symmetric and block_size == MATMUL_4BITS_BLOCK
+    from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
 
     graph = model.graph
     weights = _Weights(graph, deferred)
@@ -610,7 +632,7 @@ def _ort_rtn(
             continue
         name = node.input[1]
         k, n = (int(d) for d in tensor.dims)
-        if native:
+        if native and _on_quivers_kernel(bits, block_size, symmetric, k):
             names = [f"{name}_Q4", f"{name}.halves"]
             if name not in done:
                 count = k // block_size
@@ -641,7 +663,7 @@ def _ort_rtn(
     graph.node.extend(nodes)
     drop_unread_initializers(graph, done)
     use_microsoft_domain(model)
-    if native and any(n.domain == QUIVER_DOMAIN for n in graph.node):
+    if any(n.domain == QUIVER_DOMAIN for n in graph.node):
         use_quiver_domain(model)
     return model
 
