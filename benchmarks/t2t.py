@@ -84,6 +84,7 @@ else:
     from quiver.t2t.config import read_dialog_config
     from quiver.t2t.dialog import Dialog
     import dataclasses, tokenizers
+    api = capi.api()  # ORT's library loaded before the baseline, as importing onnxruntime_genai loads genai's
     start_rss = status("VmRSS")
     config = read_dialog_config(path)
     if mode == "one-graph":
@@ -92,7 +93,6 @@ else:
     dialog.context.wait_until_ready()  # speed once packed (a float model's first token comes before packing)
     if mode.startswith("lora:"):
         dialog.apply_lora(mode[5:])
-    api = capi.api()
     inner, spent = api.Run, [0.0]
     def timed(*args):
         start = time.perf_counter()
