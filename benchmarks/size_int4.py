@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from real_size import _bandwidth_use, _side_by_side
-from size_models import make_model
+from size_models import cached_model
 from timing import peers_on_huge_pages
 
 CACHE = Path.home() / ".cache" / "quiver"
@@ -25,8 +25,7 @@ def main() -> None:
     parser.add_argument("folder", type=Path, nargs="?", default=CACHE / "size-int4")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    tokenizer = next((CACHE / "real-llms").glob("*/smollm2/tokenizer.json"))  # `ci/make-real-models llms` keeps it
-    models = {size: make_model(size, CACHE / "size-models" / f"llama-{size}", tokenizer) for size in ("1b", "3b")}
+    models = {size: cached_model(size) for size in ("1b", "3b")}
     venv = CACHE / "export-venv" / "bin" / "python"
     args.folder.mkdir(parents=True, exist_ok=True)
     with peers_on_huge_pages() as tunables:

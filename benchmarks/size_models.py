@@ -106,6 +106,14 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Call
             f.write(make().tobytes())
 
 
+def cached_model(size: str) -> Path:
+    """`make_model` of `size` in the user's cache (~/.cache/quiver/size-models/llama-SIZE), SmolLM2's tokenizer
+    from the corpus `ci/make-real-models llms` keeps."""
+    cache = Path.home() / ".cache" / "quiver"
+    tokenizer = next((cache / "real-llms").glob("*/smollm2/tokenizer.json"))
+    return make_model(size, cache / "size-models" / f"llama-{size}", tokenizer)
+
+
 def make_model(size: str, folder: Path, tokenizer: Path, seed: int = 0) -> Path:
     """The folder (made once: kept where it is whole)."""
     if (folder / "config.json").is_file():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from llama_server import build, environment
 from real_size import _OPEN, _export
-from size_models import make_model
+from size_models import cached_model
 from size_peers import gguf_exports, open_llama, open_python
 from timing import peers_on_huge_pages
 
@@ -28,9 +28,7 @@ def main() -> None:
     parser.add_argument("folder", type=Path, nargs="?", default=CACHE / "size-opens")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    # the folder `--only real_size` makes (its tokenizer SmolLM2's: `ci/make-real-models llms` keeps one)
-    tokenizer = next((CACHE / "real-llms").glob("*/smollm2/tokenizer.json"))
-    model = make_model("1b", CACHE / "size-models" / "llama-1b", tokenizer)
+    model = cached_model("1b")  # the folder `--only real_size` makes
     venv = CACHE / "export-venv" / "bin" / "python"
     server, env = build() / "llama-server", environment()
     ggufs = args.folder / "gguf"
