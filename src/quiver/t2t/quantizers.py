@@ -6,8 +6,9 @@ Quantizers, by name:
   blocks of 32 (the default) each weight is one node of Quiver's own operator, `ai.quiver::MatMul4Bits`
   (the cpu backend's kernel: `quiver.backends.cpu.native_ops`), ORT's blocks with their scales in
   float16 (the minimum -8 s): read where they lie, where ORT's MatMulNBits packs its own copy at each
-  session (the open's time and memory at 1B); a prompt's activations on 8 bits as ORT's, a decode step's
-  on 16. Where the kernel is not built the node is ORT's MatMulNBits again, on the same blocks.
+  session (the open's time and memory at 1B); the activations on 8 bits as ORT's int8 kernel rounds
+  them, a prompt's and a decode step's. Where the kernel is not built the node is ORT's MatMulNBits
+  again, on the same blocks.
 * `rtn-asym`: round to nearest with a 4-bit integer zero point per block (the same quantizer,
   asymmetric): w = s (q - z).
 * `rtn-min`: round to nearest with a scale and a float minimum per block, as GGUF's Q4_1 stores them:

@@ -9,7 +9,8 @@ Attribute `symmetric` marks blocks with m = -8 s (`rtn`'s: ORT's MatMulNBits alo
 weights are read where they lie: nothing is packed or copied when a session is made, so a context's
 mapped blocks are all the memory they take. ONNX Runtime has no fast kernel for float minimums, and
 packs its own copy of every block at each session, so Quiver carries one (`native/matmul_4bits.c`):
-a few rows (a decode step) with A's blocks rounded to 16 bits (exact to ~2e-5 of the float product);
+a few rows (a decode step) with A's blocks rounded to 16 bits (exact to ~2e-5 of the float product; a
+node marked `few_rows`, or below level 4), else to 8 bits as ORT's int8 kernel does (`rtn`'s);
 many (a prompt, 8 rows and more) as MLAS does, on 8 bits with VNNI's integer products (accuracy level
 4, the backend's default), or on 8 bits twice, A then what that loses (~16 bits: a node or backend at
 a level below 4, as `rtn-min`'s and `hqq`'s prompts ask).

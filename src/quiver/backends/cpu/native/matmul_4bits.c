@@ -7,7 +7,7 @@
  * minimums' product beside it, for ORT's operators in this one's place): this kernel does not read them.
  * The weights are read where they lie (nothing is packed or copied when a session is made). A's blocks
  * are rounded to 16 bits each for a few rows (exact to ~2e-5 of the float product, where ORT's fast
- * kernel rounds them to 8 bits); for many (a prompt: AVX-512 VNNI) to 8 bits, as MLAS does, 16 columns of
+ * kernel rounds them to 8 bits; at accuracy level 4 a node not marked few_rows takes 8, as ORT); for many (a prompt: AVX-512 VNNI) to 8 bits, as MLAS does, 16 columns of
  * weights widened at a time for VNNI's u8 x s8 products, or (attribute accuracy_level below 4) to 8 bits
  * twice, A then what that loses (~16 bits). Built by
  * quiver.backends.cpu.native_ops with the machine's own compiler (-march=native); it uses only ONNX
