@@ -33,7 +33,7 @@ from typing import Any
 import llama_completion  # a sibling script, not a package
 from size_models import make_adapter, make_model
 from size_peers import genai_export, gguf_exports, open_genai, open_llama, open_python
-from t2t import CONTEXT, NEW_TOKENS, THREADS, _genai_copy, _medians, _worker, worker_prompts
+from t2t import CONTEXT, NEW_TOKENS, PROMPTS, THREADS, _genai_copy, _medians, _worker, worker_prompts
 from timing import alternating_runs, peers_on_huge_pages
 
 SIZES = ("1b", "3b")
@@ -72,6 +72,14 @@ def _export(model: Path, adapter: Path | None, out: Path, bits: int | None, *ext
     if result["code"] != 0:
         raise RuntimeError(f"the export of {model} failed")
     return result | {"context_bytes": (out / "model.qctx").stat().st_size}
+
+
+def _kv_bytes_per_token(model: Path) -> int:
+    """Bytes of keys and values one token takes in Quiver's float32 caches, from the model's config."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return int(config["num_hidden_layers"] * 2 * heads * head_dim * 4)
 
 
 def measure_real_size(folder: Path, cache: Path, tokenizer: Path, venv_python: Path, rounds: int = 3) -> dict[str, Any]:
@@ -187,11 +195,20 @@ def _side_by_side(
         open_()  # every file into the page cache once
     opened = alternating_runs(opens, rounds, "size open")
     generated = alternating_runs(engines, rounds, "size generate")
+    generation = {label: _medians(runs) for label, runs in generated.items()}
+    kv_mb = _kv_bytes_per_token(model) * (max(PROMPTS) + NEW_TOKENS) / 2**20  # the longest prompt's, at its end
     return {
         "threads": THREADS,
         "exports": exports,
         "unavailable": unavailable,
         "open_to_first_token_s": {label: statistics.median(times) for label, times in opened.items()},
-        "generation": {label: _medians(runs) for label, runs in generated.items()},
+        "generation": generation,
+        "quiver_kv_in_use_mb": kv_mb,
+        # RSS while generating (after the longest prompt's generation) / (the context's bytes + keys and values)
+        "quiver_rss_over_weights_and_kv": {
+            label: generation[label]["rss_growth_mb"] / (exports[label]["context_bytes"] / 2**20 + kv_mb)
+            for label in generation
+            if label.startswith("quiver")
+        },
         "rounds": {"open": opened, "generation": generated},
     }

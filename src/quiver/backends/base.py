@@ -142,6 +142,7 @@ class Executable(Protocol):
         feeds: Mapping[str, np.ndarray],
         bound: Mapping[str, np.ndarray] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        release_scratch: bool = False,
     ) -> list[np.ndarray]:
         """Outputs in the graph's output order; feeds were validated by the runtime.
 
@@ -150,6 +151,8 @@ class Executable(Protocol):
         `out` holds caller-owned arrays (checked: writable, C-contiguous, the output's dtype and shape)
         that receive those outputs; they are returned in place of new arrays. An output array may be an
         input array too (a KV cache updated in place): backends that can, write into it directly.
+        `release_scratch`: the memory this run's intermediate values took goes back to the system after it,
+        where the backend keeps such memory between runs (a prompt's, before many single-token steps).
         """
         ...
 

@@ -273,6 +273,7 @@ class ReferenceExecutable:
         feeds: Mapping[str, np.ndarray],
         bound: Mapping[str, np.ndarray] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        release_scratch: bool = False,  # numpy's intermediate values are freed with the run anyway
     ) -> list[np.ndarray]:
         if _ONNX_CUSTOM_TYPES:
             feeds = {name: _as_onnx_custom(value) for name, value in feeds.items()}

@@ -32,7 +32,7 @@ from quiver.ort.engine_ort import PlainOrtSession, adapter_feeds, run_into
 from quiver.ort.epcontext import EpContext, save_ep_context_model
 from quiver.ort.errors import EngineError, InvalidArgument, MissingInputsError, NoSuchFile, ort_error
 from quiver.ort.metadata import ExecutionPath, NodeArg, node_arg
-from quiver.ort.options import SessionOptions, config_entries
+from quiver.ort.options import SessionOptions, config_entries, shrinks_cpu_arena
 from quiver.ort.provider import ProviderConfig
 from quiver.ort.session_config import copy_options
 from quiver.ort_package import onnxruntime
@@ -254,11 +254,12 @@ class QuiverEngine:
             raise EngineError(f"this session's backend failed earlier ({self._broken}); create a new session")
         try:
             state = self._state_with(sections) if sections else None
+            release = run_options is not None and shrinks_cpu_arena(config_entries(run_options))
             start = time.perf_counter_ns()
             if state is None:
-                results = self._graph.execute(dict(feeds), out=out or None)
+                results = self._graph.execute(dict(feeds), out=out or None, release_scratch=release)
             else:
-                results = self._graph.execute_with(dict(feeds), state, out=out or None)
+                results = self._graph.execute_with(dict(feeds), state, out=out or None, release_scratch=release)
             self._record(start, time.perf_counter_ns())
         except errors.BackendError as exc:
             self._broken = str(exc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +140,14 @@ class RunOptions(onnxruntime.RunOptions, _Remembered):
         self.active_adapters.append(adapter)
 
 
+SHRINK_ARENA_KEY = "memory.enable_memory_arena_shrinkage"  # run option: "cpu:0" (devices, ';' between)
+
+
+def shrinks_cpu_arena(entries: Mapping[str, str]) -> bool:
+    """Whether a run's config entries ask ORT to shrink the CPU arena after it (`cpu:0` among the devices)."""
+    return any(device.strip().startswith("cpu:") for device in entries.get(SHRINK_ARENA_KEY, "").split(";"))
+
+
 def config_entries(options: object) -> dict[str, str]:
     """Entries of our options, or of ORT's own SessionOptions/RunOptions (which only answer per key)."""
     if isinstance(options, (SessionOptions, RunOptions)):
@@ -152,6 +160,7 @@ def config_entries(options: object) -> dict[str, str]:
         "ep.share_ep_contexts",
         "qnn.lora_config",
         "quiver.lora_config",
+        SHRINK_ARENA_KEY,
         "session.record_ep_graph_assignment_info",
         "session.model_external_initializers_file_folder_path",
         "session.optimized_model_external_initializers_file_name",

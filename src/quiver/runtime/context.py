@@ -336,10 +336,13 @@ class Context:
         feeds: Mapping[str, np.ndarray],
         bound: Mapping[str, np.ndarray],
         out: Mapping[str, np.ndarray] | None = None,
+        release_scratch: bool = False,
     ) -> list[np.ndarray]:
         store = self._require_store()
         store.file.check_unchanged()  # a file written in place under a live mapping: refuse, don't crash
         with store.running(name, lambda: self._finalized_graph(store, name)) as executable:
+            if release_scratch:
+                return executable.run(feeds, bound, out, release_scratch=True)
             return executable.run(feeds, bound, out) if out else executable.run(feeds, bound)
 
     @contextmanager

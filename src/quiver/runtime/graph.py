@@ -46,7 +46,7 @@ class Graph:
         self.inputs_with_defaults = frozenset({self._zero_adapter[0]} if self._zero_adapter else ())
 
     def execute(
-        self, feeds: Mapping[str, object], out: Mapping[str, np.ndarray] | None = None
+        self, feeds: Mapping[str, object], out: Mapping[str, np.ndarray] | None = None, release_scratch: bool = False
     ) -> dict[str, np.ndarray]:
         """Runs the graph (QnnGraph_execute); prepares it on first use. The run sees the tensors and
         strengths in use when it starts, whatever is applied meanwhile.
@@ -54,11 +54,19 @@ class Graph:
         `out` maps output names to arrays of yours that receive them (QNN's client-allocated output
         buffers): no new arrays, and one may be a feed too, such as a KV cache the graph appends to in
         place (the cpu backend hands ORT one buffer for both).
+
+        `release_scratch`: the memory the run's intermediate values took goes back to the system after it,
+        where the backend would keep it for later runs (ORT's arena): a long prompt's, before the single
+        tokens that follow it need far less (ORT's `memory.enable_memory_arena_shrinkage`).
         """
-        return self.execute_with(feeds, self._context._state(self.name), out)
+        return self.execute_with(feeds, self._context._state(self.name), out, release_scratch)
 
     def execute_with(
-        self, feeds: Mapping[str, object], state: GraphState, out: Mapping[str, np.ndarray] | None = None
+        self,
+        feeds: Mapping[str, object],
+        state: GraphState,
+        out: Mapping[str, np.ndarray] | None = None,
+        release_scratch: bool = False,
     ) -> dict[str, np.ndarray]:
         """Runs the graph on a given state (`Context.state_with_sections`): per-run adapters."""
         if out:
@@ -67,7 +75,7 @@ class Graph:
                 validate_outputs(self.name, self.outputs, out)
                 self._checked_out = (key, out)
         arrays, bound = self.backend_feeds(feeds, state)
-        results = self._context._run(self.name, arrays, bound, out)
+        results = self._context._run(self.name, arrays, bound, out, release_scratch)
         return {info.name: result for info, result in zip(self.outputs, results)}
 
     def bind(self, feeds: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> BoundRun:

@@ -24,6 +24,7 @@ class GraphOwner(Protocol):
         feeds: Mapping[str, np.ndarray],
         bound: Mapping[str, np.ndarray],
         out: Mapping[str, np.ndarray] | None = None,
+        release_scratch: bool = False,
     ) -> list[np.ndarray]: ...
 
     def _repeating(

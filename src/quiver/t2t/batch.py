@@ -368,7 +368,8 @@ class BatchDecoder:
         }
         caches, out = self._rows(slice(row, row + 1))
         with self._lock:
-            self._graph.execute(feeds | caches, out=out)
+            # a window of a prompt gives back what its activations took: the decode steps between need far less
+            self._graph.execute(feeds | caches, out=out, release_scratch=len(ids) > 1)
         return self._logits[row, 0]
 
     def decode(self, tokens: Sequence[int], cached: Sequence[int], slots: Sequence[int]) -> np.ndarray:

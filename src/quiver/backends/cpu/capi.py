@@ -29,6 +29,7 @@ _API_VERSION = 20  # ORT >= 1.20; every function used here predates it
 # Indices into `struct OrtApi` (onnxruntime_c_api.h); stable across releases.
 _CREATE_STATUS, _GET_ERROR_MESSAGE = 0, 2
 _CREATE_ENV, _RUN, _CREATE_SESSION_OPTIONS = 3, 9, 10
+_CREATE_RUN_OPTIONS = 39
 _SET_SESSION_LOG_SEVERITY_LEVEL, _SET_GRAPH_OPTIMIZATION_LEVEL, _SET_INTRA_OP_NUM_THREADS = 22, 23, 24
 _CREATE_TENSOR_WITH_DATA, _GET_TENSOR_MUTABLE_DATA = 49, 51
 _GET_TENSOR_ELEMENT_TYPE, _GET_DIMENSIONS_COUNT, _GET_DIMENSIONS = 60, 61, 62
@@ -37,11 +38,14 @@ _RELEASE_STATUS, _RELEASE_SESSION, _RELEASE_VALUE = 93, 95, 96
 _RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, _RELEASE_SESSION_OPTIONS = 99, 100
 _DISABLE_PER_SESSION_THREADS, _ADD_SESSION_CONFIG_ENTRY, _CREATE_AND_REGISTER_ALLOCATOR = 120, 130, 144
 _ADD_INITIALIZER = 150
-_CREATE_PREPACKED_CONTAINER, _RELEASE_PREPACKED_CONTAINER = 166, 167
+_ADD_RUN_CONFIG_ENTRY, _CREATE_PREPACKED_CONTAINER, _RELEASE_PREPACKED_CONTAINER = 165, 166, 167
 _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER = 169
 _ADD_EXTERNAL_INITIALIZERS = 210
 
 LOG_FATAL = 4
+# ORT's run option (onnxruntime_run_options_config_keys.h): after the run, the CPU arena gives back the
+# regions nothing holds any more
+SHRINK_ARENA = ("memory.enable_memory_arena_shrinkage", "cpu:0")
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
 _STATUS = ctypes.c_void_p
@@ -135,6 +139,8 @@ class Api:
             _CREATE_SESSION_FROM_ARRAY_WITH_CONTAINER, _STATUS, _P, ctypes.c_char_p, ctypes.c_size_t, _P, _P, _PP
         )
         self.ReleaseSession = fn(_RELEASE_SESSION, None, _P)
+        self.CreateRunOptions = fn(_CREATE_RUN_OPTIONS, _STATUS, _PP)
+        self.AddRunConfigEntry = fn(_ADD_RUN_CONFIG_ENTRY, _STATUS, _P, ctypes.c_char_p, ctypes.c_char_p)
         self.CreateCpuMemoryInfo = fn(_CREATE_CPU_MEMORY_INFO, _STATUS, ctypes.c_int, ctypes.c_int, _PP)
         self.CreateAndRegisterAllocator = fn(_CREATE_AND_REGISTER_ALLOCATOR, _STATUS, _P, _P, _P)
         self.CreateTensorWithDataAsOrtValue = fn(
@@ -177,6 +183,10 @@ class Api:
         self._arena_process = os.getpid() if registered else None
         if status:
             self.ReleaseStatus(status)
+        # Run options read by every run that asks for them, never changed (shared by threads, and valid in
+        # a forked child: plain memory), kept for the process's life
+        self.shrinking_run = self.handle_from(self.CreateRunOptions)
+        self.check(self.AddRunConfigEntry(self.shrinking_run, *(text.encode() for text in SHRINK_ARENA)))
         self._warm_up()
 
     def shared_arena(self) -> bool:

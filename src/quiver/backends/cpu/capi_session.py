@@ -142,7 +142,9 @@ class Session:
         feeds: Mapping[str, np.ndarray],
         bound: Mapping[str, np.ndarray],
         out: Mapping[str, np.ndarray],
+        shrink_arena: bool = False,
     ) -> list[np.ndarray]:
+        """`shrink_arena`: ORT's arena gives back afterwards what this run's intermediate values took."""
         capi = self._api
         last = self._last_run
         if last is not None and last[0] is feeds and last[1] is bound and last[2] is out and last[3] is output_names:
@@ -167,7 +169,16 @@ class Session:
         outputs = (_P * len(output_names))()
         ctypes.memmove(outputs, plan.outputs, ctypes.sizeof(outputs))
         capi.check(
-            capi.Run(self.handle, None, plan.names, inputs, plan.count, plan.output_names, len(outputs), outputs)
+            capi.Run(
+                self.handle,
+                capi.shrinking_run if shrink_arena else None,
+                plan.names,
+                inputs,
+                plan.count,
+                plan.output_names,
+                len(outputs),
+                outputs,
+            )
         )
         if plan.results is not None:
             return list(plan.results)

@@ -257,6 +257,7 @@ class CpuExecutable:
         feeds: Mapping[str, np.ndarray],
         bound: Mapping[str, np.ndarray] | None = None,
         out: Mapping[str, np.ndarray] | None = None,
+        release_scratch: bool = False,
     ) -> list[np.ndarray]:
         session = self._session
         if session is None:
@@ -265,7 +266,7 @@ class CpuExecutable:
         if self._strengths is not None:
             feeds, bound = self._strengths.apply(feeds, bound)
         try:
-            outputs = session.run(self._output_names, feeds, bound, _NOTHING if out is None else out)
+            outputs = session.run(self._output_names, feeds, bound, _NOTHING if out is None else out, release_scratch)
         except Exception as exc:
             raise _ort_failure(exc) from None
         self._last_run = time.monotonic()

@@ -116,6 +116,11 @@ class PythonApiSession:
             entries |= packed_file.save_entries()
         elif _shared_arena():  # ORT's env arena, shared with the other sessions (the stand-in's first chunks too)
             entries["session.use_env_allocators"] = "1"
+        # a run may ask ORT's arena to shrink only where there is one (ORT fails the run otherwise)
+        self._shrinking: ort.RunOptions | None = None
+        if options.enable_cpu_mem_arena or entries.get("session.use_env_allocators") == "1":
+            self._shrinking = ort.RunOptions()
+            self._shrinking.add_run_config_entry(*capi.SHRINK_ARENA)
         for key, value in entries.items():
             options.add_session_config_entry(key, value)
         if profile_prefix is not None:
@@ -145,9 +150,13 @@ class PythonApiSession:
         feeds: Mapping[str, np.ndarray],
         bound: Mapping[str, np.ndarray],
         out: Mapping[str, np.ndarray],
+        shrink_arena: bool = False,
     ) -> list[np.ndarray]:
+        """`shrink_arena`: ORT's arena (if the session has one) gives back what this run's intermediate
+        values took."""
+        options = self._shrinking if shrink_arena else None
         if not out:
-            return list(self._session.run(output_names, {**bound, **feeds}))
+            return list(self._session.run(output_names, {**bound, **feeds}, options))
         binding = self._session.io_binding()
         buffers = {id(array) for array in out.values()}
         for name, array in {**bound, **feeds}.items():
@@ -161,7 +170,7 @@ class PythonApiSession:
                 binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
             else:
                 binding.bind_output(name, "cpu")
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, options)
         # in the order bound: output_names; the caller's buffers already hold theirs (copy_outputs_to_cpu
         # would copy every output, a whole KV cache included)
         values = binding.get_outputs()
