@@ -9,29 +9,21 @@ JSON on stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 from real_size import _bandwidth_use, _side_by_side
-from size_models import cached_model
+from size_models import EXPORT_VENV, cached_model, size_arguments
 from timing import peers_on_huge_pages
-
-CACHE = Path.home() / ".cache" / "quiver"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("folder", type=Path, nargs="?", default=CACHE / "size-int4")
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = size_arguments("size-int4", rounds=3)
     models = {size: cached_model(size) for size in ("1b", "3b")}
-    venv = CACHE / "export-venv" / "bin" / "python"
     args.folder.mkdir(parents=True, exist_ok=True)
     with peers_on_huge_pages() as tunables:
         result = {
             "glibc_tunables": tunables,
-            "1b int4 side by side": _side_by_side(args.folder, models["1b"], venv, args.rounds, ("int4",)),
+            "1b int4 side by side": _side_by_side(args.folder, models["1b"], EXPORT_VENV, args.rounds, ("int4",)),
             "3b int4 bandwidth": _bandwidth_use(args.folder, models["3b"], args.rounds),
         }
     print(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@ appended), so making an 8B folder needs no more memory than its largest tensor.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -106,12 +107,23 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Call
             f.write(make().tobytes())
 
 
+CACHE = Path.home() / ".cache" / "quiver"
+EXPORT_VENV = CACHE / "export-venv" / "bin" / "python"  # genai's builder, llama.cpp's converter
+
+
+def size_arguments(folder: str, rounds: int) -> argparse.Namespace:
+    """A size benchmark's command line: FOLDER for its exports (default ~/.cache/quiver/`folder`), --rounds."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder", type=Path, nargs="?", default=CACHE / folder)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser.parse_args()
+
+
 def cached_model(size: str) -> Path:
     """`make_model` of `size` in the user's cache (~/.cache/quiver/size-models/llama-SIZE), SmolLM2's tokenizer
     from the corpus `ci/make-real-models llms` keeps."""
-    cache = Path.home() / ".cache" / "quiver"
-    tokenizer = next((cache / "real-llms").glob("*/smollm2/tokenizer.json"))
-    return make_model(size, cache / "size-models" / f"llama-{size}", tokenizer)
+    tokenizer = next((CACHE / "real-llms").glob("*/smollm2/tokenizer.json"))
+    return make_model(size, CACHE / "size-models" / f"llama-{size}", tokenizer)
 
 
 def make_model(size: str, folder: Path, tokenizer: Path, seed: int = 0) -> Path:

@@ -8,50 +8,37 @@ into FOLDER and kept. JSON on stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from functools import partial
 
 from llama_server import build, environment
 from real_size import _OPEN, _export
-from size_models import cached_model
+from size_models import EXPORT_VENV, cached_model, size_arguments
 from size_peers import gguf_exports, open_llama, open_python
-from timing import peers_on_huge_pages
-
-CACHE = Path.home() / ".cache" / "quiver"
+from timing import alternating_runs, peers_on_huge_pages
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("folder", type=Path, nargs="?", default=CACHE / "size-opens")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = size_arguments("size-opens", rounds=5)
     model = cached_model("1b")  # the folder `--only real_size` makes
-    venv = CACHE / "export-venv" / "bin" / "python"
     server, env = build() / "llama-server", environment()
     ggufs = args.folder / "gguf"
     if not (ggufs / "model-q4_0.gguf").is_file():
-        gguf_exports(model, ggufs, venv, build(), env)
-    opens = {}
+        gguf_exports(model, ggufs, EXPORT_VENV, build(), env)
+    opens: dict[str, Callable[[], float]] = {}
     for label, bits in (("fp32", None), ("int4", 4)):
         out = args.folder / f"quiver-{label}"
         if not (out / "model.qctx").is_file():
             _export(model, None, out, bits, "--context-size", "1024")
-        opens[f"quiver {label}"] = (open_python, (_OPEN, out / "genie_config.json"))
+        opens[f"quiver {label}"] = partial(open_python, _OPEN, out / "genie_config.json")
     for kind in ("f32", "q4_0"):
-        opens[f"llama.cpp {kind.upper()}"] = (open_llama, (server, ggufs / f"model-{kind}.gguf", 2, env))
+        opens[f"llama.cpp {kind.upper()}"] = partial(open_llama, server, ggufs / f"model-{kind}.gguf", 2, env)
     with peers_on_huge_pages() as tunables:
-        for open_, given in opens.values():
-            open_(*given)  # every file into the page cache once
-        rounds: dict[str, list[float]] = {label: [] for label in opens}
-        for number in range(args.rounds):
-            labels = list(opens) if number % 2 == 0 else list(opens)[::-1]
-            for label in labels:
-                print(f"  open round {number + 1}/{args.rounds}: {label}", file=sys.stderr)
-                open_, given = opens[label]
-                rounds[label].append(open_(*given))
+        for open_ in opens.values():
+            open_()  # every file into the page cache once
+        rounds = alternating_runs(opens, args.rounds, "open")
     ratios = {
         f"{ours} / {theirs}": statistics.median(a / b for a, b in zip(rounds[ours], rounds[theirs]))
         for ours, theirs in (("quiver fp32", "llama.cpp F32"), ("quiver int4", "llama.cpp Q4_0"))
