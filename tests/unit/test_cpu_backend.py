@@ -34,6 +34,41 @@ def test_a_graph_runs_unpacked_first_then_packed_with_the_same_outputs(
     np.testing.assert_allclose(first, later, atol=1e-5, rtol=0)
 
 
+def test_background_packing_counts_a_run_under_way_as_not_quiet(family_context: Path, input_ids: np.ndarray) -> None:
+    import threading
+
+    context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend())
+    context.prepare_graph("base")
+    executable = executables(context)["base"]
+    assert isinstance(executable, cpu.CpuExecutable) and not executable.is_packed
+    session = executable._session
+    assert session is not None
+    entered, release = threading.Event(), threading.Event()
+    real_run = session.run
+
+    def held_run(*args: object, **kwargs: object) -> object:  # the real run, once the test lets it go
+        entered.set()
+        release.wait(30)
+        return real_run(*args, **kwargs)  # type: ignore[arg-type]
+
+    session.run = held_run  # type: ignore[method-assign]
+    executable._last_run = time.monotonic() - 10  # the last run returned long ago
+    results: list[np.ndarray] = []
+    runner = threading.Thread(
+        target=lambda: results.append(context.graph("base").execute({"input_ids": input_ids})["last_hidden_state"])
+    )
+    runner.start()
+    try:
+        assert entered.wait(30)
+        # a run under way: packing (and letting the mapped weights go) waits for it
+        assert executable._until_quiet() > 0
+    finally:
+        release.set()
+        runner.join(30)
+    assert len(results) == 1 and np.isfinite(results[0]).all()
+    context.close()
+
+
 @pytest.mark.parametrize("backend", [cpu.CpuBackend(lazy_prepack=False), cpu.CpuBackend(prepack=False)])
 def test_eager_packing_and_no_packing_agree_with_onnxruntime(
     family: dict, family_context: Path, input_ids: np.ndarray, backend: cpu.CpuBackend

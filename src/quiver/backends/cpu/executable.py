@@ -100,6 +100,10 @@ class CpuExecutable:
         self._released = False
         self._holders = 1  # graphs this executable serves (`share`): released when the last lets go
         self._last_run = 0.0  # when a run last returned (time.monotonic()): packing waits for quiet
+        # runs under way: packing waits for them too (a 1B float prompt's run takes longer than the quiet
+        # it waits for, and packing beside it let its pages go while it read them)
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
         io_types = {t.dtype for t in (*graph.inputs, *graph.outputs)}
         # float8 and 4-bit tensors pass only through the C API (one session, packed from the start);
         # strings only through the Python API (its sessions)
@@ -265,11 +269,16 @@ class CpuExecutable:
         bound = _NOTHING if bound is None else bound  # the same object run after run: sessions key on it
         if self._strengths is not None:
             feeds, bound = self._strengths.apply(feeds, bound)
+        with self._in_flight_lock:
+            self._in_flight += 1
         try:
             outputs = session.run(self._output_names, feeds, bound, _NOTHING if out is None else out, release_scratch)
         except Exception as exc:
             raise _ort_failure(exc) from None
-        self._last_run = time.monotonic()
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+            self._last_run = time.monotonic()
         if self._upgrade_pending:
             self._start_upgrade()
         elif self.is_packed and self._droppable:
@@ -330,7 +339,10 @@ class CpuExecutable:
         return not self._released and threading.main_thread().is_alive()
 
     def _until_quiet(self) -> float:
-        """Seconds until the graph has not run for QUIET_BEFORE_PACKING_S (0 or less: quiet now)."""
+        """Seconds until the graph has not run for QUIET_BEFORE_PACKING_S (0 or less: quiet now); a run under
+        way counts as running now."""
+        if self._in_flight:
+            return QUIET_BEFORE_PACKING_S
         return QUIET_BEFORE_PACKING_S - (time.monotonic() - self._last_run)
 
     def _start_upgrade(self) -> None:
