@@ -241,8 +241,9 @@ class Dialog:
         start = time.perf_counter()
         window = self.config.prefill_window
         for begin in range(0, len(fed), window):
-            # the prompt's last window gives back the memory its activations took (ORT's arena would keep
-            # it all through the single tokens that follow: 30-40 MB for a 1B model's 512-token window)
+            # the prompt's last window gives back the memory the prompt's activations took (ORT's arena would
+            # keep it all through the single tokens that follow: 30-40 MB for a 1B model's 512-token window),
+            # even a last window of one token after a full one
             self._step(self._prefill, fed[begin : begin + window], release_scratch=begin + window >= len(fed))
         self._pending = []
         prefilled = time.perf_counter()
@@ -322,7 +323,7 @@ class Dialog:
             self._decode_run.run()  # bound to the token arrays just written
         else:
             feeds = {INPUT_IDS: token, SEQLENS_K: seqlens, TOTAL_LENGTH: length, **self._cache}
-            graph.execute(feeds, out=self._out, release_scratch=release_scratch and len(ids) > 1)  # type: ignore[attr-defined]
+            graph.execute(feeds, out=self._out, release_scratch=release_scratch)  # type: ignore[attr-defined]
         self._history.extend(ids)
 
     @property
