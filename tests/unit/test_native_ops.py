@@ -60,25 +60,6 @@ def _library() -> Path:
     return built
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The kernel as this machine builds it, and its other two paths (AVX2; portable C) built for an older x86."""
-    import shutil
-    import subprocess
-
-    from quiver.backends.cpu.native_ops import _SOURCE
-
-    folder = tmp_path_factory.mktemp("builds")
-    made = {"native": _library()}
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    assert compiler is not None
-    for name, march in (("avx2", "haswell"), ("portable", "x86-64")):
-        made[name] = folder / f"{name}.so"
-        command = [compiler, "-O3", f"-march={march}", "-shared", "-fPIC", "-o", str(made[name]), str(_SOURCE)]
-        subprocess.run(command, check=True)
-    return made
-
-
 def _run(model: onnx.ModelProto, x: np.ndarray, library: Path | None, threads: int = 2) -> np.ndarray:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -109,14 +90,14 @@ def _on_8_bits(x: np.ndarray) -> np.ndarray:
 )
 @pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 def test_the_kernel_computes_the_float_product_of_its_blocks(
-    k: int, n: int, shape: tuple[int, ...], tolerance: float, build: str, builds: dict[str, Path]
+    k: int, n: int, shape: tuple[int, ...], tolerance: float, build: str, native_builds: dict[str, Path]
 ) -> None:
     """Against the float64 product of its blocks; a prompt's rows (8 and more, AVX-512's path) after
     rounding them to 8 bits a block, the minimums' term on their float sums."""
     rng = np.random.default_rng(k + n)
     tensors, w = _blocks(rng, k, n)
     x = (rng.standard_normal((*shape, k)) * np.where(rng.random(k) < 0.02, 30, 1)).astype(np.float32)
-    y = _run(_model(k, n, tensors, len(shape) + 1), x, builds[build])
+    y = _run(_model(k, n, tensors, len(shape) + 1), x, native_builds[build])
     want = x.astype(np.float64) @ w
     if int(np.prod(shape)) >= 8:
         if build == "native":

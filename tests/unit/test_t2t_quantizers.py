@@ -157,6 +157,35 @@ def test_rtn_min_decodes_the_same_tokens_with_ort_operators_in_place_of_quivers_
     np.testing.assert_allclose(ort_logits[finite], kernel_logits[finite], rtol=0, atol=1e-3 * scale)
 
 
+def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
+    gridded: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rtn's decode step (no float weights for ORT to pack) is a graph of its own whose attention is Quiver's
+    DecodeAttention; the same greedy tokens and logits within float32's rounding as ORT's GroupQueryAttention
+    in its place (the kernel not built); a float export's decode step stays the prefill graph's body."""
+    folder, _ = gridded
+    config = export(folder, tmp_path / "rtn", options=ExportOptions(64, weight_bits=4)).path
+    with quiver.Context.from_binary(config.parent / "model.qctx") as context:
+        ops = {g: {n.op_type for n in context.finalized_graph(g).model.graph.node} for g in ("prefill", "decode")}
+    assert "DecodeAttention" in ops["decode"] and "GroupQueryAttention" not in ops["decode"]
+    assert "GroupQueryAttention" in ops["prefill"] and "DecodeAttention" not in ops["prefill"]
+    float_config = export(folder, tmp_path / "float", options=ExportOptions(64)).path
+    with quiver.Context.from_binary(float_config.parent / "model.qctx") as context:
+        assert "DecodeAttention" not in {n.op_type for n in context.finalized_graph("decode").model.graph.node}
+
+    def reply() -> tuple[list[int], np.ndarray]:
+        with Dialog.from_config(config) as dialog:
+            tokens = dialog.token_query(IDS, max_new_tokens=12, min_new_tokens=12, greedy=True).new_ids
+            return tokens, dialog._logits.reshape(-1).astype(np.float64)
+
+    assert native_ops.native_ops().path is not None, native_ops.native_ops().reason
+    kernel_tokens, kernel_logits = reply()
+    monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
+    ort_tokens, ort_logits = reply()
+    assert ort_tokens == kernel_tokens
+    np.testing.assert_allclose(ort_logits, kernel_logits, rtol=0, atol=1e-4 * np.abs(kernel_logits).max())
+
+
 def _product(model: onnx.ModelProto, x: np.ndarray, level: int) -> np.ndarray:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)

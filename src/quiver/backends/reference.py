@@ -19,7 +19,7 @@ from quiver.ir import dtypes
 from quiver.ir.edit import initializers_as_inputs
 from quiver.ir.nibbles import unpack_bits
 from quiver.ir.ops import MS_DOMAIN
-from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
+from quiver.ir.quiver_ops import DECODE_ATTENTION, MATMUL_4BITS, QUIVER_DOMAIN
 
 
 def _ms_gelu(self: OpRun, x: np.ndarray, approximate: str | None = None) -> tuple[np.ndarray]:
@@ -200,6 +200,7 @@ _MS_OPS: list[Any] = [
     type("GatherBlockQuantized", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_gather_block_quantized}),
     type("FusedMatMul", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_fused_matmul}),
     type("GroupQueryAttention", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_group_query_attention}),
+    type(DECODE_ATTENTION, (OpRun,), {"op_domain": QUIVER_DOMAIN, "_run": _ms_group_query_attention}),
     type(
         "SkipSimplifiedLayerNormalization", (OpRun,), {"op_domain": MS_DOMAIN, "_run": _ms_skip_simplified_layer_norm}
     ),

@@ -39,7 +39,7 @@ from quiver.t2t.config import (
 )
 from quiver.t2t.families import DecoderConfig, read_config
 from quiver.t2t.gguf_model import GgufModel, is_gguf
-from quiver.t2t.graph import HEAD_ROWS, INPUT_IDS, LM_HEAD_NODE, build_decoder
+from quiver.t2t.graph import HEAD_ROWS, INPUT_IDS, LM_HEAD_NODE, build_decoder, decode_step_graph
 from quiver.t2t.hf import SafetensorsWeights, token_ids
 from quiver.t2t.quantizers import (
     ACCURACY_LEVELS,
@@ -103,6 +103,16 @@ def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
     copy = type(model)()
     copy.CopyFrom(model)
     return copy
+
+
+def _packs_float_weights(model: onnx.ModelProto, updateable: set[str]) -> bool:
+    """Whether ORT packs stored float weights of this graph in each session (a float MatMul's, Gemm's or
+    FusedMatMul's B; adapters' small updateable ones aside)."""
+    stored = {t.name for t in model.graph.initializer} - updateable
+    return any(
+        n.op_type in ("MatMul", "Gemm", "FusedMatMul") and len(n.input) > 1 and n.input[1] in stored
+        for n in model.graph.node
+    )
 
 
 def _carried_blocks(
@@ -334,6 +344,10 @@ def export(
         )
         model, batched = (quantize(m) for m in (model, batched))
         decode = quantize(decode, exact_rows=True) if minimum_form else model
+    # a decode step's graph of its own (every weight shared) runs Quiver's attention for one row; where ORT
+    # would pack float weights of it, the step stays the prefill graph's body: one session packs them once
+    if decode is not model or not _packs_float_weights(model, set(updateable)):
+        decode = decode_step_graph(decode)
     graphs = (model, decode, batched)
     stored = sorted({t.name for m in graphs for t in m.graph.initializer if t.name in deferred})
     need = _check_room(

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 
 from quiver.ir.deferred import Deferred
 from quiver.ir.ops import MS_DOMAIN
+from quiver.ir.quiver_ops import DECODE_ATTENTION, QUIVER_DOMAIN
 from quiver.passes.load import weight_initializer
 from quiver.t2t.families import DecoderConfig, Rope
 from quiver.t2t.io_names import (  # noqa: F401  (the graph's names, imported from here by its other users)
@@ -411,3 +412,25 @@ def build_decoder(
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)], ir_version=10
     )
+
+
+# what DecodeAttention's kernel computes of GroupQueryAttention (a node with more stays ORT's)
+_DECODE_ATTENTION_ATTRIBUTES = {
+    "num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "local_window_size", "softcap",
+}  # fmt: skip
+
+
+def decode_step_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A decode step's graph of `model` (a copy: its weights are placeholders, cheap): each
+    GroupQueryAttention as Quiver's DecodeAttention, the same inputs and attributes, whose kernel reads a
+    layer's keys and values once for a step's one row (ORT's packs them for a GEMM at every step; a
+    backend without the kernel runs ORT's operator in its place)."""
+    step = type(model)()
+    step.CopyFrom(model)
+    for node in step.graph.node:
+        known = {a.name for a in node.attribute} <= _DECODE_ATTENTION_ATTRIBUTES and len(node.input) <= 9
+        if node.domain == MS_DOMAIN and node.op_type == "GroupQueryAttention" and known:
+            node.domain, node.op_type = QUIVER_DOMAIN, DECODE_ATTENTION
+    if not any(o.domain == QUIVER_DOMAIN for o in step.opset_import):
+        step.opset_import.append(helper.make_opsetid(QUIVER_DOMAIN, 1))
+    return step

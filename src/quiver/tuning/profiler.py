@@ -12,6 +12,7 @@ import numpy as np
 
 from quiver.backends.base import Backend, Executable, FinalizedGraph, Knob, KnobValue, TunableBackend, is_tunable
 from quiver.errors import BackendError, TuningError
+from quiver.ir.quiver_ops import DECODE_ATTENTION
 from quiver.tuning.measure import time_block
 
 
@@ -24,14 +25,14 @@ class FeedSet:
 
 
 def inplace_outputs(graph: FinalizedGraph) -> dict[str, str]:
-    """Outputs a run writes into one of its inputs (output -> input): a GroupQueryAttention's present
-    keys and values, bound to the past buffers as the text generator binds them, so a measured step
-    neither copies nor allocates the cache."""
+    """Outputs a run writes into one of its inputs (output -> input): a GroupQueryAttention's (or Quiver's
+    DecodeAttention's) present keys and values, bound to the past buffers as the text generator binds them,
+    so a measured step neither copies nor allocates the cache."""
     inputs = {i.name: i for i in graph.inputs}
     outputs = {o.name: o for o in graph.outputs}
     pairs = {}
     for node in graph.model.graph.node:
-        if node.op_type != "GroupQueryAttention":
+        if node.op_type not in ("GroupQueryAttention", DECODE_ATTENTION):
             continue
         for past, present in ((3, 1), (4, 2)):
             if len(node.input) > past and len(node.output) > present:

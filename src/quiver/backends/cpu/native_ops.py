@@ -43,14 +43,17 @@ import numpy as np
 from quiver.formats.files import cache_folder_setting
 from quiver.ir import proto
 from quiver.ir.nibbles import pack_nibbles
-from quiver.ir.quiver_ops import MATMUL_4BITS
+from quiver.ir.quiver_ops import DECODE_ATTENTION, MATMUL_4BITS
 from quiver.ir.quiver_ops import MATMUL_4BITS_BLOCK as BLOCK
 from quiver.ir.quiver_ops import QUIVER_DOMAIN as DOMAIN
 from quiver.portable import at_fork
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib operators (MatMulNBits)
 SETTING = "QUIVER_NATIVE"  # off: never built nor used; a folder: where the build is kept
-_SOURCE = Path(__file__).parent / "native" / "matmul_4bits.c"
+_NATIVE = Path(__file__).parent / "native"
+# the library's sources (one op a file, and its entry point) and the header they share
+SOURCES = tuple(_NATIVE / name for name in ("matmul_4bits.c", "decode_attention.c", "register.c"))
+_HEADER = _NATIVE / "ort_abi.h"
 _LIBRARY = "libquiver_ops.so"
 _BUILD_TIMEOUT_S = 300
 
@@ -135,7 +138,8 @@ def built_library() -> Path | str:
         version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30, check=False).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"the C compiler {compiler} does not run: {exc}"
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), compiler.encode(), version, _processor().encode()]))
+    code = [path.read_bytes() for path in (*SOURCES, _HEADER)]
+    key = hashlib.sha256(b"\0".join([*code, compiler.encode(), version, _processor().encode()]))
     target = folder / key.hexdigest()[:20] / _LIBRARY
     for place in (folder, target.parent):  # code this process loads: only its user may have written it
         try:
@@ -163,7 +167,8 @@ def _compile(compiler: str, target: Path) -> str:
         target.parent.mkdir(mode=0o700, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
             made = Path(scratch) / _LIBRARY
-            command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", str(made), str(_SOURCE)]
+            command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", str(made),
+                       *map(str, SOURCES), "-lm"]  # fmt: skip
             result = subprocess.run(command, capture_output=True, timeout=_BUILD_TIMEOUT_S, check=False, text=True)
             if result.returncode != 0:
                 first = (result.stderr.strip().splitlines() or ["no message"])[0]
@@ -206,7 +211,8 @@ def register_c(options: int, api_base: int, model: bytes) -> int:
 
 
 def lowered(model: proto.ModelProto) -> proto.ModelProto:
-    """The model with each `MatMul4Bits` node as ORT's own operators (see the module); the constants they
+    """The model with each of Quiver's nodes as ORT's own operators: `DecodeAttention` as GroupQueryAttention,
+    `MatMul4Bits` as the module says; the constants they
     add (the block-sum matrices, the identity blocks, ORT's form of `halves` where the node names none)
     inline or as nodes on constants, which ORT folds when it makes the session."""
     from onnx import helper, numpy_helper
@@ -220,6 +226,12 @@ def lowered(model: proto.ModelProto) -> proto.ModelProto:
     weights: dict[str, np.ndarray] = {}  # the constants added
     formed: dict[str, tuple[str, str]] = {}  # halves -> ORT's scales and offsets made of them
     for node in graph.node:
+        if node.domain == DOMAIN and node.op_type == DECODE_ATTENTION:  # ORT's own, the same inputs and attributes
+            attention = proto.NodeProto()
+            attention.CopyFrom(node)
+            attention.op_type, attention.domain = "GroupQueryAttention", MS_DOMAIN
+            nodes.append(attention)
+            continue
         if node.domain != DOMAIN or node.op_type != MATMUL_4BITS:
             nodes.append(node)
             continue

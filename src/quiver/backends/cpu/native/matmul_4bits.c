@@ -10,9 +10,8 @@
  * kernel rounds them to 8 bits; at accuracy level 4 a node not marked few_rows takes 8, as ORT); for many (a prompt: AVX-512 VNNI) to 8 bits, as MLAS does, 16 columns of
  * weights widened at a time for VNNI's u8 x s8 products, or (attribute accuracy_level below 4) to 8 bits
  * twice, A then what that loses (~16 bits). Built by
- * quiver.backends.cpu.native_ops with the machine's own compiler (-march=native); it uses only ONNX
- * Runtime's C ABI, declared here from its documented function table (append-only across releases; the
- * indices are positions in it). */
+ * quiver.backends.cpu.native_ops with the machine's own compiler (-march=native), beside the other ops
+ * of Quiver's library (register.c); ONNX Runtime's C ABI as ort_abi.h declares it. */
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -20,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "ort_abi.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
@@ -37,61 +38,6 @@
 #ifndef MANY_ROWS
 #define MANY_ROWS 8            /* from this many rows of A on, 8-bit activations (a prompt) */
 #endif
-#define OP_VERSION 17          /* the OrtCustomOp fields read: up to GetEndVersion (ORT >= 1.17) */
-
-typedef void *Status; /* OrtStatus*: NULL is success */
-typedef void *const *Api;
-
-/* positions in struct OrtApi */
-enum {
-  CREATE_STATUS = 0, CREATE_CUSTOM_OP_DOMAIN = 26, CUSTOM_OP_DOMAIN_ADD = 27, ADD_CUSTOM_OP_DOMAIN = 28,
-  GET_TENSOR_MUTABLE_DATA = 51, GET_TENSOR_ELEMENT_TYPE = 60, GET_DIMENSIONS_COUNT = 61, GET_DIMENSIONS = 62,
-  GET_TENSOR_TYPE_AND_SHAPE = 65, KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86, KERNEL_CONTEXT_GET_INPUT_COUNT = 88,
-  KERNEL_CONTEXT_GET_INPUT = 90, KERNEL_CONTEXT_GET_OUTPUT = 91, RELEASE_STATUS = 93,
-  RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99, RELEASE_CUSTOM_OP_DOMAIN = 101, KERNEL_CONTEXT_PARALLEL_FOR = 274,
-};
-enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, TYPE_FLOAT16 = 10 };
-enum { REQUIRED = 0, OPTIONAL = 1 };
-
-typedef struct OrtApiBase {
-  Api (*GetApi)(uint32_t version);
-  const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-typedef struct OrtCustomOp OrtCustomOp;
-struct OrtCustomOp {
-  uint32_t version;
-  void *(*CreateKernel)(const OrtCustomOp *, Api, const void *);
-  const char *(*GetName)(const OrtCustomOp *);
-  const char *(*GetExecutionProviderType)(const OrtCustomOp *);
-  int (*GetInputType)(const OrtCustomOp *, size_t);
-  size_t (*GetInputTypeCount)(const OrtCustomOp *);
-  int (*GetOutputType)(const OrtCustomOp *, size_t);
-  size_t (*GetOutputTypeCount)(const OrtCustomOp *);
-  void (*KernelCompute)(void *, void *);
-  void (*KernelDestroy)(void *);
-  int (*GetInputCharacteristic)(const OrtCustomOp *, size_t);
-  int (*GetOutputCharacteristic)(const OrtCustomOp *, size_t);
-  int (*GetInputMemoryType)(const OrtCustomOp *, size_t);
-  int (*GetVariadicInputMinArity)(const OrtCustomOp *);
-  int (*GetVariadicInputHomogeneity)(const OrtCustomOp *);
-  int (*GetVariadicOutputMinArity)(const OrtCustomOp *);
-  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp *);
-  Status (*CreateKernelV2)(const OrtCustomOp *, Api, const void *, void **);
-  Status (*KernelComputeV2)(void *, void *);
-  Status (*InferOutputShapeFn)(const OrtCustomOp *, void *);
-  int (*GetStartVersion)(const OrtCustomOp *);
-  int (*GetEndVersion)(const OrtCustomOp *);
-  void *later[4]; /* fields of later versions, unread at OP_VERSION */
-};
-
-#define CALL(api, index, type) ((type)(api)[index])
-typedef Status (*create_status_t)(int, const char *);
-
-static Status failure(Api api, const char *message) {
-  return CALL(api, CREATE_STATUS, create_status_t)(ORT_INVALID_ARGUMENT, message);
-}
 
 /* ---- A's rows, prepared: each block rounded to 16 bits, laid out for the kernel --------------------- */
 
@@ -721,38 +667,6 @@ static void many_rows_task(void *data, size_t i) {
 }
 #endif
 
-typedef Status (*get_input_t)(const void *, size_t, const void **);
-typedef Status (*get_count_t)(const void *, size_t *);
-typedef Status (*get_shape_t)(const void *, void **);
-typedef Status (*dims_count_t)(const void *, size_t *);
-typedef Status (*dims_t)(const void *, int64_t *, size_t);
-typedef Status (*element_type_t)(const void *, int *);
-typedef void (*release_t)(void *);
-typedef Status (*mutable_data_t)(const void *, void **);
-typedef Status (*get_output_t)(void *, size_t, const int64_t *, size_t, void **);
-typedef Status (*parallel_for_t)(const void *, void (*)(void *, size_t), size_t, size_t, void *);
-
-/* A tensor's element count (its shape checked: at most 8 dimensions, none negative, no overflow) and
- * its element type checked against what the op takes. */
-static Status shape_of(Api api, const void *value, int type, int64_t *dims, size_t *rank, int64_t *count) {
-  void *info = NULL;
-  Status status = CALL(api, GET_TENSOR_TYPE_AND_SHAPE, get_shape_t)(value, &info);
-  if (status) return status;
-  int element = 0;
-  status = CALL(api, GET_TENSOR_ELEMENT_TYPE, element_type_t)(info, &element);
-  if (!status) status = CALL(api, GET_DIMENSIONS_COUNT, dims_count_t)(info, rank);
-  if (!status && *rank > 8) status = failure(api, "MatMul4Bits: a tensor of more than 8 dimensions");
-  if (!status) status = CALL(api, GET_DIMENSIONS, dims_t)(info, dims, *rank);
-  CALL(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, release_t)(info);
-  if (status) return status;
-  if (element != type) return failure(api, "MatMul4Bits: an input of another element type");
-  *count = 1;
-  for (size_t i = 0; i < *rank; i++) {
-    if (dims[i] < 0 || (dims[i] && *count > INT64_MAX / dims[i])) return failure(api, "MatMul4Bits: a bad shape");
-    *count *= dims[i];
-  }
-  return NULL;
-}
 
 static Status compute(void *kernel, void *context) {
   const Kernel *self = kernel;
@@ -795,13 +709,13 @@ static Status compute(void *kernel, void *context) {
     const size_t bytes = rows8_bytes(work.exact ? 2 : 1, k);
     if ((size_t)m > SIZE_MAX / bytes) return failure(api, "MatMul4Bits: too many rows");
     work.rows = aligned_alloc(64, (bytes * (size_t)m + 63) / 64 * 64);
-    if (!work.rows) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
+    if (!work.rows) return out_of_memory(api, "MatMul4Bits: out of memory");
     work.columns_per_task = ((n + 31) / 32 + 15) / 16 * 16; /* about 32 tasks, whole tiles of 16 columns */
     status = parallel(context, prepare8_task, (size_t)m, 0, &work);
     if (!status)
       status = parallel(context, many_rows_task, (size_t)((n + work.columns_per_task - 1) / work.columns_per_task), 0, &work);
     free(work.rows);
-    if (!status && work.failed) status = CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
+    if (!status && work.failed) status = out_of_memory(api, "MatMul4Bits: out of memory");
     return status;
   }
 #endif
@@ -813,7 +727,7 @@ static Status compute(void *kernel, void *context) {
 #endif
   if ((size_t)m > SIZE_MAX / bytes) return failure(api, "MatMul4Bits: too many rows");
   work.rows = aligned_alloc(64, bytes * (size_t)m);
-  if (!work.rows) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
+  if (!work.rows) return out_of_memory(api, "MatMul4Bits: out of memory");
   if (m == 1) {
     prepare_task(&work, 0);
   } else {
@@ -824,38 +738,22 @@ static Status compute(void *kernel, void *context) {
   return status;
 }
 
-typedef Status (*attribute_t)(const void *, const char *, int64_t *);
-typedef void (*release_status_t)(void *);
-
 static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, void **kernel) {
   (void)op;
-  int64_t k = 0, n = 0, block = BLOCK, level = 4;
+  int64_t k = 0, n = 0, block = BLOCK, level = 4, few_rows = 0;
   Status status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "K", &k);
   if (!status) status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "N", &n);
   if (status) return status;
-  status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "block_size", &block);
-  if (status) { /* absent: blocks of 32 */
-    CALL(api, RELEASE_STATUS, release_status_t)(status);
-    block = BLOCK;
-  }
+  int_attribute(api, info, "block_size", BLOCK, &block);
   /* as MatMulNBits': 4 lets the activations round to 8 bits (a decode step's too, unless few_rows); below,
    * a prompt's to ~16 (two 8-bit rows) */
-  status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "accuracy_level", &level);
-  if (status) {
-    CALL(api, RELEASE_STATUS, release_status_t)(status);
-    level = 4;
-  }
-  int64_t few_rows = 0;
-  status = CALL(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, attribute_t)(info, "few_rows", &few_rows);
-  if (status) {
-    CALL(api, RELEASE_STATUS, release_status_t)(status);
-    few_rows = 0;
-  }
+  int_attribute(api, info, "accuracy_level", 4, &level);
+  int_attribute(api, info, "few_rows", 0, &few_rows);
   /* at most 2^31 each: N x K / 32 x 20 (the task sizing) fits in int64 */
   if (block != BLOCK || k <= 0 || n <= 0 || k % BLOCK || k > (INT64_C(1) << 31) || n > (INT64_C(1) << 31))
     return failure(api, "MatMul4Bits: K and N must be positive, K a multiple of 32, in blocks of 32");
   Kernel *self = malloc(sizeof(Kernel));
-  if (!self) return CALL(api, CREATE_STATUS, create_status_t)(ORT_FAIL, "MatMul4Bits: out of memory");
+  if (!self) return out_of_memory(api, "MatMul4Bits: out of memory");
   self->api = api;
   self->k = k;
   self->n = n;
@@ -867,7 +765,6 @@ static Status create_kernel(const OrtCustomOp *op, Api api, const void *info, vo
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMul4Bits"; }
-static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp *op, size_t i) {
   (void)op;
   return i == 1 ? TYPE_UINT8 : i == 2 ? TYPE_FLOAT16 : TYPE_FLOAT;
@@ -877,38 +774,14 @@ static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; ret
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 static int input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i >= 3 ? OPTIONAL : REQUIRED; }
 static int output_kind(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return REQUIRED; }
-static int memory_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
-static int zero(const OrtCustomOp *op) { (void)op; return 0; }
-static int start_version(const OrtCustomOp *op) { (void)op; return 1; }
-static int end_version(const OrtCustomOp *op) { (void)op; return INT_MAX; }
 
 static const OrtCustomOp MATMUL_4BITS = {
-    OP_VERSION, NULL, op_name, op_provider, input_type, input_count, output_type, output_count, NULL,
-    destroy_kernel, input_kind, output_kind, memory_type, zero, zero, zero, zero, create_kernel, compute,
-    NULL, start_version, end_version, {NULL, NULL, NULL, NULL},
+    OP_VERSION, NULL, op_name, cpu_provider, input_type, input_count, output_type, output_count, NULL,
+    destroy_kernel, input_kind, output_kind, cpu_memory, no_variadic, no_variadic, no_variadic, no_variadic,
+    create_kernel, compute, NULL, first_version, any_version, {NULL, NULL, NULL, NULL},
 };
 
-/* Which fast path this build has (1: AVX-512 VNNI, 2: AVX2; 0: none): Quiver uses the op only where it has one. */
+const OrtCustomOp *quiver_matmul_4bits(void) { return &MATMUL_4BITS; }
+
+/* Which fast path this build has (1: AVX-512 VNNI, 2: AVX2; 0: none): Quiver uses the ops only where it has one. */
 int quiver_fast(void) { return FAST; }
-
-typedef Status (*create_domain_t)(const char *, void **);
-typedef Status (*domain_add_t)(void *, const OrtCustomOp *);
-typedef Status (*add_domain_t)(void *, void *);
-
-/* ORT's entry point for a custom-op library (SessionOptions.register_custom_ops_library, or called with
- * the C library's own OrtApiBase). A domain of its own for each session options: ORT's Python API may
- * release the domains of the options it drops, so one is never handed out twice (each is ~100 bytes,
- * kept for the process, as sessions keep pointing at it). */
-Status RegisterCustomOps(void *options, const OrtApiBase *base) {
-  Api api = base->GetApi(OP_VERSION);
-  if (!api) return NULL; /* an ORT older than 1.17: nothing registered, its session fails on the op */
-  void *domain = NULL;
-  Status status = CALL(api, CREATE_CUSTOM_OP_DOMAIN, create_domain_t)("ai.quiver", &domain);
-  if (!status) status = CALL(api, CUSTOM_OP_DOMAIN_ADD, domain_add_t)(domain, &MATMUL_4BITS);
-  if (!status) status = CALL(api, ADD_CUSTOM_OP_DOMAIN, add_domain_t)(options, domain);
-  if (status && domain) {
-    typedef void (*release_domain_t)(void *);
-    CALL(api, RELEASE_CUSTOM_OP_DOMAIN, release_domain_t)(domain);
-  }
-  return status;
-}

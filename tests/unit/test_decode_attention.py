@@ -1,0 +1,146 @@
+"""Quiver's DecodeAttention kernel against ONNX Runtime's own GroupQueryAttention on the same inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from quiver.backends.cpu.native_ops import built_library, lowered
+from quiver.ir.quiver_ops import DECODE_ATTENTION, QUIVER_DOMAIN
+
+MS_DOMAIN = "com.microsoft"
+NAMES = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos", "sin"]
+
+
+def _model(op: str, domain: str, packed: bool, rotary: bool, **attributes: Any) -> onnx.ModelProto:
+    inputs = [n for n in NAMES if not (packed and n in ("key", "value")) and (rotary or n not in ("cos", "sin"))]
+    named = [("" if n not in inputs else n) for n in NAMES][: 9 if rotary else 7]
+    node = helper.make_node(
+        op, named, ["out", "present_key", "present_value"], domain=domain, do_rotary=int(rotary), **attributes
+    )
+    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32}
+    graph = helper.make_graph(
+        [node], "attention",
+        [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output],
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS_DOMAIN, 1), helper.make_opsetid(QUIVER_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _session(model: onnx.ModelProto, library: Path | str | None = None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    library = library or built_library()
+    assert not isinstance(library, str), f"the kernel could not be built here: {library}"
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray], shared: bool) -> list[np.ndarray]:
+    """The three outputs; `shared`: the present key and value written into the past's own buffers."""
+    feeds = {k: v.copy() for k, v in feeds.items() if k in {i.name for i in session.get_inputs()}}
+    if not shared:
+        return [np.asarray(x) for x in session.run(None, feeds)]
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
+    binding.bind_output("out")
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        binding.bind_output(present, "cpu", 0, np.float32, list(feeds[past].shape), feeds[past].ctypes.data)
+    session.run_with_iobinding(binding)
+    return [np.asarray(binding.copy_outputs_to_cpu()[0]), feeds["past_key"], feeds["past_value"]]
+
+
+CASES = {  # name: (heads, kv heads, head size, rows, seqlens, buffer, rotary dims, attributes)
+    "llama decode step": (8, 2, 64, 1, [37], 64, 64, {}),
+    "two sequences of other lengths": (6, 3, 32, 1, [5, 40], 48, 32, {}),
+    "three new rows": (4, 4, 16, 3, [20], 32, 16, {}),  # ORT takes one sequence where rows > 1
+    "interleaved rotary": (4, 2, 32, 1, [17], 32, 32, {"rotary_interleaved": 1}),
+    "partial rotary": (4, 2, 64, 1, [23], 32, 32, {}),
+    "no rotary": (4, 1, 32, 1, [30], 32, 0, {}),
+    "local window": (4, 2, 32, 2, [50], 64, 32, {"local_window_size": 16}),
+    "softcap and a scale": (4, 2, 32, 1, [33], 48, 32, {"softcap": 30.0, "scale": 0.3}),
+    "head size 48": (3, 1, 48, 1, [11], 16, 48, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+def test_decode_attention_is_group_query_attention(
+    case: str, packed: bool, shared: bool, build: str, native_builds: dict[str, Path]
+) -> None:
+    heads, kv, dim, rows, seqlens, length, rotary_dims, attributes = CASES[case]
+    rng = np.random.default_rng(list(CASES).index(case))
+    batch = len(seqlens)
+    if not shared:  # a past exactly as long as the longest sequence's, the present one longer
+        length = max(seqlens) + 1 - rows
+    q = rng.standard_normal((batch, rows, heads * dim)).astype(np.float32)
+    k = rng.standard_normal((batch, rows, kv * dim)).astype(np.float32)
+    v = rng.standard_normal((batch, rows, kv * dim)).astype(np.float32)
+    feeds = {
+        "query": np.concatenate([q, k, v], -1) if packed else q,
+        "key": k,
+        "value": v,
+        "past_key": rng.standard_normal((batch, kv, length, dim)).astype(np.float32),
+        "past_value": rng.standard_normal((batch, kv, length, dim)).astype(np.float32),
+        "seqlens_k": np.array(seqlens, np.int32),
+        "total_sequence_length": np.array([max(seqlens) + 1], np.int32),
+    }
+    if rotary_dims:
+        angles = rng.uniform(0, 6.3, (64, rotary_dims // 2))
+        feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    made = {
+        op: _session(_model(op, domain, packed, bool(rotary_dims), num_heads=heads, kv_num_heads=kv, **attributes),
+                     native_builds[build])
+        for op, domain in (("GroupQueryAttention", MS_DOMAIN), (DECODE_ATTENTION, QUIVER_DOMAIN))
+    }  # fmt: skip
+    ours, theirs = (_run(made[op], feeds, shared) for op in (DECODE_ATTENTION, "GroupQueryAttention"))
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+    for b, seen in enumerate(np.array(seqlens) + 1):  # the positions each sequence holds
+        for mine, ort_s in zip(ours[1:], theirs[1:]):
+            np.testing.assert_allclose(mine[b, :, :seen], ort_s[b, :, :seen], rtol=1e-6, atol=1e-6)
+
+
+def test_without_the_kernel_it_is_group_query_attention() -> None:
+    model = _model(DECODE_ATTENTION, QUIVER_DOMAIN, True, True, num_heads=4, kv_num_heads=2, local_window_size=8)
+    node = lowered(model).graph.node[0]
+    assert (node.domain, node.op_type) == (MS_DOMAIN, "GroupQueryAttention")
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == {
+        "do_rotary": 1, "num_heads": 4, "kv_num_heads": 2, "local_window_size": 8,
+    }  # fmt: skip
+    assert list(node.input) == list(model.graph.node[0].input)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seqlens_k": np.array([40], np.int32)}, "seqlens_k is outside its present buffer"),
+        ({"seqlens_k": np.array([5, 6], np.int32)}, "seqlens_k must hold one length a sequence"),
+        ({"past_key": np.zeros((1, 2, 32, 16), np.float32)}, "the past key and value must be"),
+        ({"query": np.zeros((1, 1, 100), np.float32)}, "the query's width is not the heads' whole dimension"),
+        ({"cos": np.zeros((64, 40), np.float32)}, "cos and sin caches of one shape"),
+    ],
+)
+def test_bad_inputs_fail_with_what_is_wrong(change: dict[str, np.ndarray], message: str) -> None:
+    rng = np.random.default_rng(3)
+    feeds = {
+        "query": rng.standard_normal((1, 1, 8 * 32)).astype(np.float32),
+        "past_key": np.zeros((1, 2, 32, 32), np.float32),
+        "past_value": np.zeros((1, 2, 32, 32), np.float32),
+        "seqlens_k": np.array([7], np.int32),
+        "total_sequence_length": np.array([8], np.int32),
+        "cos": np.ones((64, 16), np.float32),
+        "sin": np.zeros((64, 16), np.float32),
+    }
+    session = _session(_model(DECODE_ATTENTION, QUIVER_DOMAIN, True, True, num_heads=4, kv_num_heads=2))
+    with pytest.raises(Exception, match=message):
+        session.run(None, feeds | change)
