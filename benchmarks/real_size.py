@@ -13,9 +13,9 @@ first token, the files in the page cache: one warm-up open first) and prefill / 
 128 and 512 tokens (128 new, greedy, 2 threads everywhere: benchmarks/t2t.py's worker, llama-server's own
 timings), RSS while generating; every process with glibc's malloc on huge pages, as `quiver t2t run` and
 `quiver serve` run themselves (benchmarks/t2t.py does the same). Last, 3B int4 (no adapter) decoding
-against the memory bandwidth: its decode tok/s times the bytes of weights a step reads, over this machine's
-read bandwidth (the best of a few passes of OpenBLAS's matrix-vector product over a 1 GB float32 matrix,
-which reads each byte once, on as many threads).
+against the memory bandwidth: its decode tok/s times the bytes a step reads (the weights, and the float32
+keys and values cached before it), over this machine's read bandwidth (the best of a few passes of
+OpenBLAS's matrix-vector product over a 1 GB float32 matrix, which reads each byte once, on as many threads).
 """
 
 from __future__ import annotations
@@ -125,8 +125,10 @@ def read_bandwidth(threads: int, passes: int = 7) -> float:
 
 
 def _bandwidth_use(folder: Path, model: Path, rounds: int) -> dict[str, Any]:
-    """3B int4's decode speed against the memory bandwidth: the weights a step reads (the context: the
-    layers' and the head's 4-bit blocks; the token table's rows a step gathers are a few KB) per token."""
+    """3B int4's decode speed against the memory bandwidth: the bytes a step reads per token — the weights
+    (the context: the layers' and the head's 4-bit blocks; the token table's rows a step gathers are a few KB)
+    and the keys and values cached before it (float32, at the reply's middle position) — over this machine's
+    read bandwidth."""
     print("  size: Quiver's int4 export of 3b, no adapter, for decoding at the bandwidth", file=sys.stderr)
     out = folder / "quiver-3b-int4"
     made = _export(model, None, out, 4, "--context-size", str(CONTEXT))
@@ -136,13 +138,17 @@ def _bandwidth_use(folder: Path, model: Path, rounds: int) -> dict[str, Any]:
         bandwidths.append(read_bandwidth(THREADS))
     shutil.rmtree(out)
     decode = {prompt: statistics.median(r[prompt]["decode_tok_s"] for r in runs) for prompt in ("128", "512")}
+    cached = {p: _kv_bytes_per_token(model) * (int(p) + NEW_TOKENS // 2) for p in decode}  # read at each step
+    read = {p: made["context_bytes"] + cached[p] for p in decode}
     bandwidth = statistics.median(bandwidths)
     return {
         "context_bytes": made["context_bytes"],
+        "kv_bytes_read_per_step": cached,
         "decode_tok_s": decode,
         "read_bandwidth_gb_s": bandwidth / 1e9,
-        "weights_read_gb_s": {p: tok_s * made["context_bytes"] / 1e9 for p, tok_s in decode.items()},
-        "fraction_of_bandwidth": {p: tok_s * made["context_bytes"] / bandwidth for p, tok_s in decode.items()},
+        "bytes_read_gb_s": {p: tok_s * read[p] / 1e9 for p, tok_s in decode.items()},
+        "fraction_of_bandwidth": {p: tok_s * read[p] / bandwidth for p, tok_s in decode.items()},
+        "weights_only_fraction": {p: tok_s * made["context_bytes"] / bandwidth for p, tok_s in decode.items()},
         "rounds": {"decode": runs, "read_bandwidth_bytes_per_s": bandwidths},
     }
 
