@@ -134,6 +134,7 @@ def _genai_copy(source: Path, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         if item.name != "genai_config.json":
+            (folder / item.name).unlink(missing_ok=True)  # a copy left by an earlier run
             (folder / item.name).symlink_to(item)
     config = json.loads((source / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = THREADS

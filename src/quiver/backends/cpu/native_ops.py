@@ -1,4 +1,8 @@
-"""Quiver's own ONNX Runtime kernel, `MatMul4Bits` (domain `ai.quiver`): built at first use, or lowered to ORT's ops.
+"""Quiver's own ONNX Runtime kernels (domain `ai.quiver`): built at first use, or lowered to ORT's ops.
+
+`DecodeAttention` is ORT's GroupQueryAttention (the same inputs, outputs and attributes) for a decode
+step's few rows, a layer's keys and values read once per kv head (`native/decode_attention.c`); lowered,
+it is GroupQueryAttention again.
 
 `MatMul4Bits(A, B, halves[, scales, offsets])` multiplies A by 4-bit blocks of 32 with a scale and a
 minimum each (GGUF's Q4_1: w = s q + m): B [N, K/32, 16] in MatMulNBits' layout, `halves` float16
@@ -15,10 +19,10 @@ many (a prompt, 8 rows and more) as MLAS does, on 8 bits with VNNI's integer pro
 4, the backend's default), or on 8 bits twice, A then what that loses (~16 bits: a node or backend at
 a level below 4, as `rtn-min`'s and `hqq`'s prompts ask).
 
-It is compiled with the machine's C compiler at first use (`$CC`, else `cc`, `gcc` or `clang`; `-O3
--march=native`) into the user's cache (`$QUIVER_NATIVE`, else ~/.cache/quiver/native), keyed by the
-source, the compiler and the processor, and used where it has a fast path (x86-64 with AVX-512 VNNI, or
-AVX2 with FMA and F16C: there a prompt takes the 16-bit path).
+The library (`native/*.c`) is compiled with the machine's C compiler at first use (`$CC`, else `cc`,
+`gcc` or `clang`; `-O3 -march=native`) into the user's cache (`$QUIVER_NATIVE`, else
+~/.cache/quiver/native), keyed by the sources, the compiler and the processor, and used where it has a
+fast path (x86-64 with AVX-512 VNNI, or AVX2 with FMA and F16C: there a prompt takes the 16-bit path).
 Elsewhere — no compiler, another processor, `QUIVER_NATIVE=off`, a build that failed — each node is
 lowered to ORT's own operators on `scales` and `offsets`, the same numbers within the rounding:
 MatMulNBits at float activations plus the minimums' product (a symmetric node: MatMulNBits alone, at
