@@ -124,6 +124,10 @@ def test_without_the_kernel_it_is_group_query_attention() -> None:
     ("change", "message"),
     [
         ({"seqlens_k": np.array([40], np.int32)}, "seqlens_k is outside its present buffer"),
+        (  # more past tokens than the past buffer holds, the present another buffer
+            {"seqlens_k": np.array([35], np.int32), "total_sequence_length": np.array([40], np.int32)},
+            "seqlens_k is outside its present buffer",
+        ),
         ({"seqlens_k": np.array([5, 6], np.int32)}, "seqlens_k must hold one length a sequence"),
         ({"past_key": np.zeros((1, 2, 32, 16), np.float32)}, "the past key and value must be"),
         ({"query": np.zeros((1, 1, 100), np.float32)}, "the query's width is not the heads' whole dimension"),

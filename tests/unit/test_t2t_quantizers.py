@@ -127,6 +127,13 @@ def test_rtn_min_exports_compute_what_the_float_weights_compute(gridded: tuple[P
     assert np.abs(rounded - want).max() > 10 * EXACT  # symmetric blocks lose the grid
 
 
+def _greedy_reply(config: Path) -> tuple[list[int], np.ndarray]:
+    """12 greedy tokens after IDS and the last step's logits (on Quiver's kernels where they are built)."""
+    with Dialog.from_config(config) as dialog:
+        tokens = dialog.token_query(IDS, max_new_tokens=12, min_new_tokens=12, greedy=True).new_ids
+        return tokens, dialog._logits.reshape(-1).astype(np.float64)
+
+
 def test_rtn_min_decodes_the_same_tokens_with_ort_operators_in_place_of_quivers_kernel(
     gridded: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,20 +143,15 @@ def test_rtn_min_decodes_the_same_tokens_with_ort_operators_in_place_of_quivers_
     options = ExportOptions(64, weight_bits=4, quantizer="rtn-min", overrides=(("model.embed_tokens.weight", None),))
     config = export(folder, tmp_path / "rtn-min", options=options).path
 
-    def reply() -> tuple[list[int], np.ndarray]:
-        with Dialog.from_config(config) as dialog:
-            tokens = dialog.token_query(IDS, max_new_tokens=12, min_new_tokens=12, greedy=True).new_ids
-            return tokens, dialog._logits.reshape(-1).astype(np.float64)
-
     assert native_ops.native_ops().path is not None, native_ops.native_ops().reason
-    kernel_tokens, kernel_logits = reply()
+    kernel_tokens, kernel_logits = _greedy_reply(config)
     lowered_graphs: list[str] = []
     real_lowered = native_ops.lowered
     monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
     monkeypatch.setattr(
         session_model_module, "lowered", lambda m: lowered_graphs.append(m.graph.name) or real_lowered(m)
     )
-    ort_tokens, ort_logits = reply()
+    ort_tokens, ort_logits = _greedy_reply(config)
     assert lowered_graphs and ort_tokens == kernel_tokens
     finite = np.isfinite(kernel_logits)  # the shortlist's rescored logits; the others the same -inf on both
     assert finite.any() and np.array_equal(np.isfinite(ort_logits), finite)
@@ -173,15 +175,10 @@ def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
     with quiver.Context.from_binary(float_config.parent / "model.qctx") as context:
         assert "DecodeAttention" not in {n.op_type for n in context.finalized_graph("decode").model.graph.node}
 
-    def reply() -> tuple[list[int], np.ndarray]:
-        with Dialog.from_config(config) as dialog:
-            tokens = dialog.token_query(IDS, max_new_tokens=12, min_new_tokens=12, greedy=True).new_ids
-            return tokens, dialog._logits.reshape(-1).astype(np.float64)
-
     assert native_ops.native_ops().path is not None, native_ops.native_ops().reason
-    kernel_tokens, kernel_logits = reply()
+    kernel_tokens, kernel_logits = _greedy_reply(config)
     monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
-    ort_tokens, ort_logits = reply()
+    ort_tokens, ort_logits = _greedy_reply(config)
     assert ort_tokens == kernel_tokens
     np.testing.assert_allclose(ort_logits, kernel_logits, rtol=0, atol=1e-4 * np.abs(kernel_logits).max())
 

@@ -216,7 +216,8 @@ static Status compute(void *kernel, void *context) {
   }
   const int32_t *seqlens = data[5];
   for (int64_t b = 0; b < batch; b++) /* a length from outside: its rows, its positions within the buffers */
-    if ((int64_t)seqlens[b] + 1 < rows || seqlens[b] >= present_length || (self->rotary && seqlens[b] >= positions))
+    if ((int64_t)seqlens[b] + 1 < rows || seqlens[b] >= present_length || (int64_t)seqlens[b] + 1 - rows > past_length ||
+        (self->rotary && seqlens[b] >= positions))
       return failure(api, "DecodeAttention: a sequence's seqlens_k is outside its present buffer or the rotary caches");
   if (total < 0 || total > present_length) return failure(api, "DecodeAttention: a bad total_sequence_length");
   const int64_t out_dims[3] = {batch, rows, heads * d}, kv_dims[4] = {batch, kv, present_length, d};
@@ -262,17 +263,15 @@ static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "DecodeAttention"; }
 static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 5 || i == 6 ? TYPE_INT32 : TYPE_FLOAT; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 9; }
-static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
 static int input_kind(const OrtCustomOp *op, size_t i) {
   (void)op;
   return i == 1 || i == 2 || i >= 7 ? OPTIONAL : REQUIRED;
 }
-static int output_kind(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return REQUIRED; }
 
 static const OrtCustomOp DECODE_ATTENTION = {
-    OP_VERSION, NULL, op_name, cpu_provider, input_type, input_count, output_type, output_count, NULL,
-    destroy_kernel, input_kind, output_kind, cpu_memory, no_variadic, no_variadic, no_variadic, no_variadic,
+    OP_VERSION, NULL, op_name, cpu_provider, input_type, input_count, float_outputs, output_count, NULL,
+    destroy_kernel, input_kind, required_outputs, cpu_memory, no_variadic, no_variadic, no_variadic, no_variadic,
     create_kernel, compute, NULL, first_version, any_version, {NULL, NULL, NULL, NULL},
 };
 

@@ -770,14 +770,12 @@ static int input_type(const OrtCustomOp *op, size_t i) {
   return i == 1 ? TYPE_UINT8 : i == 2 ? TYPE_FLOAT16 : TYPE_FLOAT;
 }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 5; }
-static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 static int input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i >= 3 ? OPTIONAL : REQUIRED; }
-static int output_kind(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return REQUIRED; }
 
 static const OrtCustomOp MATMUL_4BITS = {
-    OP_VERSION, NULL, op_name, cpu_provider, input_type, input_count, output_type, output_count, NULL,
-    destroy_kernel, input_kind, output_kind, cpu_memory, no_variadic, no_variadic, no_variadic, no_variadic,
+    OP_VERSION, NULL, op_name, cpu_provider, input_type, input_count, float_outputs, output_count, NULL,
+    destroy_kernel, input_kind, required_outputs, cpu_memory, no_variadic, no_variadic, no_variadic, no_variadic,
     create_kernel, compute, NULL, first_version, any_version, {NULL, NULL, NULL, NULL},
 };
 

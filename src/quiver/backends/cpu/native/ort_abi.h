@@ -126,6 +126,8 @@ const OrtCustomOp *quiver_matmul_4bits(void);
 const OrtCustomOp *quiver_decode_attention(void);
 
 static inline const char *cpu_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static inline int float_outputs(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static inline int required_outputs(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return REQUIRED; }
 static inline int cpu_memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 static inline int no_variadic(const OrtCustomOp *op) { (void)op; return 0; }
 static inline int first_version(const OrtCustomOp *op) { (void)op; return 1; }
