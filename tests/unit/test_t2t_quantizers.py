@@ -183,6 +183,31 @@ def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
     np.testing.assert_allclose(ort_logits, kernel_logits, rtol=0, atol=1e-4 * np.abs(kernel_logits).max())
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's per-mapping RSS")
+def test_an_int4_dialogs_two_sessions_read_one_mapping_of_the_blocks(
+    gridded: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """The prefill and the decode step are two ORT sessions of one context: Quiver's kernel's blocks reach
+    both as views of the context's one mapping, where ORT mapped the file again for each session (the
+    same pages twice in the RSS: a 1B model's 737 MiB counted as 1474)."""
+    import re
+
+    folder, _ = gridded
+    config = export(folder, tmp_path / "rtn", options=ExportOptions(64, weight_bits=4)).path
+    context_file = config.parent / "model.qctx"
+    with Dialog.from_config(config) as dialog:
+        dialog.token_query(IDS, max_new_tokens=4, min_new_tokens=4, greedy=True)
+        dialog.context.wait_until_ready()
+        dialog.token_query(IDS, max_new_tokens=4, min_new_tokens=4, greedy=True)
+        mapped = [
+            int(re.search(r"^Rss:\s+(\d+) kB", block, re.M).group(1)) * 1024  # type: ignore[union-attr]
+            for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text())
+            if block.split("\n")[0].endswith(str(context_file))
+        ]
+    # the rest: a few pages of the small weights other nodes read, mapped by ORT for each session
+    assert mapped and sum(mapped) < 1.5 * context_file.stat().st_size, (sum(mapped), context_file.stat().st_size)
+
+
 def _product(model: onnx.ModelProto, x: np.ndarray, level: int) -> np.ndarray:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)

@@ -100,6 +100,16 @@ class GraphEntry:
 _SHA256_HEX = re.compile("[0-9a-f]{64}")
 
 
+def _on_huge_pages(mapping: mmap.mmap) -> None:
+    """Asks the kernel for 2 MB pages of the file where it can (the page cache's large folios mapped whole):
+    a decode step reads every weight once, and with 4 KB pages a 1B model's step walks ~190k of them."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # a kernel without transparent huge pages for files: 4 KB pages, as before
+
+
 def _fail(message: str) -> InvalidHeaderError:
     return InvalidHeaderError(f"{message}; the context binary is damaged: rebuild it with `quiver build`")
 
@@ -416,6 +426,7 @@ class TensorFile:
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as exc:
                 raise FileAccessError(f"cannot map {path}: {exc}; check the path") from None
+            _on_huge_pages(mapping)
             file = cls(mapping, str(path))
             if not persistent:
                 try:

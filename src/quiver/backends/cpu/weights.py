@@ -12,6 +12,7 @@ import numpy as np
 from quiver.backends.base import FinalizedGraph, MappedFile
 from quiver.ir import proto
 from quiver.ir.edit import iter_nodes
+from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
 
 # ORT insists that an external-data initializer's file exists even when `AddInitializer` supplies the
 # data, so placeholders name this empty file; nothing reads it (see `SessionWeights`).
@@ -27,6 +28,10 @@ _SHAREABLE_SLOTS = {
     ("", "Gemm"): {1},
     ("com.microsoft", "FusedMatMul"): {1},
     ("com.microsoft", "MatMulNBits"): {1, 2, 3},
+    # Quiver's kernel packs nothing, it reads its blocks where they lie: shared, every session of a context
+    # (a quantized dialog's prefill and decode step are two) reads the one mapping of them, where ORT would
+    # map the file again for each session (two mappings of the same pages, each counted in the RSS)
+    (QUIVER_DOMAIN, MATMUL_4BITS): {1, 2, 3, 4},
 }
 # Slots that read a weight as it is, which no pass rewrites either: a packed weight also read there stays
 # shareable. A tied LM head is the token table a Gather reads: without this, each graph of a dialog (prefill,
