@@ -71,14 +71,8 @@ CASES = {  # name: (heads, kv heads, head size, rows, seqlens, buffer, rotary di
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
-def test_decode_attention_is_group_query_attention(
-    case: str, packed: bool, shared: bool, build: str, native_builds: dict[str, Path]
-) -> None:
-    heads, kv, dim, rows, seqlens, length, rotary_dims, attributes = CASES[case]
+def _feeds(case: str, packed: bool, shared: bool) -> dict[str, np.ndarray]:
+    heads, kv, dim, rows, seqlens, length, rotary_dims, _ = CASES[case]
     rng = np.random.default_rng(list(CASES).index(case))
     batch = len(seqlens)
     if not shared:  # a past exactly as long as the longest sequence's, the present one longer
@@ -98,16 +92,49 @@ def test_decode_attention_is_group_query_attention(
     if rotary_dims:
         angles = rng.uniform(0, 6.3, (64, rotary_dims // 2))
         feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    made = {
-        op: _session(_model(op, domain, packed, bool(rotary_dims), num_heads=heads, kv_num_heads=kv, **attributes),
-                     native_builds[build])
-        for op, domain in (("GroupQueryAttention", MS_DOMAIN), (DECODE_ATTENTION, QUIVER_DOMAIN))
-    }  # fmt: skip
-    ours, theirs = (_run(made[op], feeds, shared) for op in (DECODE_ATTENTION, "GroupQueryAttention"))
+    return feeds
+
+
+def _ort(case: str, packed: bool, op: str = "GroupQueryAttention", library: Path | None = None) -> ort.InferenceSession:
+    heads, kv, _, _, _, _, rotary_dims, attributes = CASES[case]
+    domain = QUIVER_DOMAIN if op == DECODE_ATTENTION else MS_DOMAIN
+    model = _model(op, domain, packed, bool(rotary_dims), num_heads=heads, kv_num_heads=kv, **attributes)
+    return _session(model, library)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+def test_decode_attention_is_group_query_attention(
+    case: str, packed: bool, shared: bool, build: str, native_builds: dict[str, Path]
+) -> None:
+    feeds = _feeds(case, packed, shared)
+    ours = _run(_ort(case, packed, DECODE_ATTENTION, native_builds[build]), feeds, shared)
+    theirs = _run(_ort(case, packed), feeds, shared)
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
-    for b, seen in enumerate(np.array(seqlens) + 1):  # the positions each sequence holds
+    for b, seen in enumerate(feeds["seqlens_k"] + 1):  # the positions each sequence holds
         for mine, ort_s in zip(ours[1:], theirs[1:]):
             np.testing.assert_allclose(mine[b, :, :seen], ort_s[b, :, :seen], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_reference_backends_attention_is_group_query_attention(case: str, packed: bool) -> None:
+    """The reference backend's GroupQueryAttention (and DecodeAttention) in numpy: ORT's numbers."""
+    from quiver.backends.reference import _ms_group_query_attention
+
+    heads, kv, _, _, _, _, rotary_dims, attributes = CASES[case]
+    feeds = _feeds(case, packed, shared=True)
+    theirs = _run(_ort(case, packed), feeds, shared=True)
+    ours = _ms_group_query_attention(
+        None,  # type: ignore[arg-type]
+        *(None if packed and n in ("key", "value") else feeds.get(n) for n in NAMES),
+        num_heads=heads, kv_num_heads=kv, do_rotary=int(bool(rotary_dims)), **attributes,
+    )  # fmt: skip
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-4, atol=1e-5)
+    for mine, ort_s in zip(ours[1:], theirs[1:]):
+        np.testing.assert_allclose(mine, ort_s, rtol=1e-6, atol=1e-6)
 
 
 def test_without_the_kernel_it_is_group_query_attention() -> None:

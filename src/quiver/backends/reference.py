@@ -104,12 +104,19 @@ def _simplified_layer_norm(self: OpRun, x: np.ndarray, gamma: np.ndarray, **attr
     return ((x * inv * gamma).astype(x.dtype),)
 
 
-def _rotate(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotary positions, half-split (rotary_interleaved=0): x [heads, seq, dim] at `positions` [seq]."""
-    half = x.shape[-1] // 2
+def _rotate(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Rotary positions on x's first 2 x cos.shape[1] dimensions (x [heads, seq, dim] at `positions` [seq]):
+    the two halves of them against each other, or (`interleaved`) each even dimension against the next."""
+    half = cos.shape[-1]
     c, s = cos[positions][None], sin[positions][None]
-    first, second = x[..., :half], x[..., half:]
-    return np.concatenate([first * c - second * s, second * c + first * s], axis=-1)
+    turned, rest = x[..., : 2 * half], x[..., 2 * half :]
+    if interleaved:
+        a, b = turned[..., 0::2], turned[..., 1::2]
+        out = np.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(turned.shape)
+    else:
+        a, b = turned[..., :half], turned[..., half:]
+        out = np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    return np.concatenate([out, rest], axis=-1)
 
 
 def _ms_group_query_attention(
@@ -128,7 +135,8 @@ def _ms_group_query_attention(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ORT's GroupQueryAttention for unpacked q/k/v and a past/present buffer of the cache's full length:
     the new keys and values go at positions [total - seq, total), each query attends causally to what
-    precedes it. Rotary positions (do_rotary) count from the start of the cache."""
+    precedes it (within the last `local_window_size` keys, its own included), scores capped by `softcap`.
+    Rotary positions (do_rotary) count from the start of the cache."""
     heads, kv_heads = int(attributes["num_heads"]), int(attributes["kv_num_heads"])
     batch, seq, width = query.shape
     if key is None or value is None or key.size == 0:  # packed: q, k and v side by side in `query`
@@ -136,6 +144,7 @@ def _ms_group_query_attention(
         query, key, value = np.split(query, [heads * dim, (heads + kv_heads) * dim], axis=-1)
     dim = query.shape[-1] // heads
     scale = attributes.get("scale") or dim**-0.5
+    window, softcap = int(attributes.get("local_window_size", -1)), float(attributes.get("softcap") or 0.0)
     present_key, present_value = past_key.copy(), past_value.copy()
     output = np.empty((batch, seq, heads * dim), query.dtype)
     for b in range(batch):
@@ -144,13 +153,18 @@ def _ms_group_query_attention(
         q = query[b].reshape(seq, heads, dim).transpose(1, 0, 2)
         k = key[b].reshape(seq, kv_heads, dim).transpose(1, 0, 2)
         if attributes.get("do_rotary") and cos_cache is not None and sin_cache is not None:
-            q, k = _rotate(q, positions, cos_cache, sin_cache), _rotate(k, positions, cos_cache, sin_cache)
+            turn = bool(attributes.get("rotary_interleaved"))
+            q, k = (_rotate(x, positions, cos_cache, sin_cache, turn) for x in (q, k))
         present_key[b, :, total - seq : total] = k
         present_value[b, :, total - seq : total] = value[b].reshape(seq, kv_heads, dim).transpose(1, 0, 2)
         keys = np.repeat(present_key[b, :, :total], heads // kv_heads, axis=0)
         values = np.repeat(present_value[b, :, :total], heads // kv_heads, axis=0)
         scores = (q @ keys.transpose(0, 2, 1)) * scale
-        scores = np.where(np.arange(total)[None, None] <= positions[None, :, None], scores, -np.inf)
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
+        at, upto = np.arange(total)[None, None], positions[None, :, None]
+        seen = (at <= upto) & ((at > upto - window) if window > 0 else True)
+        scores = np.where(seen, scores, -np.inf)
         weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
         weights /= weights.sum(axis=-1, keepdims=True)
         output[b] = (weights @ values).transpose(1, 0, 2).reshape(seq, heads * dim)
