@@ -154,27 +154,6 @@ static void attend_task(void *data, size_t i) {
   free(scratch);
 }
 
-/* Input i's data and shape (its element type checked), or NULL data where an optional input is absent. */
-static Status input(Api api, void *context, size_t count, size_t i, int type, const void **data, int64_t *dims,
-                    size_t *rank, int64_t *elements) {
-  const void *value = NULL;
-  *data = NULL;
-  *rank = 0;
-  *elements = 0;
-  if (i >= count) return NULL;
-  Status status = CALL(api, KERNEL_CONTEXT_GET_INPUT, get_input_t)(context, i, &value);
-  if (status || !value) return status;
-  if ((status = shape_of(api, value, type, dims, rank, elements))) return status;
-  return CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(value, (void **)data);
-}
-
-static Status output(Api api, void *context, size_t i, const int64_t *dims, size_t rank, float **data) {
-  void *value = NULL;
-  Status status = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, get_output_t)(context, i, dims, rank, &value);
-  if (status) return status;
-  return CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(value, (void **)data);
-}
-
 static Status compute(void *kernel, void *context) {
   const Attention *self = kernel;
   Api api = self->api;
@@ -187,7 +166,7 @@ static Status compute(void *kernel, void *context) {
   static const int types[9] = {TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT, TYPE_FLOAT,
                                TYPE_INT32, TYPE_INT32, TYPE_FLOAT, TYPE_FLOAT};
   for (size_t i = 0; i < 9; i++)
-    if ((status = input(api, context, count, i, types[i], &data[i], dims[i], &rank[i], &elements[i]))) return status;
+    if ((status = op_input(api, context, count, i, types[i], &data[i], dims[i], &rank[i], &elements[i]))) return status;
   if (!data[0] || rank[0] != 3) return failure(api, "DecodeAttention: the query must be [batch, rows, width]");
   const int64_t batch = dims[0][0], rows = dims[0][1], width = dims[0][2], heads = self->heads, kv = self->kv_heads;
   const int packed = !data[1] && !data[2];
@@ -222,9 +201,9 @@ static Status compute(void *kernel, void *context) {
   if (total < 0 || total > present_length) return failure(api, "DecodeAttention: a bad total_sequence_length");
   const int64_t out_dims[3] = {batch, rows, heads * d}, kv_dims[4] = {batch, kv, present_length, d};
   float *out = NULL, *present_key = NULL, *present_value = NULL;
-  if ((status = output(api, context, 0, out_dims, 3, &out))) return status;
-  if ((status = output(api, context, 1, kv_dims, 4, &present_key))) return status;
-  if ((status = output(api, context, 2, kv_dims, 4, &present_value))) return status;
+  if ((status = op_output(api, context, 0, out_dims, 3, (void **)&out))) return status;
+  if ((status = op_output(api, context, 1, kv_dims, 4, (void **)&present_key))) return status;
+  if ((status = op_output(api, context, 2, kv_dims, 4, (void **)&present_value))) return status;
   const float *q = data[0];
   Work work = {
       self, q, packed ? q + heads * d : data[1], packed ? q + (heads + kv) * d : data[2], width,

@@ -675,26 +675,20 @@ static Status compute(void *kernel, void *context) {
   size_t inputs = 0;
   Status status = CALL(api, KERNEL_CONTEXT_GET_INPUT_COUNT, get_count_t)(context, &inputs);
   if (status) return status;
-  const void *values[3] = {NULL, NULL, NULL};
-  for (size_t i = 0; i < inputs && i < 3; i++) {
-    if ((status = CALL(api, KERNEL_CONTEXT_GET_INPUT, get_input_t)(context, i, &values[i]))) return status;
-  }
-  if (!values[0] || !values[1] || !values[2]) return failure(api, "MatMul4Bits: A, B and the blocks' scales are required");
-  int64_t dims[8], other[8], count = 0, a_count = 0;
-  size_t rank = 0, other_rank = 0;
-  if ((status = shape_of(api, values[0], TYPE_FLOAT, dims, &rank, &a_count))) return status;
-  if (rank < 1 || dims[rank - 1] != k) return failure(api, "MatMul4Bits: A's last dimension is not K");
-  if ((status = shape_of(api, values[1], TYPE_UINT8, other, &other_rank, &count))) return status;
-  if (count != n * blocks * 16) return failure(api, "MatMul4Bits: B does not hold N x K / 32 blocks");
-  if ((status = shape_of(api, values[2], TYPE_FLOAT16, other, &other_rank, &count))) return status;
-  if (count != n * 2 * blocks) return failure(api, "MatMul4Bits: the scales and minimums are not N x 2 x K / 32");
-  const int64_t m = a_count / k;
-  dims[rank - 1] = n;
-  void *output = NULL, *data[3] = {NULL, NULL, NULL}, *y = NULL;
-  if ((status = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, get_output_t)(context, 0, dims, rank, &output))) return status;
-  for (int i = 0; i < 3; i++)
-    if ((status = CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(values[i], &data[i]))) return status;
-  if ((status = CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(output, &y))) return status;
+  static const int types[3] = {TYPE_FLOAT, TYPE_UINT8, TYPE_FLOAT16};
+  const void *data[3];
+  int64_t dims[3][8], count[3];
+  size_t rank[3];
+  for (size_t i = 0; i < 3; i++)
+    if ((status = op_input(api, context, inputs, i, types[i], &data[i], dims[i], &rank[i], &count[i]))) return status;
+  if (!data[0] || !data[1] || !data[2]) return failure(api, "MatMul4Bits: A, B and the blocks' scales are required");
+  if (rank[0] < 1 || dims[0][rank[0] - 1] != k) return failure(api, "MatMul4Bits: A's last dimension is not K");
+  if (count[1] != n * blocks * 16) return failure(api, "MatMul4Bits: B does not hold N x K / 32 blocks");
+  if (count[2] != n * 2 * blocks) return failure(api, "MatMul4Bits: the scales and minimums are not N x 2 x K / 32");
+  const int64_t m = count[0] / k;
+  dims[0][rank[0] - 1] = n;
+  void *y = NULL;
+  if ((status = op_output(api, context, 0, dims[0], rank[0], &y))) return status;
   if (m == 0) return NULL;
   /* Tasks of whole columns, each reading at least TASK_BYTES of weights (a long run the prefetchers follow;
    * a small matrix's tasks cost more to hand out than to compute), at most MAX_TASKS a row group. */

@@ -122,6 +122,28 @@ static inline Status shape_of(Api api, const void *value, int type, int64_t *dim
   return NULL;
 }
 
+/* Input i's data and shape (its element type checked), or NULL data where an optional input is absent. */
+static inline Status op_input(Api api, void *context, size_t count, size_t i, int type, const void **data,
+                              int64_t *dims, size_t *rank, int64_t *elements) {
+  const void *value = NULL;
+  *data = NULL;
+  *rank = 0;
+  *elements = 0;
+  if (i >= count) return NULL;
+  Status status = CALL(api, KERNEL_CONTEXT_GET_INPUT, get_input_t)(context, i, &value);
+  if (status || !value) return status;
+  if ((status = shape_of(api, value, type, dims, rank, elements))) return status;
+  return CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(value, (void **)data);
+}
+
+/* Output i of this shape, and its data. */
+static inline Status op_output(Api api, void *context, size_t i, const int64_t *dims, size_t rank, void **data) {
+  void *value = NULL;
+  Status status = CALL(api, KERNEL_CONTEXT_GET_OUTPUT, get_output_t)(context, i, dims, rank, &value);
+  if (status) return status;
+  return CALL(api, GET_TENSOR_MUTABLE_DATA, mutable_data_t)(value, (void **)data);
+}
+
 const OrtCustomOp *quiver_matmul_4bits(void);
 const OrtCustomOp *quiver_decode_attention(void);
 
