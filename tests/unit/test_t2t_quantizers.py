@@ -20,6 +20,9 @@ from quiver.backends.cpu import session_model as session_model_module
 from quiver.backends.cpu.native_ops import built_library, lowered
 from quiver.errors import QuantizationError
 from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
+from quiver.t2t import batch as batch_module
+from quiver.t2t import export as export_module
+from quiver.t2t.batch import BASE_SLOT, BatchDecoder
 from quiver.t2t.config import read_dialog_config
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
@@ -40,6 +43,7 @@ from quiver.t2t.quantizers import (
     parse_override,
     quantize_weights,
 )
+from tests.support.greedy import dialog_greedy
 from tests.support.tiny_llm import forward, tiny_decoder
 
 IDS = [5, 17, 42, 8, 99]
@@ -177,10 +181,73 @@ def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
 
     assert native_ops.native_ops().path is not None, native_ops.native_ops().reason
     kernel_tokens, kernel_logits = _greedy_reply(config)
+    # the same export with ORT's GroupQueryAttention in the decode step (the same MatMul kernels): the same
+    # within float32's rounding (the logits outside the head's shortlist are -inf in both)
+    monkeypatch.setattr(export_module, "decode_step_graph", lambda model: model)
+    gqa_config = export(folder, tmp_path / "gqa", options=ExportOptions(64, weight_bits=4)).path
+    gqa_tokens, gqa_logits = _greedy_reply(gqa_config)
+    assert gqa_tokens == kernel_tokens
+    finite = np.isfinite(kernel_logits)
+    assert finite.any() and np.array_equal(np.isfinite(gqa_logits), finite)
+    scale = np.abs(kernel_logits[finite]).max()
+    np.testing.assert_allclose(gqa_logits[finite], kernel_logits[finite], rtol=0, atol=1e-5 * scale)
+    assert not np.array_equal(gqa_logits, kernel_logits)  # the two attentions round apart: both graphs ran
+    # and without Quiver's library: every node ORT's own, the same tokens
     monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
-    ort_tokens, ort_logits = _greedy_reply(config)
-    assert ort_tokens == kernel_tokens
-    np.testing.assert_allclose(ort_logits, kernel_logits, rtol=0, atol=1e-4 * np.abs(kernel_logits).max())
+    assert _greedy_reply(config)[0] == kernel_tokens
+
+
+def _batch_greedy(config: Path, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], np.ndarray]:
+    """`tokens` greedy tokens after each prompt from the serving decoder, every row in each decode step
+    (rows of other lengths), and the last step's logits."""
+    decoder = BatchDecoder.from_config(config, max_batch=len(prompts))
+    try:
+        replies = [[int(np.argmax(decoder.prefill(row, p, 0, BASE_SLOT)))] for row, p in enumerate(prompts)]
+        for step in range(tokens - 1):
+            cached = [len(p) + step for p in prompts]
+            logits = decoder.decode([r[-1] for r in replies], cached, [BASE_SLOT] * len(prompts))
+            for reply, row in zip(replies, logits):
+                reply.append(int(np.argmax(row)))
+        return replies, logits.astype(np.float64)
+    finally:
+        decoder.close()
+
+
+def test_an_int4_servers_decode_steps_run_quivers_attention_the_same_tokens_as_orts(
+    gridded: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batched graph's decode step is a graph of its own in an int4 export ("batch_decode", Quiver's
+    DecodeAttention; prompts stay on "batch"): three rows of other lengths decode the same greedy tokens as
+    with ORT's GroupQueryAttention in its place, and as the dialog does; a float export has no such graph."""
+    folder, _ = gridded
+    config = export(folder, tmp_path / "rtn", options=ExportOptions(64, weight_bits=4)).path
+    with quiver.Context.from_binary(config.parent / "model.qctx") as context:
+        ops = {g: {n.op_type for n in context.finalized_graph(g).model.graph.node} for g in ("batch", "batch_decode")}
+    assert "DecodeAttention" in ops["batch_decode"] and "GroupQueryAttention" not in ops["batch_decode"]
+    assert "GroupQueryAttention" in ops["batch"] and "DecodeAttention" not in ops["batch"]
+    float_config = export(folder, tmp_path / "float", options=ExportOptions(64)).path
+    with quiver.Context.from_binary(float_config.parent / "model.qctx") as context:
+        assert "batch_decode" not in context.graph_names
+
+    prompts = [IDS, IDS[:2], [7, 3, 11, 2, 60, 31, 9, 14]]
+    assert native_ops.native_ops().path is not None, native_ops.native_ops().reason
+    kernel_tokens, kernel_logits = _batch_greedy(config, prompts, 10)
+    with Dialog.from_config(config) as dialog:
+        assert dialog_greedy(dialog, prompts, 10) == kernel_tokens
+    # the batched graph's own steps (ORT's GroupQueryAttention, the same MatMul kernels): the same within
+    # float32's rounding
+    monkeypatch.setattr(batch_module, "BATCH_DECODE_GRAPH", "no such graph")
+    gqa_tokens, gqa_logits = _batch_greedy(config, prompts, 10)
+    assert gqa_tokens == kernel_tokens
+    finite = np.isfinite(kernel_logits)
+    assert finite.any() and np.array_equal(np.isfinite(gqa_logits), finite)
+    scale = np.abs(kernel_logits[finite]).max()
+    np.testing.assert_allclose(gqa_logits[finite], kernel_logits[finite], rtol=0, atol=1e-5 * scale)
+    assert not np.array_equal(gqa_logits, kernel_logits)  # the two attentions round apart: both graphs ran
+    # and without Quiver's library: every node ORT's own, the same tokens
+    monkeypatch.undo()
+    monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
+    assert _batch_greedy(config, prompts, 10)[0] == kernel_tokens
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's per-mapping RSS")

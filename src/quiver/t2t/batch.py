@@ -1,7 +1,8 @@
 """Many sequences over one context, one decode step for all of them, each on its own adapter (`quiver serve`).
 
-Runs the context's batched graph (`batch`, made by `quiver t2t export`): every row is one sequence with
-its own KV cache row and its own length, and its own adapter. Adapters live in slots: each slot holds an
+Runs the context's batched graph (`batch`, made by `quiver t2t export`; its decode steps `batch_decode`
+where the export made that graph): every row is one sequence with its own KV cache row and its own length,
+and its own adapter. Adapters live in slots: each slot holds an
 adapter's Aᵀ and B tables (`quiver.lora.create`'s per-row form), filled from its sections at the
 strengths a request gives, kept while any sequence uses it and reused least recently used first. Any
 number of adapters may exist on disk: only those in use need a slot. Slot 0 is the base model: no tables.
@@ -38,7 +39,14 @@ from quiver.runtime.context import Context
 from quiver.runtime.sections import SECTION_CACHE_BYTES
 from quiver.runtime.state import MAX_LORA_STRENGTH
 from quiver.t2t.adapters import AdapterSet
-from quiver.t2t.config import BATCH_GRAPH, DialogConfig, adapter_use_cases, cpu_backend_for, read_dialog_config
+from quiver.t2t.config import (
+    BATCH_DECODE_GRAPH,
+    BATCH_GRAPH,
+    DialogConfig,
+    adapter_use_cases,
+    cpu_backend_for,
+    read_dialog_config,
+)
 from quiver.t2t.graph import INPUT_IDS, LOGITS, PAST, PRESENT, SEQLENS_K, TOTAL_LENGTH
 from quiver.t2t.kv_memory import CacheMemory, zeros
 from quiver.t2t.tokenizer import TextTokenizer
@@ -110,8 +118,11 @@ class BatchDecoder:
         self.adapters = AdapterSet(self._context, adapter_use_cases(config), config.path)
         self.on_fill: Callable[[float], object] | None = None  # told how long each slot fill took
         fork.reset_after_fork(self)
-        # prepare (and pack) the graph now: the first request measures generation, not session creation
+        # prepare (and pack) the graphs now: the first request measures generation, not session creation
         self.prefill(0, [0], 0, BASE_SLOT)
+        if self._step is not self._graph:
+            self.decode([0], [1], [BASE_SLOT])
+        self.free([0])
 
     @classmethod
     def from_config(
@@ -139,6 +150,10 @@ class BatchDecoder:
                 "again with this version's `quiver t2t export`"
             )
         self._graph = graph = self._context.graph(BATCH_GRAPH)
+        # decode steps run the export's graph of their own where it made one (Quiver's attention for one row a
+        # sequence: the same inputs, outputs and weights), else the batched graph too
+        names = self._context.graph_names
+        self._step = self._context.graph(BATCH_DECODE_GRAPH) if BATCH_DECODE_GRAPH in names else graph
         inputs = {i.name: i for i in graph.inputs}
         rows = {name: _row_shape(info.shape) for name, info in inputs.items() if name.startswith(PAST)}
         if not rows or not all(rows.values()):
@@ -399,7 +414,7 @@ class BatchDecoder:
             else:
                 feeds = self._slot_tables(tables)
             feeds |= {INPUT_IDS: ids, SEQLENS_K: lengths, TOTAL_LENGTH: total, **caches}
-            run = self._graph.bind(feeds, out)
+            run = self._step.bind(feeds, out)
             bound = self._bound[(n, tables)] = (run, ids, lengths, total)
         return bound
 

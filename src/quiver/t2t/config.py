@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 PREFILL_GRAPH, DECODE_GRAPH = "prefill", "decode"
 BATCH_GRAPH = "batch"  # many sequences per step, each row on its own adapter slot (`quiver serve`)
+# the batch graph's decode step, where it is a graph of its own (Quiver's attention for one row a sequence)
+BATCH_DECODE_GRAPH = "batch_decode"
 # How the graphs take their KV cache and positions: "quiver" (`quiver t2t export`'s: seqlens_k and
 # total_sequence_length, one fixed buffer); for decoders exported elsewhere (`quiver.t2t.onnx_decoder`), an
 # attention mask with one fixed buffer that past and present share ("shared": onnxruntime-genai's

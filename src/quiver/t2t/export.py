@@ -1,7 +1,8 @@
 """`quiver t2t export`: a transformers causal-LM folder (and PEFT adapters) -> prefill + decode context.
 
 Writes into OUT: `model.qctx` (graphs "prefill" and "decode", and "batch", the batched graph `quiver
-serve` decodes many sequences with, each row on its own adapter slot; one copy of every weight), one super
+serve` decodes many sequences with, each row on its own adapter slot, with "batch_decode", its decode step,
+where that is a graph of its own; one copy of every weight), one super
 section per adapter (`<name>.qsec`, updating both graphs), `tokenizer.json` and `genie_config.json`.
 Reads safetensors directly and builds the graph itself (`quiver.t2t.graph`): no torch needed.
 """
@@ -28,6 +29,7 @@ from quiver.lora.prepare import UseCase, lora_graph, section_metadata
 from quiver.passes.load import materialized
 from quiver.runtime.context import Context
 from quiver.t2t.config import (
+    BATCH_DECODE_GRAPH,
     BATCH_GRAPH,
     DECODE_GRAPH,
     DEFAULT_PREFILL_WINDOW,
@@ -348,7 +350,10 @@ def export(
     # would pack float weights of it, the step stays the prefill graph's body: one session packs them once
     if decode is not model or not _packs_float_weights(model, set(updateable)):
         decode = decode_step_graph(decode)
-    graphs = (model, decode, batched)
+    # the server's decode steps likewise, in a graph of their own where no float weight is packed (its
+    # prompts stay on the batched graph); else steps and prompts share one session, as before
+    batch_step = None if _packs_float_weights(batched, set(updateable)) else decode_step_graph(batched)
+    graphs = (model, decode, batched, *([batch_step] if batch_step is not None else []))
     stored = sorted({t.name for m in graphs for t in m.graph.initializer if t.name in deferred})
     need = _check_room(
         out, sum(deferred[n].nbytes for n in stored), max((d.nbytes for d in deferred.values()), default=0)
@@ -366,6 +371,8 @@ def export(
         add(PREFILL_GRAPH, model, updateable=updateable)
         add(DECODE_GRAPH, decode, input_shapes={INPUT_IDS: [1, 1]}, updateable=updateable)
         add(BATCH_GRAPH, batched)
+        if batch_step is not None:
+            add(BATCH_DECODE_GRAPH, batch_step)
         context.finalize()
         context.save(out / CONTEXT_FILE)
         sections = {}
