@@ -22,7 +22,7 @@ from quiver.errors import QuantizationError
 from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
 from quiver.t2t import batch as batch_module
 from quiver.t2t import export as export_module
-from quiver.t2t.batch import BASE_SLOT, BatchDecoder
+from quiver.t2t.batch import BatchDecoder
 from quiver.t2t.config import read_dialog_config
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
@@ -44,7 +44,7 @@ from quiver.t2t.quantizers import (
     quantize_weights,
 )
 from tests.support.greedy import dialog_greedy
-from tests.support.tiny_llm import forward, tiny_decoder
+from tests.support.tiny_llm import forward, tiny_adapter, tiny_decoder
 
 IDS = [5, 17, 42, 8, 99]
 BLOCK = 32
@@ -197,15 +197,19 @@ def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
     assert _greedy_reply(config)[0] == kernel_tokens
 
 
-def _batch_greedy(config: Path, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], np.ndarray]:
+def _batch_greedy(
+    config: Path, prompts: list[list[int]], tokens: int, adapters: list[str | None]
+) -> tuple[list[list[int]], np.ndarray]:
     """`tokens` greedy tokens after each prompt from the serving decoder, every row in each decode step
-    (rows of other lengths), and the last step's logits."""
+    (rows of other lengths, each on its adapter: None for the base model), and the last step's logits."""
     decoder = BatchDecoder.from_config(config, max_batch=len(prompts))
     try:
-        replies = [[int(np.argmax(decoder.prefill(row, p, 0, BASE_SLOT)))] for row, p in enumerate(prompts)]
+        slots = [slot for slot in map(decoder.acquire_slot, adapters) if slot is not None]
+        assert len(slots) == len(adapters)
+        replies = [[int(np.argmax(decoder.prefill(row, p, 0, slots[row])))] for row, p in enumerate(prompts)]
         for step in range(tokens - 1):
             cached = [len(p) + step for p in prompts]
-            logits = decoder.decode([r[-1] for r in replies], cached, [BASE_SLOT] * len(prompts))
+            logits = decoder.decode([r[-1] for r in replies], cached, slots)
             for reply, row in zip(replies, logits):
                 reply.append(int(np.argmax(row)))
         return replies, logits.astype(np.float64)
@@ -217,10 +221,14 @@ def test_an_int4_servers_decode_steps_run_quivers_attention_the_same_tokens_as_o
     gridded: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The batched graph's decode step is a graph of its own in an int4 export ("batch_decode", Quiver's
-    DecodeAttention; prompts stay on "batch"): three rows of other lengths decode the same greedy tokens as
-    with ORT's GroupQueryAttention in its place, and as the dialog does; a float export has no such graph."""
-    folder, _ = gridded
-    config = export(folder, tmp_path / "rtn", options=ExportOptions(64, weight_bits=4)).path
+    DecodeAttention; prompts stay on "batch"): three rows of other lengths, the base model's and an
+    adapter's, decode the same greedy tokens as with ORT's GroupQueryAttention in its place, and as the
+    dialog does on the base model; a float export has no such graph."""
+    folder, weights = gridded
+    tiny_adapter(tmp_path / "adapter", weights, 4, ["q_proj", "v_proj", "down_proj"], seed=5)
+    config = export(
+        folder, tmp_path / "rtn", {"chat": tmp_path / "adapter"}, options=ExportOptions(64, weight_bits=4)
+    ).path
     with quiver.Context.from_binary(config.parent / "model.qctx") as context:
         ops = {g: {n.op_type for n in context.finalized_graph(g).model.graph.node} for g in ("batch", "batch_decode")}
     assert "DecodeAttention" in ops["batch_decode"] and "GroupQueryAttention" not in ops["batch_decode"]
@@ -231,23 +239,29 @@ def test_an_int4_servers_decode_steps_run_quivers_attention_the_same_tokens_as_o
 
     prompts = [IDS, IDS[:2], [7, 3, 11, 2, 60, 31, 9, 14]]
     assert native_ops.native_ops().path is not None, native_ops.native_ops().reason
-    kernel_tokens, kernel_logits = _batch_greedy(config, prompts, 10)
+    base_tokens = _batch_greedy(config, prompts, 10, [None] * 3)[0]
     with Dialog.from_config(config) as dialog:
-        assert dialog_greedy(dialog, prompts, 10) == kernel_tokens
+        assert dialog_greedy(dialog, prompts, 10) == base_tokens
+    adapters: list[str | None] = [None, "chat", "chat"]  # a step of mixed adapters: each row its own tables
+    kernel_tokens, kernel_logits = _batch_greedy(config, prompts, 10, adapters)
+    assert kernel_tokens[0] == base_tokens[0] and kernel_tokens[1:] != base_tokens[1:]  # the adapter's text
     # the batched graph's own steps (ORT's GroupQueryAttention, the same MatMul kernels): the same within
     # float32's rounding
     monkeypatch.setattr(batch_module, "BATCH_DECODE_GRAPH", "no such graph")
-    gqa_tokens, gqa_logits = _batch_greedy(config, prompts, 10)
+    gqa_tokens, gqa_logits = _batch_greedy(config, prompts, 10, adapters)
     assert gqa_tokens == kernel_tokens
     finite = np.isfinite(kernel_logits)
     assert finite.any() and np.array_equal(np.isfinite(gqa_logits), finite)
     scale = np.abs(kernel_logits[finite]).max()
     np.testing.assert_allclose(gqa_logits[finite], kernel_logits[finite], rtol=0, atol=1e-5 * scale)
     assert not np.array_equal(gqa_logits, kernel_logits)  # the two attentions round apart: both graphs ran
-    # and without Quiver's library: every node ORT's own, the same tokens
-    monkeypatch.undo()
+    # without Quiver's library the step's graph is the batched graph's own again, node for node: the very
+    # same logits on both
     monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
-    assert _batch_greedy(config, prompts, 10)[0] == kernel_tokens
+    lowered_tokens, lowered_logits = _batch_greedy(config, prompts, 10, adapters)
+    monkeypatch.setattr(batch_module, "BATCH_DECODE_GRAPH", "batch_decode")
+    step_tokens, step_logits = _batch_greedy(config, prompts, 10, adapters)
+    assert step_tokens == lowered_tokens and np.array_equal(step_logits, lowered_logits)
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's per-mapping RSS")
