@@ -67,10 +67,11 @@ def _one_matmul(k: int = 128, n: int = 96) -> onnx.ModelProto:
 
 
 def test_round_to_nearest_writes_what_onnx_runtimes_quantizer_writes() -> None:
+    """In blocks other than Quiver's kernel's (32), ORT's own nodes and tensors, as its quantizer writes them."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    ours = quantize_weights(_one_matmul(), 4, 32, quantizer="rtn-asym")
-    theirs = MatMulNBitsQuantizer(_one_matmul(), bits=4, block_size=32, is_symmetric=False)
+    ours = quantize_weights(_one_matmul(), 4, 64, quantizer="rtn-asym")
+    theirs = MatMulNBitsQuantizer(_one_matmul(), bits=4, block_size=64, is_symmetric=False)
     theirs.process()
     expected = {t.name: numpy_helper.to_array(t) for t in theirs.model.model.graph.initializer}
     got = {t.name: numpy_helper.to_array(t) for t in ours.graph.initializer}
@@ -106,6 +107,35 @@ def test_symmetric_round_to_nearest_is_onnx_runtimes_blocks_on_quivers_kernel() 
     (matmul,) = [n for n in lowered(ours).graph.node if n.op_type.startswith("MatMul")]
     assert (matmul.op_type, matmul.input[1]) == ("MatMulNBits", node.input[1])
     assert {a.name: a for a in matmul.attribute} == {a.name: a for a in their_node.attribute}
+
+
+def test_round_to_nearest_with_zero_points_is_onnx_runtimes_blocks_on_quivers_kernel() -> None:
+    """`rtn-asym` in blocks of 32: ORT's quantizer's blocks as a MatMul4Bits node, each block's scale in float16
+    and its minimum -z s (z its zero point, unpacked); where the kernel is not built, ORT's MatMulNBits on the
+    same blocks, plus each block's sum of the input times m + 8 s."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from quiver.backends.cpu.native_ops import lowered
+
+    ours = quantize_weights(_one_matmul(), 4, 32, quantizer="rtn-asym")
+    theirs = MatMulNBitsQuantizer(_one_matmul(), bits=4, block_size=32, is_symmetric=False)
+    theirs.process()
+    expected = {t.name: numpy_helper.to_array(t) for t in theirs.model.model.graph.initializer}
+    got = {t.name: numpy_helper.to_array(t) for t in ours.graph.initializer}
+    (node,) = ours.graph.node
+    (their_node,) = theirs.model.model.graph.node
+    assert (node.domain, node.op_type, node.name) == ("ai.quiver", "MatMul4Bits", their_node.name)
+    assert {a.name: a.i for a in node.attribute}["symmetric"] == 0
+    blocks, scales, points = their_node.input[1:4]
+    np.testing.assert_array_equal(got[node.input[1]], expected[blocks])
+    halves = got[node.input[2]]
+    scale = expected[scales].reshape(halves.shape[0], -1).astype(np.float16)
+    zeros = np.stack([expected[points] & 15, expected[points] >> 4], axis=-1).reshape(len(scale), -1)
+    np.testing.assert_array_equal(halves[:, 0], scale)
+    minimum = (-zeros[:, : scale.shape[1]].astype(np.float32) * scale.astype(np.float32)).astype(np.float16)
+    np.testing.assert_array_equal(halves[:, 1], minimum)
+    (matmul,) = [n for n in lowered(ours).graph.node if n.op_type == "MatMulNBits"]
+    assert matmul.input[1] == node.input[1]
 
 
 @pytest.mark.parametrize("quantizer", ["rtn", "rtn-min"])

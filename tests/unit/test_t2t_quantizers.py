@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import numpy_helper
 from safetensors.numpy import save_file
 
 import quiver
@@ -35,6 +36,7 @@ from quiver.t2t.quantizers import (
     SHORTLIST,
     SHORTLIST_SIZE,
     TABLE,
+    _ort_rtn,
     _with_block_minimums,
     block_minimums,
     carried_head,
@@ -335,6 +337,65 @@ def test_float_minimum_blocks_are_one_node_of_quivers_kernel_for_a_prompt_and_a_
         # x's blocks on ~16 bits: a block with an outlier (30x) has a 30x coarser step for the others
         assert np.abs(got - want).max() < 3e-4 * np.abs(want).max(), rows
     assert np.abs(_product(lowered(prompt), x, 4) - want).max() < 1e-4 * np.abs(want).max()
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
+def _one_projection(k: int = 96, n: int = 40) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A graph of one MatMul by a constant [K, N] weight (a layer's, not the head), and that weight."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(11).standard_normal((k, n)).astype(np.float32)
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="/model/layers.0/mlp/down_proj/MatMul")
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])], [numpy_helper.from_array(weight, "w")],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), weight
+
+
+def _kernel_weights(model: onnx.ModelProto) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The one MatMul4Bits node's weight as its blocks dequantize ([K, N]: s q + m), its q, and `symmetric`."""
+    (node,) = model.graph.node
+    assert (node.domain, node.op_type) == (QUIVER_DOMAIN, MATMUL_4BITS)
+    tensors = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    packed, halves = tensors[node.input[1]], tensors[node.input[2]].astype(np.float32)
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(len(packed), -1, BLOCK).astype(np.float32)
+    w = q * halves[:, 0, :, None] + halves[:, 1, :, None]
+    symmetric = next(a.i for a in node.attribute if a.name == "symmetric")
+    return w.reshape(len(w), -1).T, q.reshape(len(q), -1).T, bool(symmetric)
+
+
+@pytest.mark.parametrize("quantizer", ["rtn-asym", "gptq", "gptq-asym"])
+def test_blocks_with_zero_points_and_gptqs_are_quivers_kernels_blocks(quantizer: str) -> None:
+    """`rtn-asym`'s and GPTQ's 4-bit blocks of 32 are MatMul4Bits nodes: each block's scale and minimum -z s
+    (float16) hold the weights the quantizer made, within float16's rounding of the scale (GPTQ's own
+    blocks; `rtn-asym`'s as ORT's MatMulNBits takes them: its zero points unpacked)."""
+    model, weight = _one_projection()
+    moments = {"x": np.eye(len(weight), dtype=np.float64)} if quantizer in CALIBRATED else None
+    solved: dict[str, Any] = {}
+    quantized = quantize_weights(_copy(model), 4, BLOCK, quantizer=quantizer, moments=moments, solved=solved)
+    got, q, symmetric = _kernel_weights(quantized)
+    assert symmetric == (quantizer == "gptq")
+    if quantizer == "rtn-asym":  # ORT's own blocks of the same weight (MatMulNBits' tensors), zero points unpacked
+        ort_form = _ort_rtn(_copy(model), 4, BLOCK, {model.graph.node[0].name}, symmetric=False)
+        tensors = {t.name: numpy_helper.to_array(t) for t in ort_form.graph.initializer}
+        packed, scales, points = (tensors[f"w_{part}"] for part in ("Q4", "scales", "zero_points"))
+        nibbles = lambda a: np.stack([a & 15, a >> 4], axis=-1).reshape(len(a), -1).astype(np.float32)  # noqa: E731
+        blocks = nibbles(packed.reshape(len(packed), -1)).reshape(len(packed), -1, BLOCK)
+        zeros = nibbles(points)[:, : scales.shape[1]]
+        want = ((blocks - zeros[..., None]) * scales[..., None]).reshape(len(blocks), -1).T
+    else:
+        blocks = solved["w"]
+        assert np.array_equal(q, blocks.q)  # GPTQ's integers as it solved them
+        want = blocks.dequantized()
+    step = np.abs(weight).max() / 7.5
+    assert np.abs(got - want).max() < 0.01 * step
+    assert np.abs(got - weight).max() < step  # and each weight within a step of the float one
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)

@@ -10,7 +10,9 @@ Quantizers, by name:
   them, a prompt's and a decode step's. Where the kernel is not built the node is ORT's MatMulNBits
   again, on the same blocks.
 * `rtn-asym`: round to nearest with a 4-bit integer zero point per block (the same quantizer,
-  asymmetric): w = s (q - z).
+  asymmetric): w = s (q - z). In blocks of 32, `MatMul4Bits` nodes too, ORT's blocks with each one's scale
+  and minimum -z s in float16 (a tied head that is the token table stays MatMulNBits: its rows are
+  gathered from those blocks).
 * `rtn-min`: round to nearest with a scale and a float minimum per block, as GGUF's Q4_1 stores them:
   w = s q + m, s = (max - min) / 15, m = min, both then rounded to float16 (as GGUF stores them: every
   form below holds the same weights). Exact for weights already on such a grid (a model dequantized
@@ -26,8 +28,8 @@ Quantizers, by name:
   minimum fitted by HQQ (Badri & Shaji, 2023: a few half-quadratic steps that make the rounding error
   sparse, an l0.7 penalty) instead of taken from the block's smallest weight; no calibration.
 * `gptq`, `gptq-asym`: 4-bit blocks by GPTQ (`quiver.passes.gptq`), symmetric or with a 4-bit zero point
-  per block, from the float model's inputs to each MatMul on calibration prompts; weights set to 8 bits
-  (the LM head by default) round to nearest.
+  per block, from the float model's inputs to each MatMul on calibration prompts (in blocks of 32
+  `MatMul4Bits` nodes, as `rtn-asym`'s); weights set to 8 bits (the LM head by default) round to nearest.
 
 The LoRA branches (updateable tensors) stay in float. The LM head is the largest single weight a decode
 step reads (SmolLM2: 49152 x 576; Llama 3.2's 128k x 2048). A tied head (its float rows are the token
@@ -234,9 +236,10 @@ def quantize_weights(
         model = _ort_rtn(model, 4, _ranking_block(hidden_size, block_size), shortlisted, False, deferred)
         model = _shortlisted_head(model, *shortlist, quantized_tables.get(shortlist[2].name))
     if table is not None:  # the head in the layers' blocks, its rows the table's: onnxruntime-genai's int4 layout
+        # (on Quiver's kernel where symmetric: the rows gathered from blocks with zero points are MatMulNBits')
         symmetric = quantizer == "rtn"
-        model = _ort_rtn(model, 4, block_size, tabled, symmetric, deferred, native=True)
-        halves = _on_quivers_kernel(4, block_size, symmetric, int(table.dims[1]))  # as _ort_rtn wrote the head
+        model = _ort_rtn(model, 4, block_size, tabled, symmetric, deferred, native=symmetric)
+        halves = symmetric and _on_quivers_kernel(4, block_size, int(table.dims[1]))  # as _ort_rtn wrote the head
         _table_from_head(model, table.name, HEAD_WEIGHT, int(table.dims[1]), block_size, symmetric, halves)
     from quiver.ir.edit import drop_unread_initializers
 
@@ -585,22 +588,44 @@ def _rtn_of(weight: Deferred, bits: int, block_size: int, symmetric: bool) -> li
     return _rtn_blocks(weight.compute(), bits, block_size, symmetric)
 
 
-def _symmetric_halves(weight: Deferred, block_size: int) -> list[np.ndarray]:
-    """ORT's symmetric 4-bit blocks of `weight` in Quiver's kernel's form: the packed blocks, and each
-    block's scale and minimum (-8 s) as float16 ([N, 2, K / block])."""
-    packed, scales = _rtn_of(weight, 4, block_size, True)
+def _halves(scales: np.ndarray, zeros: np.ndarray | int) -> np.ndarray:
+    """Blocks' scales [N, blocks] and integer zero points (w = s (q - z)) in Quiver's kernel's form: each
+    block's scale and minimum -z s, float16 [N, 2, blocks] (the minimum of the float16 scale: for z = 8
+    exact, else within float16's rounding of it, ~0.4 % of a step at most)."""
     halves = np.empty((scales.shape[0], 2, scales.shape[1]), np.float16)
     halves[:, 0] = scales
-    halves[:, 1] = -8 * halves[:, 0].astype(np.float32)  # exact: a power of two times a float16
-    return [packed, halves]
+    halves[:, 1] = -np.asarray(zeros, np.float32) * halves[:, 0].astype(np.float32)
+    return halves
 
 
-def _on_quivers_kernel(bits: int, block_size: int, symmetric: bool, k: int) -> bool:
-    """Whether ORT's round to nearest of a [K, N] weight can be Quiver's MatMul4Bits (symmetric 4-bit blocks
-    of 32, K a multiple of them: ORT's quantizer pads others)."""
+def _rtn_halves(weight: Deferred, block_size: int, symmetric: bool) -> list[np.ndarray]:
+    """ORT's 4-bit blocks of `weight` (symmetric, or with its 4-bit zero points) in Quiver's kernel's form:
+    the packed blocks, and each block's scale and minimum as float16 ([N, 2, K / block])."""
+    if symmetric:
+        packed, scales = _rtn_of(weight, 4, block_size, True)
+        return [packed, _halves(scales, 8)]
+    packed, scales, points = _rtn_of(weight, 4, block_size, False)
+    zeros = np.stack([points & 15, points >> 4], axis=-1).reshape(len(points), -1)  # the low nibble first
+    return [packed, _halves(scales, zeros[:, : scales.shape[1]])]
+
+
+def _on_quivers_kernel(bits: int, block_size: int, k: int) -> bool:
+    """Whether 4-bit blocks of a [K, N] weight can be Quiver's MatMul4Bits (blocks of 32, K a multiple of
+    them: ORT's quantizer pads others)."""
     from quiver.ir.quiver_ops import MATMUL_4BITS_BLOCK
 
-    return bits == 4 and symmetric and block_size == MATMUL_4BITS_BLOCK and k % block_size == 0
+    return bits == 4 and block_size == MATMUL_4BITS_BLOCK and k % block_size == 0
+
+
+def _matmul_4bits(node: onnx.NodeProto, names: Sequence[str], k: int, n: int, symmetric: bool) -> onnx.NodeProto:
+    """`node` (a MatMul) as Quiver's MatMul4Bits on the blocks `names` (packed, halves)."""
+    from onnx import helper
+
+    from quiver.ir.quiver_ops import MATMUL_4BITS, MATMUL_4BITS_BLOCK, QUIVER_DOMAIN
+
+    return helper.make_node(MATMUL_4BITS, [node.input[0], *names], list(node.output), name=f"{node.name}_Q4",
+                            domain=QUIVER_DOMAIN, K=k, N=n, block_size=MATMUL_4BITS_BLOCK, few_rows=0,
+                            symmetric=int(symmetric))  # fmt: skip
 
 
 def _ort_rtn(
@@ -614,13 +639,14 @@ def _ort_rtn(
 ) -> onnx.ModelProto:
     """ORT's round to nearest on the MatMul nodes named in `include` (a [K, N] constant weight each): the
     MatMulNBits nodes, tensors and names ORT's `MatMulNBitsQuantizer` writes, one weight at a time; with
-    `native` (symmetric 4-bit blocks of 32), the same blocks as Quiver's `MatMul4Bits` nodes, their scales
-    float16 (see `quiver.backends.cpu.native_ops`: ORT's node again where that kernel is not built)."""
+    `native` (4-bit blocks of 32), the same blocks as Quiver's `MatMul4Bits` nodes, their scales and
+    minimums float16 (see `quiver.backends.cpu.native_ops`: ORT's operators again where that kernel is
+    not built)."""
     from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
     from quiver.ir.ops import MS_DOMAIN, use_microsoft_domain, use_quiver_domain
-    from quiver.ir.quiver_ops import MATMUL_4BITS, QUIVER_DOMAIN
+    from quiver.ir.quiver_ops import QUIVER_DOMAIN
 
     graph = model.graph
     weights = _Weights(graph, deferred)
@@ -633,18 +659,16 @@ def _ort_rtn(
             continue
         name = node.input[1]
         k, n = (int(d) for d in tensor.dims)
-        if native and _on_quivers_kernel(bits, block_size, symmetric, k):
+        if native and _on_quivers_kernel(bits, block_size, k):
             names = [f"{name}_Q4", f"{name}.halves"]
             if name not in done:
                 count = k // block_size
                 forms = [((n, count, block_size // 2), np.uint8), ((n, 2, count), np.float16)]
-                for part, array in zip(names, made_together(forms, partial(_symmetric_halves, weights.value(name),
-                                                                               block_size))):  # fmt: skip
+                made = made_together(forms, partial(_rtn_halves, weights.value(name), block_size, symmetric))
+                for part, array in zip(names, made):
                     weights.add(part, array)
                 done.add(name)
-            nodes.append(helper.make_node(MATMUL_4BITS, [node.input[0], *names], list(node.output),
-                                          name=f"{node.name}_Q4", domain=QUIVER_DOMAIN, K=k, N=n,
-                                          block_size=block_size, few_rows=0, symmetric=1))  # fmt: skip
+            nodes.append(_matmul_4bits(node, names, k, n, symmetric))
             continue
         names = [f"{name}_Q{bits}", f"{name}_scales"] + ([] if symmetric else [f"{name}_zero_points"])
         if name not in done:  # a weight several MatMuls read is quantized once
@@ -713,11 +737,14 @@ def _by_gptq(
     solved: dict[str, BlockWeights],
     deferred: dict[str, Deferred] | None = None,
 ) -> onnx.ModelProto:
-    """The MatMuls named in `include` by GPTQ's 4-bit blocks, as ONNX's blocked DequantizeLinear of int4
-    weights, which `to_matmul_nbits` turns into MatMulNBits (with zero points where a block has one)."""
+    """The MatMuls named in `include` by GPTQ's 4-bit blocks: in blocks of 32, Quiver's MatMul4Bits (each
+    block's scale and minimum -z s in float16, as `rtn`'s and `rtn-asym`'s); in others, ONNX's blocked
+    DequantizeLinear of int4 weights, which `to_matmul_nbits` turns into MatMulNBits (with zero points
+    where a block has one)."""
     from onnx import helper
 
     from quiver.ir.edit import drop_unread_initializers
+    from quiver.ir.ops import use_quiver_domain
     from quiver.passes.gptq import moments_of, quantize_blocks
     from quiver.passes.nbits import to_matmul_nbits
 
@@ -729,6 +756,7 @@ def _by_gptq(
         if node.op_type == "MatMul" and node.name in include and node.input[1] in constants:
             readers.setdefault(node.input[1], []).append(node.input[0])
     dequantizers = []
+    native: dict[str, tuple[list[str], int, int]] = {}  # weight -> its MatMul4Bits blocks, K, N
     for name, inputs in readers.items():
         if len(constants[name].dims) != 2:
             continue
@@ -736,6 +764,15 @@ def _by_gptq(
             weight = weights.value(name).compute()
             solved[name] = quantize_blocks(weight, 4, block_size, symmetric, moments_of(inputs, moments))
         blocks = solved[name]
+        k, n = blocks.q.shape
+        if _on_quivers_kernel(4, block_size, k):
+            columns = blocks.q.T.reshape(n, k // block_size, block_size).astype(np.uint8)
+            packed = columns[..., 0::2] | (columns[..., 1::2] << 4)  # MatMulNBits' layout: the low nibble first
+            names = [f"{name}_Q4", f"{name}.halves"]
+            weights.add(names[0], packed)
+            weights.add(names[1], _halves(blocks.scales.T, blocks.zeros.T))
+            native[name] = (names, k, n)
+            continue
         stem = f"{name}.gptq"
         graph.initializer.extend(blocks.int4_initializers(f"{stem}.q", f"{stem}.scales", f"{stem}.zero_points"))
         dequantizers.append(
@@ -751,11 +788,16 @@ def _by_gptq(
         for node in graph.node:
             if node.op_type == "MatMul" and node.name in include and node.input[1] == name:
                 node.input[1] = stem
-    nodes = [*dequantizers, *graph.node]
+    nodes = [*dequantizers]
+    for node in graph.node:
+        read = str(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else ""
+        nodes.append(_matmul_4bits(node, *native[read], symmetric) if node.name in include and read in native else node)
     del graph.node[:]
     graph.node.extend(nodes)
     to_matmul_nbits(model)
     drop_unread_initializers(graph, set(readers))
+    if native:
+        use_quiver_domain(model)
     return model
 
 
