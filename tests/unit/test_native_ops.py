@@ -93,7 +93,7 @@ def test_the_kernel_computes_the_float_product_of_its_blocks(
     k: int, n: int, shape: tuple[int, ...], tolerance: float, build: str, native_builds: dict[str, Path]
 ) -> None:
     """Against the float64 product of its blocks; a prompt's rows (8 and more, AVX-512's path) after
-    rounding them to 8 bits a block, the minimums' term on their float sums."""
+    rounding them to 8 bits a block (the minimums' term too)."""
     rng = np.random.default_rng(k + n)
     tensors, w = _blocks(rng, k, n)
     x = (rng.standard_normal((*shape, k)) * np.where(rng.random(k) < 0.02, 30, 1)).astype(np.float32)
@@ -101,17 +101,16 @@ def test_the_kernel_computes_the_float_product_of_its_blocks(
     want = x.astype(np.float64) @ w
     if int(np.prod(shape)) >= 8:
         if build == "native":
-            want = _with_8_bit_rows(x, w, tensors["halves"])
+            want = _with_8_bit_rows(x, w)
         else:
             tolerance = 1e-4  # those paths take a prompt's rows on 16 bits too
     assert y.shape == (*shape, n)
     assert np.abs(y - want).max(initial=0) <= tolerance * np.abs(want).max(initial=1)
 
 
-def _with_8_bit_rows(x: np.ndarray, w: np.ndarray, halves: np.ndarray) -> np.ndarray:
-    """The float64 product of x's blocks on 8 bits by w's blocks, the minimums' term on x's float sums."""
-    minimums = np.repeat(halves[:, 1].astype(np.float64), BLOCK, axis=1).T  # [K, N]
-    return _on_8_bits(x).astype(np.float64) @ (w - minimums) + x.astype(np.float64) @ minimums
+def _with_8_bit_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The float64 product of x's blocks on 8 bits by w's blocks (the minimums' term on the 8-bit rows too)."""
+    return _on_8_bits(x).astype(np.float64) @ w
 
 
 @pytest.mark.parametrize(
@@ -125,7 +124,7 @@ def test_a_few_rows_at_level_4_are_on_8_bits_as_mlas_rounds_them(k: int, n: int,
     tensors, w = _blocks(rng, k, n)
     x = (rng.standard_normal((rows, k)) * np.where(rng.random(k) < 0.02, 30, 1)).astype(np.float32)
     y = _run(_model(k, n, {"B": tensors["B"], "halves": tensors["halves"]}, 2, few_rows=0), x, _library())
-    want = _with_8_bit_rows(x, w, tensors["halves"])
+    want = _with_8_bit_rows(x, w)
     assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
     exact = x.astype(np.float64) @ w
     assert np.abs(y - exact).max() > 1e-4 * np.abs(exact).max()  # not the 16-bit path's
@@ -249,7 +248,7 @@ def test_symmetric_blocks_are_one_matmulnbits_without_the_kernel() -> None:
     x = rng.standard_normal((1, k)).astype(np.float32)
     want = x.astype(np.float64) @ w
     assert np.abs(_product(model, x, 0) - want).max() < 1e-4 * np.abs(want).max()  # ORT's, at float activations
-    on_8_bits = _with_8_bit_rows(x, w, halves)  # the kernel's at level 4, as ORT's int8 kernel
+    on_8_bits = _with_8_bit_rows(x, w)  # the kernel's at level 4, as ORT's int8 kernel
     assert np.abs(_run(node, x, _library()) - on_8_bits).max() < 1e-5 * np.abs(want).max()
 
 

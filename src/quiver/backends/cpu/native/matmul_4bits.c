@@ -217,9 +217,12 @@ static Rows8 rows8_at(char *memory, int64_t m, int64_t k) {
   return r;
 }
 
-/* Row x's blocks on 8 bits: q, the scales and the float sums; with `rest` (a prompt at accuracy levels
+/* Row x's blocks on 8 bits: q, the scales and the sums; with `rest` (a prompt at accuracy levels
  * below 4), what that loses too, as a second row on 8 bits of its own (255 times finer: the two together
- * are within ~2^-15 of x, as the few rows' 16 bits), its sums zero (the minimums' term is x's alone). */
+ * are within ~2^-15 of x, as the few rows' 16 bits), its sums zero (the minimums' term is x's alone).
+ * Without it a block's sum is that of its 8-bit values: the minimums' term then multiplies the very row
+ * the products do, and the result is W's dequantized weights times the rounded row (x's own sums would add
+ * m times the rounding's sum to it: -z s times it, for blocks with zero points). */
 static void prepare_row8(const float *x, int64_t k, int8_t *q, float *scale, float *sum, int8_t *rest,
                          float *rest_scale, float *rest_sum) {
   const int64_t blocks = k / BLOCK;
@@ -246,6 +249,7 @@ static void prepare_row8(const float *x, int64_t k, int8_t *q, float *scale, flo
         rest_sum[b] = 0.f;
       } else {
         scale[b] = step;
+        if (!rest) sum[b] = step * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qe, qo));
         /* what the 8 bits lose: the next pass's row */
         e = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qe), _mm512_set1_ps(step), e);
         o = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qo), _mm512_set1_ps(step), o);
