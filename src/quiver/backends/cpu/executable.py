@@ -16,6 +16,7 @@ from quiver import portable
 from quiver.backends.base import FinalizedGraph
 from quiver.backends.cpu import capi, capi_session, packed_file, sessions
 from quiver.backends.cpu.memory import drop_resident_pages
+from quiver.backends.cpu.native_ops import uses_native_ops
 from quiver.backends.cpu.prepared import open_level, source_digest, usable_form
 from quiver.backends.cpu.session_model import (
     SHARED_INTEGER_PACKING,
@@ -29,6 +30,7 @@ from quiver.backends.cpu.sessions import AnySession, PythonApiSession, packing_w
 from quiver.backends.cpu.settings import SessionSettings
 from quiver.backends.cpu.weights import SessionWeights
 from quiver.errors import BackendError
+from quiver.ort_process import global_thread_pools_in_use
 
 _C_API_ONLY_IO = {"bfloat16", "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz", "int4", "uint4"}
 _NOTHING: Mapping[str, np.ndarray] = MappingProxyType({})
@@ -109,7 +111,17 @@ class CpuExecutable:
         # strings only through the Python API (its sessions)
         self._c_api_only = bool(io_types & _C_API_ONLY_IO) and "string" not in io_types
         stand_in_differs = integer_matmuls or packing_changes_results(model)
-        packed_first = settings.prepack and (not backend.lazy_prepack or stand_in_differs or self._c_api_only)
+        # Quiver's kernels and nothing ORT would pack (4-bit blocks read in place): an unpacked stand-in would
+        # only be made again, its runs meanwhile on idle threads and the Python API (SmolLM2 int4 decoding at
+        # 88 tok/s instead of 150); not under global thread pools, which only the Python API's env has
+        nothing_packed = (
+            uses_native_ops(model)
+            and not packable_weights(graph)
+            and not packed_block_weights(graph)
+            and not global_thread_pools_in_use()
+        )
+        lazy = backend.lazy_prepack and not (stand_in_differs or self._c_api_only or nothing_packed)
+        packed_first = settings.prepack and not lazy
         self.is_packed = packed_first
         # whatever the accuracy level: before 1.32 no MatMulNBits kernel can keep packed weights in a container
         self._shareable = (SHARED_INTEGER_PACKING or not integer_ops) and "string" not in io_types
