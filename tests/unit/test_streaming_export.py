@@ -84,21 +84,31 @@ def test_round_to_nearest_writes_what_onnx_runtimes_quantizer_writes() -> None:
     assert {a.name: a for a in node.attribute} == {a.name: a for a in their_node.attribute}
 
 
-def test_symmetric_round_to_nearest_is_onnx_runtimes_blocks_on_quivers_kernel() -> None:
-    """`rtn`: ORT's quantizer's blocks as a MatMul4Bits node, its scales float16 (the minimum -8 s); where the
-    kernel is not built, the node is ORT's own again, on the same blocks and those scales."""
+def _ours_and_ort_quantizers(
+    symmetric: bool,
+) -> tuple[onnx.ModelProto, onnx.NodeProto, dict[str, np.ndarray], onnx.NodeProto, dict[str, np.ndarray]]:
+    """`rtn` (or `rtn-asym`) in blocks of 32 and ORT's own quantizer on the same weight: our model, its one
+    node (checked to be Quiver's MatMul4Bits, named as ORT names its node) and tensors; ORT's node and
+    tensors."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from quiver.backends.cpu.native_ops import lowered
-
-    ours = quantize_weights(_one_matmul(), 4, 32, quantizer="rtn")
-    theirs = MatMulNBitsQuantizer(_one_matmul(), bits=4, block_size=32, is_symmetric=True)
+    ours = quantize_weights(_one_matmul(), 4, 32, quantizer="rtn" if symmetric else "rtn-asym")
+    theirs = MatMulNBitsQuantizer(_one_matmul(), bits=4, block_size=32, is_symmetric=symmetric)
     theirs.process()
     expected = {t.name: numpy_helper.to_array(t) for t in theirs.model.model.graph.initializer}
     got = {t.name: numpy_helper.to_array(t) for t in ours.graph.initializer}
     (node,) = ours.graph.node
     (their_node,) = theirs.model.model.graph.node
     assert (node.domain, node.op_type, node.name) == ("ai.quiver", "MatMul4Bits", their_node.name)
+    return ours, node, got, their_node, expected
+
+
+def test_symmetric_round_to_nearest_is_onnx_runtimes_blocks_on_quivers_kernel() -> None:
+    """`rtn`: ORT's quantizer's blocks as a MatMul4Bits node, its scales float16 (the minimum -8 s); where the
+    kernel is not built, the node is ORT's own again, on the same blocks and those scales."""
+    from quiver.backends.cpu.native_ops import lowered
+
+    ours, node, got, their_node, expected = _ours_and_ort_quantizers(symmetric=True)
     blocks, scales = their_node.input[1:3]
     np.testing.assert_array_equal(got[node.input[1]], expected[blocks])
     halves = got[node.input[2]]
@@ -113,18 +123,9 @@ def test_round_to_nearest_with_zero_points_is_onnx_runtimes_blocks_on_quivers_ke
     """`rtn-asym` in blocks of 32: ORT's quantizer's blocks as a MatMul4Bits node, each block's scale in float16
     and its minimum -z s (z its zero point, unpacked); where the kernel is not built, ORT's MatMulNBits on the
     same blocks, plus each block's sum of the input times m + 8 s."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     from quiver.backends.cpu.native_ops import lowered
 
-    ours = quantize_weights(_one_matmul(), 4, 32, quantizer="rtn-asym")
-    theirs = MatMulNBitsQuantizer(_one_matmul(), bits=4, block_size=32, is_symmetric=False)
-    theirs.process()
-    expected = {t.name: numpy_helper.to_array(t) for t in theirs.model.model.graph.initializer}
-    got = {t.name: numpy_helper.to_array(t) for t in ours.graph.initializer}
-    (node,) = ours.graph.node
-    (their_node,) = theirs.model.model.graph.node
-    assert (node.domain, node.op_type, node.name) == ("ai.quiver", "MatMul4Bits", their_node.name)
+    ours, node, got, their_node, expected = _ours_and_ort_quantizers(symmetric=False)
     assert {a.name: a.i for a in node.attribute}["symmetric"] == 0
     blocks, scales, points = their_node.input[1:4]
     np.testing.assert_array_equal(got[node.input[1]], expected[blocks])

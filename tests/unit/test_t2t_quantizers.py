@@ -165,6 +165,17 @@ def test_rtn_min_decodes_the_same_tokens_with_ort_operators_in_place_of_quivers_
     np.testing.assert_allclose(ort_logits[finite], kernel_logits[finite], rtol=0, atol=1e-3 * scale)
 
 
+def _within_float32s_rounding(ort_logits: np.ndarray, kernel_logits: np.ndarray) -> None:
+    """Logits of ORT's GroupQueryAttention and of Quiver's DecodeAttention on the same MatMul kernels: the
+    same -inf ones (outside the head's shortlist), the others within float32's rounding, not all the same
+    bits (the two attentions round apart: both graphs ran)."""
+    finite = np.isfinite(kernel_logits)
+    assert finite.any() and np.array_equal(np.isfinite(ort_logits), finite)
+    scale = np.abs(kernel_logits[finite]).max()
+    np.testing.assert_allclose(ort_logits[finite], kernel_logits[finite], rtol=0, atol=1e-5 * scale)
+    assert not np.array_equal(ort_logits, kernel_logits)
+
+
 def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
     gridded: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,11 +200,7 @@ def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
     gqa_config = export(folder, tmp_path / "gqa", options=ExportOptions(64, weight_bits=4)).path
     gqa_tokens, gqa_logits = _greedy_reply(gqa_config)
     assert gqa_tokens == kernel_tokens
-    finite = np.isfinite(kernel_logits)
-    assert finite.any() and np.array_equal(np.isfinite(gqa_logits), finite)
-    scale = np.abs(kernel_logits[finite]).max()
-    np.testing.assert_allclose(gqa_logits[finite], kernel_logits[finite], rtol=0, atol=1e-5 * scale)
-    assert not np.array_equal(gqa_logits, kernel_logits)  # the two attentions round apart: both graphs ran
+    _within_float32s_rounding(gqa_logits, kernel_logits)
     # and without Quiver's library: every node ORT's own, the same tokens
     monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
     assert _greedy_reply(config)[0] == kernel_tokens
@@ -252,11 +259,7 @@ def test_an_int4_servers_decode_steps_run_quivers_attention_the_same_tokens_as_o
     monkeypatch.setattr(batch_module, "BATCH_DECODE_GRAPH", "no such graph")
     gqa_tokens, gqa_logits = _batch_greedy(config, prompts, 10, adapters)
     assert gqa_tokens == kernel_tokens
-    finite = np.isfinite(kernel_logits)
-    assert finite.any() and np.array_equal(np.isfinite(gqa_logits), finite)
-    scale = np.abs(kernel_logits[finite]).max()
-    np.testing.assert_allclose(gqa_logits[finite], kernel_logits[finite], rtol=0, atol=1e-5 * scale)
-    assert not np.array_equal(gqa_logits, kernel_logits)  # the two attentions round apart: both graphs ran
+    _within_float32s_rounding(gqa_logits, kernel_logits)
     # without Quiver's library the step's graph is the batched graph's own again, node for node: the very
     # same logits on both
     monkeypatch.setattr(native_ops, "_built", native_ops.NativeOps(None, "not used, for the test"))
