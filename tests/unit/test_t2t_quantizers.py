@@ -165,6 +165,15 @@ def test_rtn_min_decodes_the_same_tokens_with_ort_operators_in_place_of_quivers_
     np.testing.assert_allclose(ort_logits[finite], kernel_logits[finite], rtol=0, atol=1e-3 * scale)
 
 
+def _attention_ops(config: Path, prompts: str, steps: str) -> None:
+    """The export's graph `steps` attends with Quiver's DecodeAttention and `prompts` with ORT's
+    GroupQueryAttention, neither with the other."""
+    with quiver.Context.from_binary(config.parent / "model.qctx") as context:
+        ops = {g: {n.op_type for n in context.finalized_graph(g).model.graph.node} for g in (prompts, steps)}
+    assert "DecodeAttention" in ops[steps] and "GroupQueryAttention" not in ops[steps]
+    assert "GroupQueryAttention" in ops[prompts] and "DecodeAttention" not in ops[prompts]
+
+
 def _within_float32s_rounding(ort_logits: np.ndarray, kernel_logits: np.ndarray) -> None:
     """Logits of ORT's GroupQueryAttention and of Quiver's DecodeAttention on the same MatMul kernels: the
     same -inf ones (outside the head's shortlist), the others within float32's rounding, not all the same
@@ -184,10 +193,7 @@ def test_an_int4_decode_step_runs_quivers_attention_the_same_tokens_as_orts(
     in its place (the kernel not built); a float export's decode step stays the prefill graph's body."""
     folder, _ = gridded
     config = export(folder, tmp_path / "rtn", options=ExportOptions(64, weight_bits=4)).path
-    with quiver.Context.from_binary(config.parent / "model.qctx") as context:
-        ops = {g: {n.op_type for n in context.finalized_graph(g).model.graph.node} for g in ("prefill", "decode")}
-    assert "DecodeAttention" in ops["decode"] and "GroupQueryAttention" not in ops["decode"]
-    assert "GroupQueryAttention" in ops["prefill"] and "DecodeAttention" not in ops["prefill"]
+    _attention_ops(config, prompts="prefill", steps="decode")
     float_config = export(folder, tmp_path / "float", options=ExportOptions(64)).path
     with quiver.Context.from_binary(float_config.parent / "model.qctx") as context:
         assert "DecodeAttention" not in {n.op_type for n in context.finalized_graph("decode").model.graph.node}
@@ -238,10 +244,7 @@ def test_an_int4_servers_decode_steps_run_quivers_attention_the_same_tokens_as_o
     config = export(
         folder, tmp_path / "rtn", {"chat": tmp_path / "adapter"}, options=ExportOptions(64, weight_bits=4)
     ).path
-    with quiver.Context.from_binary(config.parent / "model.qctx") as context:
-        ops = {g: {n.op_type for n in context.finalized_graph(g).model.graph.node} for g in ("batch", "batch_decode")}
-    assert "DecodeAttention" in ops["batch_decode"] and "GroupQueryAttention" not in ops["batch_decode"]
-    assert "GroupQueryAttention" in ops["batch"] and "DecodeAttention" not in ops["batch"]
+    _attention_ops(config, prompts="batch", steps="batch_decode")
     float_config = export(folder, tmp_path / "float", options=ExportOptions(64)).path
     with quiver.Context.from_binary(float_config.parent / "model.qctx") as context:
         assert "batch_decode" not in context.graph_names

@@ -122,7 +122,7 @@ class BatchDecoder:
         self.prefill(0, [0], 0, BASE_SLOT)
         if self._step is not self._graph:
             self.decode([0], [1], [BASE_SLOT])
-        self.free([0])
+        self.free([0])  # the warm-up's cache pages: no sequence holds row 0 yet
 
     @classmethod
     def from_config(

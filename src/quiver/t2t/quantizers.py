@@ -67,7 +67,7 @@ import numpy as np
 from quiver import ort_package
 from quiver.errors import QuantizationError
 from quiver.ir.deferred import Deferred, made_together
-from quiver.ir.nibbles import pack_nibbles
+from quiver.ir.nibbles import pack_nibbles, unpack_bits
 
 if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that names the quantizers
     import onnx
@@ -605,8 +605,7 @@ def _rtn_halves(weight: Deferred, block_size: int, symmetric: bool) -> list[np.n
         packed, scales = _rtn_of(weight, 4, block_size, True)
         return [packed, _halves(scales, 8)]
     packed, scales, points = _rtn_of(weight, 4, block_size, False)
-    zeros = np.stack([points & 15, points >> 4], axis=-1).reshape(len(points), -1)  # the low nibble first
-    return [packed, _halves(scales, zeros[:, : scales.shape[1]])]
+    return [packed, _halves(scales, unpack_bits(points, 4)[:, : scales.shape[1]])]
 
 
 def _on_quivers_kernel(bits: int, block_size: int, k: int) -> bool:
@@ -766,8 +765,7 @@ def _by_gptq(
         blocks = solved[name]
         k, n = blocks.q.shape
         if _on_quivers_kernel(4, block_size, k):
-            columns = blocks.q.T.reshape(n, k // block_size, block_size).astype(np.uint8)
-            packed = columns[..., 0::2] | (columns[..., 1::2] << 4)  # MatMulNBits' layout: the low nibble first
+            packed = pack_nibbles(blocks.q.T.reshape(n, k // block_size, block_size))  # MatMulNBits' layout
             names = [f"{name}_Q4", f"{name}.halves"]
             weights.add(names[0], packed)
             weights.add(names[1], _halves(blocks.scales.T, blocks.zeros.T))

@@ -233,7 +233,7 @@ static void prepare_row8(const float *x, int64_t k, int8_t *q, float *scale, flo
   for (int64_t b = 0; b < blocks; b++) {
     const __m512 lo = _mm512_loadu_ps(x + b * BLOCK), hi = _mm512_loadu_ps(x + b * BLOCK + 16);
     __m512 e = _mm512_permutex2var_ps(lo, evens, hi), o = _mm512_permutex2var_ps(lo, odds, hi);
-    sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    if (rest) sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi)); /* else the 8-bit row's, below */
     for (int pass = 0; pass < (rest ? 2 : 1); pass++) {
       const float largest =
           _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, e), _mm512_andnot_ps(sign, o)));
