@@ -110,6 +110,22 @@ def _whole_pages(start: int, length: int) -> tuple[int, int]:
     return -(-start // page) * page, (start + length) // page * page
 
 
+def cache_afresh(fd: int) -> None:
+    """Drops a file just written and synced from the page cache and asks for it back (readahead, in the
+    background): written, its pages sit in the small folios of its writes, read back in large ones, which
+    a mapping that asks for huge pages (`formats.reader`) maps 2 MB at a time. A 3B int4 context's decode
+    step took 86-92 ms mapped from the export's own pages (72 % of them in 2 MB mappings), 81-85 ms read
+    back (98 %). Nothing where the OS has no `posix_fadvise`; pages another mapping uses stay."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # a file system that takes no advice: its pages as they are
+
+
 def physical_memory() -> int | None:
     """The machine's memory in bytes, where the OS says (POSIX `sysconf`); None elsewhere."""
     try:

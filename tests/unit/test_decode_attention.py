@@ -68,6 +68,7 @@ CASES = {  # name: (heads, kv heads, head size, rows, seqlens, buffer, rotary di
     "local window": (4, 2, 32, 2, [50], 64, 32, {"local_window_size": 16}),
     "softcap and a scale": (4, 2, 32, 1, [33], 48, 32, {"softcap": 30.0, "scale": 0.3}),
     "head size 48": (3, 1, 48, 1, [11], 16, 48, {}),
+    "a long sequence, head size 128": (6, 2, 128, 1, [300], 320, 128, {}),  # many blocks, the largest rising
 }
 
 
@@ -90,7 +91,7 @@ def _feeds(case: str, packed: bool, shared: bool) -> dict[str, np.ndarray]:
         "total_sequence_length": np.array([max(seqlens) + 1], np.int32),
     }
     if rotary_dims:
-        angles = rng.uniform(0, 6.3, (64, rotary_dims // 2))
+        angles = rng.uniform(0, 6.3, (max(64, length, max(seqlens) + 1), rotary_dims // 2))
         feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     return feeds
 

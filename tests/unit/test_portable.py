@@ -160,3 +160,55 @@ def test_the_c_library_is_reached_through_portable_alone() -> None:
     portable.return_freed_memory()
     portable.flush_c_streams()
     assert portable.c_call("no_such_call") is None and portable.c_call("madvise") is not None
+
+
+def test_a_file_read_afresh_keeps_its_bytes_under_a_live_mapping(tmp_path: Path) -> None:
+    """`cache_afresh` drops a written file's cached pages and reads them back: a mapping of it, made before,
+    reads the same bytes after, as does the file."""
+    import mmap
+
+    path = tmp_path / "weights"
+    data = os.urandom(3 << 20)
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        assert mapping[: 1 << 20] == data[: 1 << 20]  # some of its pages mapped, the rest not yet
+        portable.cache_afresh(f.fileno())
+        assert mapping[:] == data
+        mapping.close()
+    assert path.read_bytes() == data
+
+
+def test_a_saved_context_is_read_afresh_once_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saving a context syncs it, then has the page cache read it afresh (its pages then mapped 2 MB at a
+    time): the file advised is the one published."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import quiver
+
+    advised: list[tuple[int, int]] = []
+    cache_afresh = portable.cache_afresh
+
+    def spy(fd: int) -> None:
+        status = os.fstat(fd)
+        advised.append((status.st_dev, status.st_ino))
+        cache_afresh(fd)
+
+    monkeypatch.setattr(portable, "cache_afresh", spy)
+    weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(weight, "w")],
+    )  # fmt: skip
+    with quiver.Context.create("reference", workdir=tmp_path) as context:
+        context.add_graph("m", helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+        path = context.save(tmp_path / "m.qctx")
+    status = path.stat()
+    assert advised == [(status.st_dev, status.st_ino)]
+    with quiver.Context.from_binary(path, backend="reference") as context:
+        x = np.ones((2, 3), np.float32)
+        assert np.array_equal(context.graph("m").execute({"x": x})["y"], x @ weight)

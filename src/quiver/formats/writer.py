@@ -267,6 +267,7 @@ class TensorFileWriter:
         try:
             self._write_tail(durable=destination is not None)
             if destination is not None:
+                portable.cache_afresh(self._file.fileno())  # synced by `_write_tail`
                 publish(self._path, Path(destination))  # renamed while still locked
                 self._path = Path(destination)
                 self._file.close()
@@ -277,8 +278,10 @@ class TensorFileWriter:
         return self._path
 
     def sync(self) -> None:
-        """Forces a finished temporary file to disk, before it is published under a lasting name."""
+        """Forces a finished temporary file to disk, before it is published under a lasting name, and has the
+        page cache read it afresh (`portable.cache_afresh`: mapped in huge pages after)."""
         os.fsync(self._file.fileno())
+        portable.cache_afresh(self._file.fileno())
 
     def release(self) -> None:
         """Closes a finished file (after it was published elsewhere)."""
