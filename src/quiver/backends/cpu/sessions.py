@@ -102,11 +102,13 @@ class PythonApiSession:
         options.log_severity_level = ort_log_severity()
         entries = _config(settings, prepack, weights.folder)
         if settings.prepack and not prepack:
-            # A stand-in until the packed session is ready: its threads should not spin after a run and
-            # keep the packing thread off the cores, and it grows no arena of its own: a new arena's first
-            # chunks cost its first run ~4 ms on MiniLM (measured), and the stand-in runs only a few times
-            # (where the env's shared arena is used, it takes its memory from there).
-            entries["session.intra_op.allow_spinning"] = "0"
+            # A stand-in until the packed session is ready: its threads spin during a run (not spinning, each
+            # of MiniLM's parallel operators waits for a sleeping thread: its first run 26-27 ms against 23)
+            # but stop when it returns, so as to keep the packing thread's core free; and it grows no arena
+            # of its own: a new arena's first chunks cost its first run ~4 ms on MiniLM (measured), and the
+            # stand-in runs only a few times (where the env's shared arena is used, it takes its memory from
+            # there).
+            entries["session.force_spinning_stop"] = "1"
             options.enable_cpu_mem_arena = False
         if save_to is not None:
             # made only to write the form, then dropped: its packed copy must go back to the system with it,
