@@ -41,7 +41,12 @@ typedef __m512 vec;
 #define vfma _mm512_fmadd_ps
 #define vmul _mm512_mul_ps
 #define vset _mm512_set1_ps
+#define vadd _mm512_add_ps
 #define vsub _mm512_sub_ps
+#define vunpacklo _mm512_unpacklo_ps
+#define vunpackhi _mm512_unpackhi_ps
+#define vunpacklo_pairs(x, y) _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)))
+#define vunpackhi_pairs(x, y) _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)))
 #define vmax _mm512_max_ps
 #define vbits _mm512_castps_si512
 #define vfloats _mm512_castsi512_ps
@@ -57,7 +62,12 @@ typedef __m256 vec;
 #define vfma _mm256_fmadd_ps
 #define vmul _mm256_mul_ps
 #define vset _mm256_set1_ps
+#define vadd _mm256_add_ps
 #define vsub _mm256_sub_ps
+#define vunpacklo _mm256_unpacklo_ps
+#define vunpackhi _mm256_unpackhi_ps
+#define vunpacklo_pairs(x, y) _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x), _mm256_castps_pd(y)))
+#define vunpackhi_pairs(x, y) _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x), _mm256_castps_pd(y)))
 #define vmax _mm256_max_ps
 #define vbits _mm256_castps_si256
 #define vfloats _mm256_castsi256_ps
@@ -67,31 +77,23 @@ typedef __m256 vec;
 #endif
 #define MOST_DIMS 256 /* the largest head size whose sums a head keeps in registers */
 
-/* LANES vectors' sums, one a lane: their lanes added pairwise within each 128-bit part (as floats, then as
- * pairs of floats), then the parts across vectors: ~3 instructions a sum, where each vector's own
- * horizontal sum takes ~8 in a chain of dependent shuffles. */
+/* Four vectors' sums within each 128-bit part, the first vector's in its first lane: their lanes added
+ * pairwise as floats, then as pairs of floats. */
+static inline vec quad_sums(vec a, vec b, vec c, vec e) {
+  const vec ab = vadd(vunpacklo(a, b), vunpackhi(a, b)), ce = vadd(vunpacklo(c, e), vunpackhi(c, e));
+  return vadd(vunpacklo_pairs(ab, ce), vunpackhi_pairs(ab, ce));
+}
+
+/* LANES vectors' sums, one a lane (`quad_sums`, then the 128-bit parts across vectors): ~3 instructions a
+ * sum, where each vector's own horizontal sum takes ~8 in a chain of dependent shuffles. */
 static inline vec lane_sums(const vec *v) {
+  vec quads[LANES / 4];
+  for (int i = 0; i < LANES / 4; i++) quads[i] = quad_sums(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
 #if LANES == 16
-  __m512 quads[4];
-  for (int i = 0; i < 4; i++) {
-    const __m512 a = v[4 * i], b = v[4 * i + 1], c = v[4 * i + 2], e = v[4 * i + 3];
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    const __m512 ce = _mm512_add_ps(_mm512_unpacklo_ps(c, e), _mm512_unpackhi_ps(c, e));
-    const __m512d abd = _mm512_castps_pd(ab), ced = _mm512_castps_pd(ce);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, ced)), _mm512_castpd_ps(_mm512_unpackhi_pd(abd, ced)));
-  }
   const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
   const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd));
 #else
-  __m256 quads[2];
-  for (int i = 0; i < 2; i++) {
-    const __m256 a = v[4 * i], b = v[4 * i + 1], c = v[4 * i + 2], e = v[4 * i + 3];
-    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
-    const __m256 ce = _mm256_add_ps(_mm256_unpacklo_ps(c, e), _mm256_unpackhi_ps(c, e));
-    const __m256d abd = _mm256_castps_pd(ab), ced = _mm256_castps_pd(ce);
-    quads[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(abd, ced)), _mm256_castpd_ps(_mm256_unpackhi_pd(abd, ced)));
-  }
   return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
 #endif
 }
