@@ -17,36 +17,24 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
-from quiver.backends.cpu.native_ops import built_library
+from quiver.backends.cpu.native_ops import built_library, lowered
 from quiver.ir.quiver_ops import DECODE_ATTENTION, QUIVER_DOMAIN
+from quiver.testing.attention import INPUTS, attention_model
 from timing import alternating_medians
 
 HEADS, KV_HEADS, HEAD_SIZE, LAYERS, BUFFER, THREADS = 24, 8, 128, 28, 2048, 2
-NAMES = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos", "sin"]
 
 
-def _session(op: str, domain: str) -> ort.InferenceSession:
-    """One attention node, q, k and v packed in its query, rotary on (as Quiver's exports write it)."""
-    inputs = [n for n in NAMES if n not in ("key", "value")]
-    node = helper.make_node(op, [n if n in inputs else "" for n in NAMES], ["out", "present_key", "present_value"],
-                            domain=domain, num_heads=HEADS, kv_num_heads=KV_HEADS, do_rotary=1)  # fmt: skip
-    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32}
-    graph = helper.make_graph(
-        [node], "attention",
-        [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in inputs],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output],
-    )  # fmt: skip
-    opsets = [helper.make_opsetid(domain, 21 if domain == "" else 1) for domain in ("", "com.microsoft", QUIVER_DOMAIN)]
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = THREADS
     library = built_library()
     if isinstance(library, str):
         raise SystemExit(f"Quiver's native library is not built here: {library}")
     options.register_custom_ops_library(str(library))
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -83,9 +71,12 @@ def measure(positions: int, rounds: int) -> dict[str, Any]:
         "cos": np.cos(angles).astype(np.float32),
         "sin": np.sin(angles).astype(np.float32),
     }
+    # q, k and v packed in the query, rotary on, as Quiver's exports write it; ORT's form as Quiver lowers it
+    ours = attention_model(DECODE_ATTENTION, QUIVER_DOMAIN, [n for n in INPUTS if n not in ("key", "value")],
+                           num_heads=HEADS, kv_num_heads=KV_HEADS, do_rotary=1)  # fmt: skip
     steps = {
-        "quiver DecodeAttention": _step(_session(DECODE_ATTENTION, QUIVER_DOMAIN), caches, feeds),
-        "ort GroupQueryAttention": _step(_session("GroupQueryAttention", "com.microsoft"), caches, feeds),
+        "quiver DecodeAttention": _step(_session(ours), caches, feeds),
+        "ort GroupQueryAttention": _step(_session(lowered(ours)), caches, feeds),
     }
     samples = alternating_medians(steps, rounds, iterations=20, warm_up=3)
     read = LAYERS * 2 * KV_HEADS * positions * HEAD_SIZE * 4  # the keys and values a step reads

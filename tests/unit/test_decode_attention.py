@@ -9,29 +9,19 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from quiver.backends.cpu.native_ops import built_library, lowered
 from quiver.ir.quiver_ops import DECODE_ATTENTION, QUIVER_DOMAIN
+from quiver.testing.attention import INPUTS, attention_model
 
 MS_DOMAIN = "com.microsoft"
-NAMES = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length", "cos", "sin"]
+NAMES = INPUTS
 
 
 def _model(op: str, domain: str, packed: bool, rotary: bool, **attributes: Any) -> onnx.ModelProto:
-    inputs = [n for n in NAMES if not (packed and n in ("key", "value")) and (rotary or n not in ("cos", "sin"))]
-    named = [("" if n not in inputs else n) for n in NAMES][: 9 if rotary else 7]
-    node = helper.make_node(
-        op, named, ["out", "present_key", "present_value"], domain=domain, do_rotary=int(rotary), **attributes
-    )
-    types = {"seqlens_k": TensorProto.INT32, "total_sequence_length": TensorProto.INT32}
-    graph = helper.make_graph(
-        [node], "attention",
-        [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), None) for n in inputs],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output],
-    )  # fmt: skip
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS_DOMAIN, 1), helper.make_opsetid(QUIVER_DOMAIN, 1)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    given = [n for n in NAMES if not (packed and n in ("key", "value")) and (rotary or n not in ("cos", "sin"))]
+    return attention_model(op, domain, given, do_rotary=int(rotary), **attributes)
 
 
 def _session(model: onnx.ModelProto, library: Path | str | None = None) -> ort.InferenceSession:
