@@ -16,11 +16,10 @@ from quiver.ir.quiver_ops import DECODE_ATTENTION, QUIVER_DOMAIN
 from quiver.testing.attention import INPUTS, attention_model
 
 MS_DOMAIN = "com.microsoft"
-NAMES = INPUTS
 
 
 def _model(op: str, domain: str, packed: bool, rotary: bool, **attributes: Any) -> onnx.ModelProto:
-    given = [n for n in NAMES if not (packed and n in ("key", "value")) and (rotary or n not in ("cos", "sin"))]
+    given = [n for n in INPUTS if not (packed and n in ("key", "value")) and (rotary or n not in ("cos", "sin"))]
     return attention_model(op, domain, given, do_rotary=int(rotary), **attributes)
 
 
@@ -120,7 +119,7 @@ def test_the_reference_backends_attention_is_group_query_attention(case: str, pa
     theirs = _run(_ort(case, packed), feeds, shared=True)
     ours = _ms_group_query_attention(
         None,  # type: ignore[arg-type]
-        *(None if packed and n in ("key", "value") else feeds.get(n) for n in NAMES),
+        *(None if packed and n in ("key", "value") else feeds.get(n) for n in INPUTS),
         num_heads=heads, kv_num_heads=kv, do_rotary=int(bool(rotary_dims)), **attributes,
     )  # fmt: skip
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-4, atol=1e-5)

@@ -280,8 +280,10 @@ static void attend_task(void *data, size_t i) {
   float *keys = w->present_key + present_at, *values = w->present_value + present_at;
   store_rows(w, w->past_key + past_at, keys, w->shared_key, w->k + b * rows * w->kv_stride, g, first, w->half > 0);
   store_rows(w, w->past_value + past_at, values, w->shared_value, w->v + b * rows * w->kv_stride, g, first, 0);
-  /* per head of the group: its query, its sums (or scores over the positions), and the last positions' copy */
-  float *scratch = malloc((size_t)(group * (2 * d + total) + 2 * 16 * d) * sizeof(float));
+  /* per head of the group: its query and its sums; then either path's own: the vectors' copy of the last
+   * positions (2 x 16 rows of d at most) or the scalar path's scores over the positions */
+  const int64_t own = group * total > 2 * 16 * d ? group * total : 2 * 16 * d;
+  float *scratch = malloc((size_t)(group * 2 * d + own) * sizeof(float));
   if (!scratch) {
     __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
     return;
@@ -299,7 +301,7 @@ static void attend_task(void *data, size_t i) {
     float *out = w->out + (b * rows + s) * a->heads * d + g * group * d;
 #ifdef VECTORS
     if (d % LANES == 0 && d <= MOST_DIMS && group <= MOST_HEADS_A_KV_HEAD) {
-      attend_vectors(queries, keys, values, out, sums, scores + group * total, group, start, seen, d, w->scale, a->softcap);
+      attend_vectors(queries, keys, values, out, sums, scores, group, start, seen, d, w->scale, a->softcap);
       continue;
     }
 #endif
