@@ -168,6 +168,13 @@ def test_unknown_backend_lists_the_available_ones() -> None:
         quiver.Context.create("htp")
 
 
+@pytest.mark.parametrize("backend", [None, 42, object()])
+def test_a_backend_that_is_neither_a_name_nor_a_backend_is_refused_up_front(backend: object) -> None:
+    # it failed at the first run with an AttributeError ('NoneType' object has no attribute 'prepare')
+    with pytest.raises(quiver.UnknownBackendError, match="a backend's name .*cpu.* or a backend object"):
+        quiver.Context.create(backend)  # type: ignore[arg-type]
+
+
 def test_a_runtime_failure_is_a_backend_error(tmp_path: Path) -> None:
     # Reshape to a shape that does not fit the data only fails at run time.
     graph = onnx.helper.make_graph(

@@ -222,6 +222,11 @@ def available_backends() -> list[str]:
 def get_backend(backend: str | Backend) -> Backend:
     """A backend instance from its name (or the instance itself)."""
     if not isinstance(backend, str):
+        if not callable(getattr(backend, "prepare", None)) or not isinstance(getattr(backend, "name", None), str):
+            raise UnknownBackendError(
+                f"backend must be a backend's name ({', '.join(available_backends())}) or a backend object, "
+                f"not {type(backend).__name__}"
+            )
         return backend
     try:
         return _REGISTRY[backend]()
