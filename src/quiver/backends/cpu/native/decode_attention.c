@@ -10,8 +10,8 @@
  * and present may be one buffer (past_present_share_buffer, as Quiver binds them): then only the new rows
  * are written. ORT's kernel multiplies each head by GEMMs that pack its keys afresh at every step (1.3 ms
  * a layer of a 3B model at 590 positions, where reading them takes ~0.2); here a task per (sequence, kv
- * head) reads its keys and values once, together, for all the heads that share them (`attend_block`). A prompt's many rows
- * keep ORT's GEMMs: Quiver's export names this op in a decode step's graph only. */
+ * head) reads its keys and values once, together, for all the heads that share them (`attend_block`).
+ * A prompt's many rows keep ORT's GEMMs: Quiver's export names this op in a decode step's graph only. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
