@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,60 @@ def test_a_damaged_form_is_made_again_not_used(family_context: Path, input_ids: 
     context = quiver.Context.from_binary(family_context, backend=cpu.CpuBackend(packed_weights=tmp_path))
     np.testing.assert_array_equal(_base(context, input_ids), expected)
     assert _forms(tmp_path) == [form] and (form / packed_file.WEIGHTS).stat().st_ino != damaged
+
+
+def _counting_crcs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files whose CRC-32 is read from now on."""
+    read: list[str] = []
+    crc = packed_file._file_crc
+
+    def counted(path: Path) -> int:
+        read.append(path.name)
+        return crc(path)
+
+    monkeypatch.setattr(packed_file, "_file_crc", counted)
+    return read
+
+
+def test_a_form_checked_whole_is_not_read_again_until_a_file_changes(
+    family_context: Path, input_ids: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packed_file, "RACY_CHANGE_S", 0.05)
+    expected = _packed_base(family_context, tmp_path, input_ids)
+    (form,) = _forms(tmp_path)
+    assert not (form / packed_file.CHECKED).exists()  # its files changed just before their check
+    time.sleep(0.1)
+    read = _counting_crcs(monkeypatch)
+    np.testing.assert_array_equal(_packed_base(family_context, tmp_path, input_ids), expected)
+    assert sorted(read) == [packed_file.MODEL, packed_file.WEIGHTS] and (form / packed_file.CHECKED).exists()
+    read.clear()
+    np.testing.assert_array_equal(_packed_base(family_context, tmp_path, input_ids), expected)
+    assert read == []  # stamped: the same files, not read again
+    weights = form / packed_file.WEIGHTS
+    with open(weights, "r+b") as handle:  # one byte changed in place, after the stamp
+        handle.seek(weights.stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    damaged = weights.stat().st_ino
+    np.testing.assert_array_equal(_packed_base(family_context, tmp_path, input_ids), expected)
+    assert packed_file.WEIGHTS in read and (form / packed_file.WEIGHTS).stat().st_ino != damaged  # made again
+
+
+@pytest.mark.parametrize("stamp", ["not json", '{"format": 1, "files": {}}', "other files"])
+def test_a_stamp_for_other_files_or_a_malformed_one_means_a_full_check(
+    family_context: Path, input_ids: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stamp: str
+) -> None:
+    expected = _packed_base(family_context, tmp_path, input_ids)
+    (form,) = _forms(tmp_path)
+    if stamp == "other files":  # the stamp's shape, the files' identities off by one inode
+        identity = packed_file._identity(form)
+        identity[packed_file.WEIGHTS][1] += 1
+        stamp = json.dumps({"format": 1, "files": identity})
+    (form / packed_file.CHECKED).write_text(stamp)
+    read = _counting_crcs(monkeypatch)
+    np.testing.assert_array_equal(_packed_base(family_context, tmp_path, input_ids), expected)
+    assert sorted(read) == [packed_file.MODEL, packed_file.WEIGHTS]
 
 
 @pytest.mark.parametrize("damage", ["manifest", "truncated", "missing"])

@@ -10,9 +10,11 @@ SmolLM2-135M's batched graph: 431 MB private per added process instead of 1102, 
 A form is kept in `<folder>/<key>/` (`model.onnx`, `weights.bin`, `manifest.json`), the key a digest of
 what the packing depends on: the ORT build, the processor, the session model, the weights (the context
 file's identity) and the session settings. It is made under a lock, in a staging folder renamed into
-place, so a process sees a whole form or none; its manifest's CRC-32 of each file is checked on every
-open, and a damaged form is made again. A folder may be deleted whenever: sessions that map it keep
-their pages, later ones make it again.
+place, so a process sees a whole form or none; its manifest's CRC-32 of each file is checked, and a
+damaged form is made again. A full check leaves a stamp of the files' identities (`CHECKED`), and a later
+open whose files still have them skips the read (a 1B float form is ~5 GB to read at each replica's start):
+any write to a file after the check changes its change time, any replacement its inode. A folder may be
+deleted whenever: sessions that map it keep their pages, later ones make it again.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +39,11 @@ from quiver.formats.files import OFF_VALUES, cache_folder_setting
 from quiver.ort_package import onnxruntime as ort
 
 FOLDER_ENV = "QUIVER_PACKED_WEIGHTS"
-MODEL, WEIGHTS, MANIFEST = "model.onnx", "weights.bin", "manifest.json"
+MODEL, WEIGHTS, MANIFEST, CHECKED = "model.onnx", "weights.bin", "manifest.json", "checked.json"
 _FORMAT = 1
+# A stamp is written only for files last changed this long before their check began: a change within one
+# tick of the file system's coarse clock may keep a file's change time (git's "racily clean" entries).
+RACY_CHANGE_S = 2.0
 
 
 class FormNotMadeError(BackendError):
@@ -157,19 +163,59 @@ def _write_manifest(folder: Path) -> None:
             os.fsync(handle.fileno())
 
 
+def _identity(folder: Path) -> dict[str, list[int]]:
+    """What changes when a form's file is written to or replaced: device, inode, size, modification and
+    change times (the change time cannot be set back by a program)."""
+    identity = {}
+    for name in (MODEL, WEIGHTS, MANIFEST):
+        stat = (folder / name).stat()
+        identity[name] = [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+    return identity
+
+
+def _stamped(folder: Path, identity: dict[str, list[int]]) -> bool:
+    """Whether the form's stamp records these very files as checked whole."""
+    try:
+        return bool(json.loads((folder / CHECKED).read_text()) == {"format": _FORMAT, "files": identity})
+    except (OSError, ValueError):
+        return False
+
+
+def _stamp(folder: Path, identity: dict[str, list[int]], check_began_ns: int) -> None:
+    """Records that the files with `identity` were checked whole, unless one changed too close to the check
+    (`RACY_CHANGE_S`); replaced, never written in place. Best effort: without it the next open checks again."""
+    if any(ctime > check_began_ns - int(RACY_CHANGE_S * 1e9) for *_, ctime in identity.values()):
+        return
+    try:
+        descriptor, name = tempfile.mkstemp(dir=folder, prefix=f".{CHECKED}-")
+    except OSError:
+        return
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump({"format": _FORMAT, "files": identity}, handle)
+        os.replace(name, folder / CHECKED)
+    except OSError:
+        with suppress(OSError):
+            os.unlink(name)
+
+
 def _checked(folder: Path) -> PackedForm | None:
     """The form in `folder` if it is whole: its manifest well formed, every file of the size and CRC-32
-    it names; else None (missing or damaged)."""
+    it names (the CRC-32s read again unless its stamp records these files as checked); else None."""
     try:
+        identity = _identity(folder)
         manifest = json.loads((folder / MANIFEST).read_text())
         files = manifest["files"] if isinstance(manifest, dict) and manifest.get("format") == _FORMAT else None
         if not isinstance(files, dict) or set(files) != {MODEL, WEIGHTS}:
             return None
         for name, expected in files.items():
-            if not isinstance(expected, dict) or (folder / name).stat().st_size != expected.get("size"):
+            if not isinstance(expected, dict) or identity[name][2] != expected.get("size"):
                 return None
-            if _file_crc(folder / name) != expected.get("crc32"):
+        if not _stamped(folder, identity):
+            began = time.time_ns()
+            if any(_file_crc(folder / name) != expected.get("crc32") for name, expected in files.items()):
                 return None
+            _stamp(folder, identity, began)
         return PackedForm(folder, (folder / MODEL).read_bytes())
     except (OSError, ValueError, KeyError, TypeError):
         return None
