@@ -12,12 +12,22 @@ import json
 import statistics
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 from llama_server import build, environment
 from real_size import _OPEN, _export
 from size_models import EXPORT_VENV, cached_model, size_arguments
 from size_peers import gguf_exports, open_llama, open_python
 from timing import alternating_runs, peers_on_huge_pages
+
+
+def quiver_export(folder: Path, label: str, model: Path | None = None) -> Path:
+    """The dialog config of Quiver's `label` ("fp32" or "int4") export of the 1B model in `folder`, made once
+    (no adapter, context 1024)."""
+    out = folder / f"quiver-{label}"
+    if not (out / "model.qctx").is_file():
+        _export(model or cached_model("1b"), None, out, 4 if label == "int4" else None, "--context-size", "1024")
+    return out / "genie_config.json"
 
 
 def main() -> None:
@@ -28,11 +38,8 @@ def main() -> None:
     if not (ggufs / "model-q4_0.gguf").is_file():
         gguf_exports(model, ggufs, EXPORT_VENV, build(), env)
     opens: dict[str, Callable[[], float]] = {}
-    for label, bits in (("fp32", None), ("int4", 4)):
-        out = args.folder / f"quiver-{label}"
-        if not (out / "model.qctx").is_file():
-            _export(model, None, out, bits, "--context-size", "1024")
-        opens[f"quiver {label}"] = partial(open_python, _OPEN, out / "genie_config.json")
+    for label in ("fp32", "int4"):
+        opens[f"quiver {label}"] = partial(open_python, _OPEN, quiver_export(args.folder, label, model))
     for kind in ("f32", "q4_0"):
         opens[f"llama.cpp {kind.upper()}"] = partial(open_llama, server, ggufs / f"model-{kind}.gguf", 2, env)
     with peers_on_huge_pages() as tunables:
