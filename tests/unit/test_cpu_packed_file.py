@@ -151,6 +151,14 @@ def test_a_form_checked_whole_is_not_read_again_until_a_file_changes(
     assert packed_file.WEIGHTS in read and (form / packed_file.WEIGHTS).stat().st_ino != damaged  # made again
 
 
+def test_making_a_form_reads_each_file_once_for_its_crc(
+    family_context: Path, input_ids: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read = _counting_crcs(monkeypatch)
+    _packed_base(family_context, tmp_path, input_ids)
+    assert sorted(read) == [packed_file.MODEL, packed_file.WEIGHTS]  # for the manifest, not again after it
+
+
 @pytest.mark.parametrize("stamp", ["not json", '{"format": 1, "files": {}}', "other files"])
 def test_a_stamp_for_other_files_or_a_malformed_one_means_a_full_check(
     family_context: Path, input_ids: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stamp: str
