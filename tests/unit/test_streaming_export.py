@@ -36,6 +36,22 @@ def test_deferred_arrays_compute_what_numpy_computes() -> None:
         np.testing.assert_array_equal(deferred.compute(), expected)
 
 
+def test_an_item_of_a_stack_is_made_alone() -> None:
+    """One expert of a layer's stack is quantized at a time: the others are not made for it."""
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal((3, 5)).astype(np.float32) for _ in range(4)]
+    made: list[int] = []
+
+    def counted(index: int) -> Deferred:
+        return Deferred((3, 5), np.float32, lambda: made.append(index) or arrays[index])
+
+    stack = Deferred.stack([counted(i) for i in range(4)])
+    np.testing.assert_array_equal(stack.item(2).compute(), arrays[2])
+    assert made == [2]
+    transposed = Deferred.of(np.stack(arrays)).item(1)  # not a stack: sliced from the whole
+    np.testing.assert_array_equal(transposed.compute(), arrays[1])
+
+
 def test_parts_made_together_are_made_once_and_let_go_when_each_was_taken() -> None:
     calls = []
 

@@ -765,3 +765,86 @@ def test_beside_a_gguf_files_carried_blocks_only_the_head_takes_an_override() ->
         carried_head((parse_override("model.layers.*=8"),))
     with pytest.raises(QuantizationError, match="is for `rtn` and `rtn-asym` exports"):
         carried_head((parse_override("lm_head.weight=table"),))
+
+
+def _moe_model(
+    experts: int, hidden: int, inner: int, top_k: int, normalize: int, rng: np.random.Generator
+) -> tuple[onnx.ModelProto, np.ndarray, np.ndarray, np.ndarray]:
+    """One MoE layer as the export writes it (graph.py's `experts`: a router MatMul, then ORT's MoE on [rows,
+    hidden] with the gate and up rows interleaved), its expert weights on a 4-bit grid that both `rtn` and
+    `rtn-asym` keep exactly: blocks of 32 along `in` of s j, j in -8..7 (both ends present), s a power of two."""
+
+    def gridded(out: int, size: int) -> np.ndarray:
+        j = rng.integers(-8, 8, (experts, out, size // BLOCK, BLOCK))
+        j[..., 0], j[..., 1] = -8, 7
+        scales = 2.0 ** -rng.integers(6, 9, (experts, out, size // BLOCK, 1))
+        return (scales * j).astype(np.float32).reshape(experts, out, size)
+
+    router = (rng.standard_normal((hidden, experts)) * 0.5).astype(np.float32)
+    fc1, fc2 = gridded(2 * inner, hidden), gridded(hidden, inner)
+    nodes = [
+        onnx.helper.make_node("MatMul", ["x", "router"], ["logits"], name="router"),
+        onnx.helper.make_node("MoE", ["x", "logits", "model.layers.0.mlp.experts.fc1", "",
+                                      "model.layers.0.mlp.experts.fc2"], ["y"], name="moe", domain="com.microsoft",
+                              k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,
+                              activation_beta=0.0, swiglu_limit=float("inf"), normalize_routing_weights=normalize),
+    ]  # fmt: skip
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, hidden])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(router, "router"), numpy_helper.from_array(fc1, "model.layers.0.mlp.experts.fc1"),
+         numpy_helper.from_array(fc2, "model.layers.0.mlp.experts.fc2")],
+    )  # fmt: skip
+    opsets = [onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("com.microsoft", 1)]
+    return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=10), router, fc1, fc2
+
+
+def _moe_in_numpy(x: np.ndarray, router: np.ndarray, fc1: np.ndarray, fc2: np.ndarray, top_k: int,
+                  normalize: bool) -> np.ndarray:  # fmt: skip
+    """transformers' sparse MoE block in float64: softmax over every expert, the top k (their weights
+    renormalized where `normalize`), each expert's SwiGLU (gate and up rows interleaved in fc1)."""
+    logits = x.astype(np.float64) @ router
+    probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+    probabilities /= probabilities.sum(-1, keepdims=True)
+    y = np.zeros(x.shape, np.float64)
+    for row in range(x.shape[0]):
+        chosen = np.argsort(-probabilities[row], kind="stable")[:top_k]
+        weights = probabilities[row, chosen] / (probabilities[row, chosen].sum() if normalize else 1.0)
+        for expert, weight in zip(chosen, weights):
+            both = fc1[expert].astype(np.float64) @ x[row]
+            gate, up = both[0::2], both[1::2]
+            y[row] += weight * (fc2[expert] @ (gate / (1 + np.exp(-gate)) * up))
+    return y
+
+
+@pytest.mark.parametrize("normalize", [0, 1])
+@pytest.mark.parametrize("quantizer", ["rtn", "rtn-asym"])
+def test_mixture_of_experts_layers_quantize_to_qmoe_on_the_same_experts_and_routing(
+    quantizer: str, normalize: int
+) -> None:
+    """A 4-bit export's expert stacks become ORT's QMoE blocks (they were left float: a 2.4B Mixtral-shaped
+    int4 export was 6.9 GB), and the layer still computes transformers' MoE: the experts on a grid the
+    quantizers keep exactly, the top-k weights unnormalized (Qwen's) or normalized (Mixtral's)."""
+    rng = np.random.default_rng(11)
+    experts, hidden, inner, top_k = 4, 64, 96, 2
+    model, router, fc1, fc2 = _moe_model(experts, hidden, inner, top_k, normalize, rng)
+    quantized = quantize_weights(model, 4, BLOCK, exclude={"router"}, quantizer=quantizer)  # the router float
+    assert [n.op_type for n in quantized.graph.node] == ["MatMul", *(["Softmax"] if not normalize else []), "QMoE"]
+    sizes = {t.name: t.raw_data for t in quantized.graph.initializer}
+    assert "model.layers.0.mlp.experts.fc1" not in sizes  # the float stacks are gone
+    assert len(sizes["model.layers.0.mlp.experts.fc1_Q4"]) == fc1.size // 2
+    assert len(sizes["model.layers.0.mlp.experts.fc2_Q4"]) == fc2.size // 2
+    if not session_model_module._TRUSTED_MOE:
+        return  # MoE and QMoE layers are refused at the first session (tests/integration/test_families.py)
+    x = (rng.standard_normal((7, hidden))).astype(np.float32)
+    got = ort.InferenceSession(quantized.SerializeToString()).run(None, {"x": x})[0]  # float activations
+    want = _moe_in_numpy(x, router, fc1, fc2, top_k, bool(normalize))
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_mixture_of_experts_layers_refuse_quantizers_qmoe_cannot_hold_and_keep_float_on_request() -> None:
+    model, *_ = _moe_model(4, 64, 96, 2, 1, np.random.default_rng(12))
+    with pytest.raises(QuantizationError, match="mixture-of-experts.*rtn or rtn-asym.*experts"):
+        quantize_weights(model, 4, BLOCK, quantizer="rtn-min")
+    kept = quantize_weights(model, 4, BLOCK, quantizer="rtn-min", overrides=[parse_override("*.experts.*=float")])
+    assert [n.op_type for n in kept.graph.node][-1] == "MoE"

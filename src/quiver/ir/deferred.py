@@ -19,12 +19,13 @@ Shape = tuple[int, ...]
 class Deferred:
     """An array of a known dtype and shape, made by `compute()` each time it is asked for (nothing kept)."""
 
-    __slots__ = ("shape", "dtype", "_make")
+    __slots__ = ("shape", "dtype", "_make", "_items")
 
     def __init__(self, shape: Sequence[int], dtype: np.dtype | type, make: Callable[[], np.ndarray]) -> None:
         self.shape: Shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._make = make
+        self._items: Sequence[Deferred] | None = None  # what a stack along axis 0 was made of
 
     @classmethod
     def of(cls, array: np.ndarray) -> Deferred:
@@ -55,6 +56,13 @@ class Deferred:
         shape[axis] = len(order)
         return Deferred(shape, self.dtype, lambda: np.take(self.compute(), order, axis=axis))
 
+    def item(self, index: int) -> Deferred:
+        """The array at `index` along the first axis: a stack's own part (made alone: one expert of many,
+        never the whole stack), else sliced from the whole."""
+        if self._items is not None:
+            return self._items[index]
+        return Deferred(self.shape[1:], self.dtype, lambda: self.compute()[index])
+
     def reshape(self, *shape: int) -> Deferred:
         return Deferred(shape, self.dtype, lambda: self.compute().reshape(shape))
 
@@ -68,7 +76,10 @@ class Deferred:
     def stack(parts: Sequence[Deferred], axis: int = 0) -> Deferred:
         shape = list(parts[0].shape)
         shape.insert(axis if axis >= 0 else len(shape) + 1 + axis, len(parts))
-        return Deferred(shape, parts[0].dtype, lambda: np.stack([p.compute() for p in parts], axis=axis))
+        stacked = Deferred(shape, parts[0].dtype, lambda: np.stack([p.compute() for p in parts], axis=axis))
+        if axis == 0:
+            stacked._items = tuple(parts)
+        return stacked
 
 
 def made_together(

@@ -1,4 +1,5 @@
-"""Weight-only quantization of an LLM graph: MatMul weights to 4 or 8 bits per block (ORT's MatMulNBits).
+"""Weight-only quantization of an LLM graph: MatMul weights to 4 or 8 bits per block (ORT's MatMulNBits), and
+mixture-of-experts stacks to ORT's QMoE on the same blocks (`rtn` and `rtn-asym` only: see `_experts_in_blocks`).
 
 Quantizers, by name:
 
@@ -75,6 +76,9 @@ if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that
     from quiver.passes.gptq import BlockWeights
 
 QUANTIZERS = ("rtn", "rtn-asym", "rtn-min", "hqq", "gptq", "gptq-asym")
+# the quantizers whose blocks ORT's QMoE takes for mixture-of-experts layers (integer zero points only)
+EXPERT_QUANTIZERS = ("rtn", "rtn-asym")
+_FC1, _FC2 = 2, 4  # the expert stacks' inputs of ORT's MoE (QMoE: their blocks; scales after each)
 MINIMUM_FORM = ("rtn-min", "hqq")  # quantizers whose blocks carry a float minimum (added apart; exact rows)
 CALIBRATED = ("gptq", "gptq-asym")  # quantizers that read the float model's inputs on calibration prompts
 # quantizers whose tied head is the token table's 4-bit blocks by default (`TABLE`): the fast ones, as
@@ -187,7 +191,13 @@ def quantize_weights(
         raise QuantizationError(f"the {quantizer} quantizer makes 4-bit weights; use --weight-bitwidth 4")
     if quantizer in CALIBRATED and moments is None:
         raise QuantizationError(f"the {quantizer} quantizer needs calibration prompts (--calibration FILE)")
-    plan, tables = _plan(model, bits, exclude, head, quantizer, overrides, head_rows is not None, table_bits)
+    plan, tables, experts = _plan(model, bits, exclude, head, quantizer, overrides, head_rows is not None, table_bits)
+    in_blocks = {name: int(width) for name, width in experts.items() if width is not None}
+    if in_blocks and quantizer not in EXPERT_QUANTIZERS:
+        raise QuantizationError(
+            f"the {quantizer} quantizer does not quantize mixture-of-experts layers ({next(iter(in_blocks))}): use "
+            f"{' or '.join(EXPERT_QUANTIZERS)}, or keep the experts float with --override '*.mlp.experts.*=float'"
+        )
     shortlisted = {n for n, w in plan.items() if w == SHORTLIST}
     if shortlisted and head_rows is None:
         raise QuantizationError(
@@ -241,6 +251,8 @@ def quantize_weights(
         model = _ort_rtn(model, 4, block_size, tabled, symmetric, deferred, native=symmetric)
         halves = symmetric and _on_quivers_kernel(4, block_size, int(table.dims[1]))  # as _ort_rtn wrote the head
         _table_from_head(model, table.name, HEAD_WEIGHT, int(table.dims[1]), block_size, symmetric, halves)
+    if in_blocks:
+        model = _experts_in_blocks(model, in_blocks, block_size, quantizer == "rtn", deferred)
     from quiver.ir.edit import drop_unread_initializers
 
     # an untied head's float rows no shortlist reads (the model holds them only for one)
@@ -495,13 +507,15 @@ def _plan(
     overrides: Sequence[Override],
     tied: bool,
     table_bits: int | None = None,
-) -> tuple[dict[str, Width], dict[str, int]]:
+) -> tuple[dict[str, Width], dict[str, int], dict[str, Width]]:
     """Each MatMul by a constant 2-d weight (not reading `exclude`): its width (bits, None for float, or
-    SHORTLIST for the head; `tied`: the head's float rows are at hand); and the token tables (a Gather's
-    2-d weight) at `table_bits` (None: float) unless an override says otherwise."""
+    SHORTLIST for the head; `tied`: the head's float rows are at hand); the token tables (a Gather's
+    2-d weight) at `table_bits` (None: float) unless an override says otherwise; and the expert stacks of
+    each MoE node (by their names, `model.layers.0.mlp.experts.fc1`) at `bits` unless one says otherwise."""
     weights = {t.name: t for t in model.graph.initializer if len(t.dims) == 2}
     excluded = set(exclude)
     plan: dict[str, Width] = {}
+    experts: dict[str, Width] = {}
     matched: set[str] = set()
     tables: dict[str, int] = {}
     for name in sorted({n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[0] in weights}):
@@ -523,6 +537,13 @@ def _plan(
         plan[node.name] = _overridden(name, default, overrides)
         if plan[node.name] == SHORTLIST and node.name != head:
             raise QuantizationError(f"only the LM head ({HEAD_WEIGHT}) can be a {SHORTLIST}, not {name}")
+    for node in model.graph.node:  # mixture-of-experts layers: each expert stack by its name
+        if _is_moe(node):
+            for name in (node.input[_FC1], node.input[_FC2]):
+                matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(name, p)}
+                experts[name] = _overridden(name, bits, overrides)
+                if experts[name] in (SHORTLIST, TABLE):
+                    raise QuantizationError(f"only the LM head ({HEAD_WEIGHT}) can be a {experts[name]}, not {name}")
     if head is None or head not in plan:  # the head as the tied embedding: matched, not quantized here
         matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(HEAD_WEIGHT, p)}
     unmatched = [p for p, _ in overrides if p not in matched]
@@ -532,7 +553,7 @@ def _plan(
             f"quantization override {unmatched[0]!r} matches no MatMul weight; weight names look like "
             f"{', '.join(names)} (and {HEAD_WEIGHT} for the LM head)"
         )
-    return plan, tables
+    return plan, tables, experts
 
 
 class _Weights:
@@ -689,6 +710,79 @@ def _ort_rtn(
     use_microsoft_domain(model)
     if any(n.domain == QUIVER_DOMAIN for n in graph.node):
         use_quiver_domain(model)
+    return model
+
+
+def _is_moe(node: onnx.NodeProto) -> bool:
+    from quiver.ir.ops import MS_DOMAIN
+
+    return node.op_type == "MoE" and node.domain == MS_DOMAIN and len(node.input) > _FC2
+
+
+def _experts_in_blocks(
+    model: onnx.ModelProto,
+    widths: Mapping[str, int],
+    block_size: int,
+    symmetric: bool,
+    deferred: dict[str, Deferred] | None,
+) -> onnx.ModelProto:
+    """Each MoE node whose expert stacks `widths` names as ORT's QMoE on ORT's round-to-nearest blocks of
+    them (the same blocks MatMulNBits takes: [experts, N, K / block, bytes] read as [experts, N, K * bits / 8],
+    scales [experts, N, K / block], zero points packed as MatMulNBits packs them), one expert at a time.
+
+    QMoE's CPU kernel weighs the top-k experts by a softmax over those k alone (the top-k weights normalized)
+    whatever its attribute says: where the model leaves them unnormalized (Qwen's MoE), the router's softmax
+    over every expert is given as `router_weights` (the top-k values of which it takes as they are)."""
+    from onnx import helper
+
+    from quiver.ir.edit import drop_unread_initializers
+    from quiver.ir.ops import MS_DOMAIN
+
+    graph = model.graph
+    weights = _Weights(graph, deferred)
+    done: set[str] = set()
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        names = (node.input[_FC1], node.input[_FC2]) if _is_moe(node) else ()
+        if not names or not all(n in widths for n in names):
+            nodes.append(node)
+            continue
+        bits = widths[names[0]]
+        if widths[names[1]] != bits:
+            raise QuantizationError(f"{names[0]} and {names[1]} are one layer's experts: give them one width")
+        blocks: list[list[str]] = []
+        for name in names:
+            parts = [f"{name}_Q{bits}", f"{name}_scales"] + ([] if symmetric else [f"{name}_zero_points"])
+            blocks.append(parts)
+            if name in done:
+                continue
+            stack = weights.value(name)  # [experts, N, K]: each expert's weight [out, in] as the checkpoint's
+            experts, n, k = stack.shape
+            if k % block_size:
+                raise QuantizationError(f"{name}: its experts' inputs ({k}) are not whole blocks of {block_size}; "
+                                        "give another --block-size, or keep them float")  # fmt: skip
+            count, per_byte = k // block_size, 8 // bits
+            shapes = [((n, count, block_size // per_byte), np.uint8), ((n, count), np.float32),
+                      ((n, -(-count // per_byte)), np.uint8)][: len(parts)]  # fmt: skip
+            made = [made_together(shapes, partial(_rtn_of, stack.item(e).T, bits, block_size, symmetric))
+                    for e in range(experts)]  # fmt: skip
+            for index, part in enumerate(parts):
+                stacked = Deferred.stack([expert[index] for expert in made])
+                weights.add(part, stacked.reshape(experts, n, k * bits // 8) if index == 0 else stacked)
+            done.add(name)
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        (fc1, fc1_scales, *fc1_points), (fc2, fc2_scales, *fc2_points) = blocks
+        inputs = [node.input[0], node.input[1], fc1, fc1_scales, "", fc2, fc2_scales, "", "", "", "",
+                  *(fc1_points or [""]), *(fc2_points or [""]), ""]  # fmt: skip
+        if not attributes.get("normalize_routing_weights", 0):
+            softmax = f"{node.name}/router_softmax"
+            nodes.append(helper.make_node("Softmax", [node.input[1]], [f"{softmax}/output_0"], name=softmax, axis=-1))
+            inputs.append(f"{softmax}/output_0")
+        nodes.append(helper.make_node("QMoE", inputs, list(node.output), name=f"{node.name}_Q{bits}", domain=MS_DOMAIN,
+                                      expert_weight_bits=bits, block_size=block_size, **attributes))  # fmt: skip
+    del graph.node[:]
+    graph.node.extend(nodes)
+    drop_unread_initializers(graph, done)
     return model
 
 

@@ -16,7 +16,7 @@ from quiver.ort_package import onnxruntime as ort
 
 # Level 4 of ORT's MatMulNBits (see DEFAULT_ACCURACY_LEVEL) runs only on prepacked weights, so a graph
 # with such MatMuls gets no unpacked stand-in session (it would compute in float32: another answer).
-_INTEGER_MATMUL_OPS = {"MatMulNBits", "DequantizeLinear"}
+_INTEGER_MATMUL_OPS = {"MatMulNBits", "QMoE", "DequantizeLinear"}
 # Before 1.32, ORT's MatMulNBits cannot keep its packed weights in a shared container (session creation
 # fails): such graphs then pack their own copies, through the Python API.
 _ORT_VERSION = tuple(int(p) for p in ort.__version__.split(".")[:2])
@@ -25,6 +25,9 @@ SHARED_INTEGER_PACKING = _ORT_VERSION >= (1, 32)
 # stay unnormalized (Qwen's MoE; the operator alone matched numpy there: the cause is not found), equal
 # ones under 1.32 (tests/integration/test_families.py): older versions are refused rather than trusted
 _TRUSTED_MOE = _ORT_VERSION >= (1, 32)
+# the nodes whose compute the backend's accuracy level sets: ORT's 4/8-bit MatMul, its quantized experts
+# (1.32's QMoE takes MatMulNBits' levels), Quiver's 4-bit MatMul
+_LEVELED_OPS = {"MatMulNBits", "QMoE", MATMUL_4BITS}
 
 # (domain, op) of the nodes whose constant B ORT packs: its contrib FusedMatMul (a transposed-weight
 # MatMul, as Quiver writes tied LM heads) packs like MatMul (measured: dropping its mapped pages after
@@ -83,13 +86,13 @@ def packing_changes_results(model: proto.ModelProto) -> bool:
 
 
 def _with_accuracy_level(model: proto.ModelProto, level: int) -> proto.ModelProto:
-    """MatMulNBits and MatMul4Bits nodes at the backend's accuracy level, but for those that set their own
+    """MatMulNBits, QMoE and MatMul4Bits nodes at the backend's accuracy level, but for those that set their own
     (as ORT runs them: a float-minimum block that needs float activations, a model exported for a given
     level). Below 4, Quiver's kernel keeps every row's activations at 16 bits (none rounded to 8)."""
     result = proto.ModelProto()
     result.CopyFrom(model)
     for node in result.graph.node:
-        leveled = node.op_type in ("MatMulNBits", MATMUL_4BITS)
+        leveled = node.op_type in _LEVELED_OPS
         if leveled and not any(a.name == "accuracy_level" for a in node.attribute):
             node.attribute.append(proto.AttributeProto(name="accuracy_level", type=proto.AttributeProto.INT, i=level))
     return result
@@ -118,10 +121,10 @@ def session_model(graph: FinalizedGraph, settings: SessionSettings) -> tuple[pro
     model, strengths = fold_lora_strengths(_without_trailing_empty_inputs(graph.model))
     if uses_native_ops(model):
         model = lowered(model) if native_ops().path is None else _with_accuracy_level(model, settings.accuracy_level)
-    if not _TRUSTED_MOE and any(n.op_type == "MoE" for n in model.graph.node):
+    if not _TRUSTED_MOE and any(n.op_type in ("MoE", "QMoE") for n in model.graph.node):
         raise BackendError(f"graph {graph.name!r} has mixture-of-experts layers, which need onnxruntime >= 1.32 "
                            f"(this is {ort.__version__}, whose MoE kernel gave other tokens in Quiver's tests): "
                            "pip install -U onnxruntime")  # fmt: skip
-    if settings.accuracy_level > 0 and any(n.op_type == "MatMulNBits" for n in model.graph.node):
+    if settings.accuracy_level > 0 and any(n.op_type in ("MatMulNBits", "QMoE") for n in model.graph.node):
         model = _with_accuracy_level(model, settings.accuracy_level)
     return model, strengths
