@@ -42,7 +42,9 @@ def t2t() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="A LoRA YAML (adapters and use cases, as `quiver lora prepare` reads) instead of --lora.",
 )
-@click.option("--weight-bitwidth", type=click.Choice(["4", "8"]), help="Quantize MatMul weights (MatMulNBits).")
+@click.option(
+    "--weight-bitwidth", type=click.Choice(["4", "8"]), help="Quantize MatMul weights (MatMulNBits) and experts (QMoE)."
+)
 @click.option("--block-size", type=int, default=32, show_default=True, help="Quantization block size.")
 @click.option("--gguf-blocks", type=click.Choice(["carry", "dequantize"]), default="carry", show_default=True,
               help="A GGUF file's Q4_0/Q4_1 weights without --weight-bitwidth: run its blocks as they are (4-bit; "
