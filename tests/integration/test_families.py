@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import quiver
 from quiver.errors import QuiverError
 from quiver.ort_package import onnxruntime
 from quiver.t2t.batch import BASE_SLOT, BatchDecoder
@@ -180,6 +181,24 @@ def test_a_familys_quantized_exports_keep_its_next_token_logits(
     # family); logits of a graph the quantizer broke would be unrelated: near 0
     assert cosine(8) > 0.99, (case, cosine(8))
     assert cosine(4) > 0.5, (case, cosine(4))
+
+
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_a_4_bit_mixture_of_experts_export_quantizes_its_experts_and_packs_them_in_one_session(
+    case: str, real_families: Path, tmp_path: Path
+) -> None:
+    """The expert stacks become QMoE's 4-bit blocks (no float stack left), and the decode step is the
+    prefill graph's body, as the server's steps are the batched graph's: ORT packs QMoE's experts into each
+    session's own memory, so a decode graph of its own would hold them twice."""
+    config = export(real_families / case, tmp_path / "out", options=ExportOptions(context_size=128, weight_bits=4))
+    with quiver.Context.from_binary(config.path.parent / "model.qctx") as context:
+        assert "batch_decode" not in context.graph_names
+        graphs = {name: context.finalized_graph(name).model.graph for name in ("prefill", "decode", "batch")}
+        for graph in graphs.values():
+            ops = [n.op_type for n in graph.node]
+            assert "QMoE" in ops and "MoE" not in ops, case
+            assert not [t.name for t in graph.initializer if t.name.endswith(("experts.fc1", "experts.fc2"))]
+        assert [n.op_type for n in graphs["decode"].node] == [n.op_type for n in graphs["prefill"].node]
 
 
 def test_the_real_gemma_3_270m_gives_transformers_greedy_tokens(real_families: Path, tmp_path: Path) -> None:

@@ -107,12 +107,15 @@ def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _packs_float_weights(model: onnx.ModelProto, updateable: set[str]) -> bool:
-    """Whether ORT packs stored float weights of this graph in each session (a float MatMul's, Gemm's or
-    FusedMatMul's B; adapters' small updateable ones aside)."""
+def _packs_weights(model: onnx.ModelProto, updateable: set[str]) -> bool:
+    """Whether ORT packs stored weights of this graph in each session, a copy no other session shares: a
+    float MatMul's, Gemm's or FusedMatMul's B (adapters' small updateable ones aside), or the experts of a
+    MoE or QMoE node (1.32's QMoE packs its own copy per session: 581 MB again for a second session of a
+    1.6B Qwen3-MoE-shaped int4 model, measured)."""
     stored = {t.name for t in model.graph.initializer} - updateable
     return any(
-        n.op_type in ("MatMul", "Gemm", "FusedMatMul") and len(n.input) > 1 and n.input[1] in stored
+        (n.op_type in ("MatMul", "Gemm", "FusedMatMul") and len(n.input) > 1 and n.input[1] in stored)
+        or n.op_type in ("MoE", "QMoE")
         for n in model.graph.node
     )
 
@@ -347,12 +350,12 @@ def export(
         model, batched = (quantize(m) for m in (model, batched))
         decode = quantize(decode, exact_rows=True) if minimum_form else model
     # a decode step's graph of its own (every weight shared) runs Quiver's attention for one row; where ORT
-    # would pack float weights of it, the step stays the prefill graph's body: one session packs them once
-    if decode is not model or not _packs_float_weights(model, set(updateable)):
+    # would pack weights of it, the step stays the prefill graph's body: one session packs them once
+    if decode is not model or not _packs_weights(model, set(updateable)):
         decode = decode_step_graph(decode)
-    # the server's decode steps likewise, in a graph of their own where no float weight is packed (its
-    # prompts stay on the batched graph); else steps and prompts share one session, as before
-    batch_step = None if _packs_float_weights(batched, set(updateable)) else decode_step_graph(batched)
+    # the server's decode steps likewise, in a graph of their own where no weight is packed (its prompts stay
+    # on the batched graph); else steps and prompts share one session, as before
+    batch_step = None if _packs_weights(batched, set(updateable)) else decode_step_graph(batched)
     graphs = (model, decode, batched, *([batch_step] if batch_step is not None else []))
     stored = sorted({t.name for m in graphs for t in m.graph.initializer if t.name in deferred})
     need = _check_room(
