@@ -1,0 +1,102 @@
+"""Mixture-of-experts models of real size at 4 bits: the experts float (what every 4-bit export did before
+they were quantized; `--override '*.mlp.experts.*=float'`) against the experts in QMoE's 4-bit blocks.
+
+The models: the families corpus's tiny Qwen3-MoE, Qwen2-MoE and Mixtral configs (tests/real/make_families.py)
+scaled to real shapes (hidden 2048, 16 layers, 16 heads of 128, 4 key/value heads, a 151936-token vocabulary;
+8 experts of 1024 (Mixtral's 2048), the corpus's top-k and routing), random bf16 weights saved by transformers
+itself (its on-disk names) in the corpus's export venv; made once under ~/.cache/quiver/size-moe/. No peer:
+onnxruntime-genai's builder builds none of these folders (docs/BENCHMARKS.md, "Every family").
+
+Per export, in a fresh process: wall time, peak RSS, the context's size. Then both exports of each model, in
+rounds whose order turns: prefill and decode tok/s at prompts of 128 and 512 tokens (128 new, greedy, 2
+threads: benchmarks/t2t.py's worker) and RSS while generating. JSON on stdout.
+
+    python benchmarks/size_moe.py [FOLDER] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from real_size import _export
+from size_models import CACHE, EXPORT_VENV, size_arguments
+from t2t import _medians, _worker
+from timing import alternating_runs
+
+CASES = {"qwen3_moe": {}, "qwen2_moe": {}, "mixtral": {"intermediate_size": 2048}}  # per case: its own sizes
+KEEP_EXPERTS_FLOAT = "*.mlp.experts.*=float"
+
+# run by the export venv's python (torch, transformers): SOURCE DESTINATION OVERRIDES-JSON
+_SCALE = r"""
+import json, shutil, sys
+from pathlib import Path
+import torch, transformers
+source, destination, overrides = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+config = json.loads((source / "config.json").read_text())
+real = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 4096, "num_experts": 8,
+        "num_local_experts": 8, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 2048,
+        "num_hidden_layers": 16}
+config.update({k: v for k, v in real.items() if config.get(k) is not None} | overrides)
+if isinstance(config.get("layer_types"), list):  # the tiny model's pattern of layers, repeated
+    pattern = config["layer_types"]
+    config["layer_types"] = [pattern[i % len(pattern)] for i in range(config["num_hidden_layers"])]
+partial = destination.with_name(destination.name + ".partial")
+shutil.rmtree(partial, ignore_errors=True)
+partial.mkdir(parents=True)
+(partial / "config.json").write_text(json.dumps(config, indent=2))
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(partial),
+                                                      dtype=torch.bfloat16)
+model.save_pretrained(partial, max_shard_size="20GB")
+for item in source.iterdir():
+    if item.is_file() and item.name not in ("model.safetensors", "config.json", "generation_config.json"):
+        shutil.copy(item, partial / item.name)
+(partial / "config.json").write_text(json.dumps(config, indent=2))  # the corpus's fields, scaled
+partial.rename(destination)
+print(sum(p.numel() for p in model.parameters()))
+"""
+
+
+def _model(case: str, sizes: dict[str, int]) -> Path:
+    """The case scaled to real shapes (made once)."""
+    folder = CACHE / "size-moe" / case
+    if (folder / "config.json").is_file():
+        return folder
+    source = next((CACHE / "real-families").glob(f"*/{case}/config.json")).parent
+    subprocess.run([str(EXPORT_VENV), "-c", _SCALE, str(source), str(folder), json.dumps(sizes)], check=True)
+    return folder
+
+
+def main() -> None:
+    args = size_arguments("size-moe-exports", rounds=3)
+    report: dict[str, Any] = {}
+    for case, sizes in CASES.items():
+        model = _model(case, sizes)
+        exports, configs = {}, {}
+        for label, extra in (("experts float", ("--override", KEEP_EXPERTS_FLOAT)), ("experts QMoE", ())):
+            out = args.folder / case / label.replace(" ", "-")
+            exports[label] = _export(model, None, out, 4, *extra)
+            configs[label] = out / "genie_config.json"
+        runs = alternating_runs({n: lambda c=c: _worker("quiver", str(c), "plain") for n, c in configs.items()},
+                                args.rounds, case)  # fmt: skip
+        shutil.rmtree(args.folder / case)  # its exports (the float experts' are several GB): made again next run
+        report[case] = {
+            "weights_bytes": (model / "model.safetensors").stat().st_size,
+            "exports": exports,
+            "median": {label: _medians(r) for label, r in runs.items()},
+            "decode_512_ratio": statistics.median(
+                q["512"]["decode_tok_s"] / f["512"]["decode_tok_s"]
+                for q, f in zip(runs["experts QMoE"], runs["experts float"])
+            ),
+        }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
