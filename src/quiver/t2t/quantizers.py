@@ -539,7 +539,7 @@ def _plan(
             raise QuantizationError(f"only the LM head ({HEAD_WEIGHT}) can be a {SHORTLIST}, not {name}")
     for node in model.graph.node:  # mixture-of-experts layers: each expert stack by its name
         if _is_moe(node):
-            for name in (node.input[_FC1], node.input[_FC2]):
+            for name in [n for n in (node.input[_FC1], node.input[_FC2]) if n not in excluded]:
                 matched |= {p for p, _ in overrides if fnmatch.fnmatchcase(name, p)}
                 experts[name] = _overridden(name, bits, overrides)
                 if experts[name] in (SHORTLIST, TABLE):
