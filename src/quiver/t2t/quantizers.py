@@ -67,7 +67,7 @@ import numpy as np
 
 from quiver import ort_package
 from quiver.errors import QuantizationError
-from quiver.ir.deferred import Deferred, made_together
+from quiver.ir.deferred import Deferred, Shape, made_together
 from quiver.ir.nibbles import pack_nibbles, unpack_bits
 
 if TYPE_CHECKING:  # onnx loads when a model is quantized, not with the CLI that names the quantizers
@@ -605,6 +605,19 @@ def _rtn_blocks(weight: np.ndarray, bits: int, block_size: int, symmetric: bool)
     return [packed, scales] if symmetric else [packed, scales, zeros]
 
 
+def _rtn_names(name: str, bits: int, symmetric: bool) -> list[str]:
+    """The tensors ORT's `MatMulNBitsQuantizer` names for a weight's blocks: data, scales, zero points."""
+    return [f"{name}_Q{bits}", f"{name}_scales"] + ([] if symmetric else [f"{name}_zero_points"])
+
+
+def _rtn_forms(k: int, n: int, bits: int, block_size: int, symmetric: bool) -> list[tuple[Shape, type]]:
+    """The shapes and types `_rtn_blocks` makes for a [K, N] weight, in `_rtn_names`' order."""
+    count, per_byte = -(-k // block_size), 8 // bits
+    forms: list[tuple[Shape, type]] = [((n, count, block_size // per_byte), np.uint8), ((n, count), np.float32),
+                                       ((n, -(-count // per_byte)), np.uint8)]  # fmt: skip
+    return forms[:2] if symmetric else forms
+
+
 def _rtn_of(weight: Deferred, bits: int, block_size: int, symmetric: bool) -> list[np.ndarray]:
     return _rtn_blocks(weight.compute(), bits, block_size, symmetric)
 
@@ -690,12 +703,10 @@ def _ort_rtn(
                 done.add(name)
             nodes.append(_matmul_4bits(node, names, k, n, symmetric))
             continue
-        names = [f"{name}_Q{bits}", f"{name}_scales"] + ([] if symmetric else [f"{name}_zero_points"])
+        names = _rtn_names(name, bits, symmetric)
         if name not in done:  # a weight several MatMuls read is quantized once
-            count, per_byte = -(-k // block_size), 8 // bits
-            shapes = [(n, count, block_size // per_byte), (n, count), (n, -(-count // per_byte))]
             made = made_together(
-                list(zip(shapes, (np.uint8, np.float32, np.uint8)))[: len(names)],
+                _rtn_forms(k, n, bits, block_size, symmetric),
                 partial(_rtn_of, weights.value(name), bits, block_size, symmetric),
             )
             for part, array in zip(names, made):
@@ -752,19 +763,19 @@ def _experts_in_blocks(
             raise QuantizationError(f"{names[0]} and {names[1]} are one layer's experts: give them one width")
         blocks: list[list[str]] = []
         for name in names:
-            parts = [f"{name}_Q{bits}", f"{name}_scales"] + ([] if symmetric else [f"{name}_zero_points"])
+            parts = _rtn_names(name, bits, symmetric)
             blocks.append(parts)
             if name in done:
                 continue
             stack = weights.value(name)  # [experts, N, K]: each expert's weight [out, in] as the checkpoint's
+            if deferred is None or name not in deferred:  # in memory already: converted once, not per expert
+                stack = Deferred.of(stack.compute())
             experts, n, k = stack.shape
             if k % block_size:
                 raise QuantizationError(f"{name}: its experts' inputs ({k}) are not whole blocks of {block_size}; "
                                         "give another --block-size, or keep them float")  # fmt: skip
-            count, per_byte = k // block_size, 8 // bits
-            shapes = [((n, count, block_size // per_byte), np.uint8), ((n, count), np.float32),
-                      ((n, -(-count // per_byte)), np.uint8)][: len(parts)]  # fmt: skip
-            made = [made_together(shapes, partial(_rtn_of, stack.item(e).T, bits, block_size, symmetric))
+            forms = _rtn_forms(k, n, bits, block_size, symmetric)
+            made = [made_together(forms, partial(_rtn_of, stack.item(e).T, bits, block_size, symmetric))
                     for e in range(experts)]  # fmt: skip
             for index, part in enumerate(parts):
                 stacked = Deferred.stack([expert[index] for expert in made])
