@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shutil
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
@@ -313,8 +315,13 @@ def _gemma3_270m(out: Path) -> dict[str, Any]:
 
 
 # tiny cases written as llama.cpp writes their architecture (F32 tensors, SmolLM2's tokenizer fields),
-# each checked by transformers' own GGUF reader against the case's greedy tokens before it is kept
-GGUF_CASES = {"qwen2": "qwen2", "llama": "llama"}
+# each checked by transformers' own GGUF reader against the case's greedy tokens before it is kept, but those
+# its reader gets wrong (held to the case's own greedy tokens by Quiver's test only)
+GGUF_CASES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "llama_rope_llama3": "llama"}
+TRANSFORMERS_MISREADS = {
+    "llama_rope_llama3": "drops the rope_freqs tensor llama.cpp's converter writes Llama 3's rope scaling as",
+    "qwen3": "ignores qwen3.attention.key_length: the head size is Qwen3Config's default, 128 (the real Qwen3's)",
+}
 _GGUF_TENSORS = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
@@ -333,6 +340,25 @@ def _gguf_name(name: str) -> str:
         if rest.startswith(hf):
             return f"blk.{layer}.{gg}{rest[len(hf) :]}"
     raise KeyError(name)
+
+
+def _llama3_rope_divisors(dim: int, rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's converter's `rope_freqs` for Llama 3's rope scaling (LlamaModel.generate_extra_tensors): one
+    divisor of each pair's frequency. It takes the original length from the config's top level, 8192 when
+    absent, as in Llama 3.1 and 3.2's own configs, whose rope scaling says 8192 too; this case's is 64."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, np.float32)
 
 
 def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
@@ -361,6 +387,9 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
     writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    rope = config["rope_parameters"]
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(config["head_dim"], rope))
     for name, tensor in load_file(str(out / case / "model.safetensors")).items():
         array = tensor.float().numpy()
         gg = _gguf_name(name)
@@ -392,6 +421,9 @@ def main() -> None:
     smollm2_gguf = out / gguf
     for case, arch in GGUF_CASES.items():
         path = _write_gguf(out, case, arch, smollm2_gguf)
+        if case in TRANSFORMERS_MISREADS:
+            expected[case]["gguf"] = path.name
+            continue
         loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32).eval()
         eos = int(tokenizer.eos_token_id)
         greedy = [_greedy(loaded, p, eos) for p in PROMPTS]

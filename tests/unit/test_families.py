@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 from quiver.errors import ModelFolderError
 from quiver.t2t.export import ExportOptions, export
-from quiver.t2t.families import read_config
+from quiver.t2t.families import read_config, with_frequency_divisors
+from quiver.t2t.rope import inverse_frequencies
 from tests.support.tiny_llm import tiny_decoder
 
 pytestmark = pytest.mark.unit
@@ -109,3 +110,23 @@ def test_an_older_configs_longrope_reads_its_original_length_beside_the_rope(fol
           "long_factor": factors}, original_max_position_embeddings=64, max_position_embeddings=256)  # fmt: skip
     kinds = read_config(folder).layer_kinds
     assert {k.rope.params["original_max_position_embeddings"] for k in kinds if k.rope} == {64}
+
+
+def test_rope_frequency_divisors_divide_the_default_ropes_frequencies_or_are_refused_in_one_line(
+    folder: Path,
+) -> None:
+    # a GGUF file's `rope_freqs` (llama.cpp's form of Llama 3's scaling): one divisor per rotated pair
+    config = read_config(folder)
+    rope = next(k.rope for k in config.layer_kinds if k.rope)
+    divisors = tuple(1.0 + i for i in range(rope.dim // 2))
+    divided = next(k.rope for k in with_frequency_divisors(config, divisors, folder).layer_kinds if k.rope)
+    plain, _ = inverse_frequencies(rope, 32, 32)
+    scaled, _ = inverse_frequencies(divided, 32, 32)
+    np.testing.assert_allclose(scaled, plain / np.arange(1, rope.dim // 2 + 1), rtol=1e-6)
+    for wrong, words in (((2.0,) * 3, "3 rope frequency factors"), ((0.0,) * len(divisors), "not a positive")):
+        with pytest.raises(ModelFolderError) as refused:
+            with_frequency_divisors(config, wrong, folder)
+        assert words in str(refused.value) and "\n" not in str(refused.value)
+    _edit(folder, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ModelFolderError, match="beside a linear rope"):
+        with_frequency_divisors(read_config(folder), divisors, folder)

@@ -102,7 +102,7 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 class Rope:
     """Rotary positions of one layer: cos/sin tables made from these (`rope.rotary_tables`)."""
 
-    kind: str  # default, linear, dynamic, yarn, longrope, llama3
+    kind: str  # default, linear, dynamic, yarn, longrope, llama3; divided (`with_frequency_divisors`)
     theta: float
     dim: int  # the dimensions rotated (partial rotary: fewer than head_dim)
     interleaved: bool = False  # pairs (2i, 2i+1) rather than the two halves
@@ -763,6 +763,28 @@ def read_config(folder: Path) -> DecoderConfig:
     if not isinstance(raw, dict):
         raise ModelFolderError(f"{source}: must hold a JSON object")
     return read_config_fields(raw, source)
+
+
+def with_frequency_divisors(config: DecoderConfig, divisors: tuple[float, ...], source: Path) -> DecoderConfig:
+    """Every layer's rope with its inverse frequencies divided by `divisors`, one per rotated pair: llama.cpp's
+    `rope_freqs` tensor, in which its converter writes Llama 3's rope scaling as numbers."""
+    for rope in (kind.rope for kind in config.layer_kinds if kind.rope is not None):
+        if rope.kind != "default":
+            raise ModelFolderError(f"{source}: rope frequency factors beside a {rope.kind} rope; Quiver reads them "
+                                   "over the default rope only")  # fmt: skip
+        if len(divisors) != rope.dim // 2:
+            raise ModelFolderError(f"{source}: {len(divisors)} rope frequency factors for {rope.dim} rotary "
+                                   f"dimensions (it takes {rope.dim // 2})")  # fmt: skip
+    if not all(math.isfinite(d) and d > 0 for d in divisors):
+        raise ModelFolderError(f"{source}: a rope frequency factor is not a positive number")
+
+    def divided(kind: LayerKind) -> LayerKind:
+        if kind.rope is None:
+            return kind
+        return dataclasses.replace(kind, rope=dataclasses.replace(kind.rope, kind="divided",
+                                                                  params={"divisors": divisors}))  # fmt: skip
+
+    return dataclasses.replace(config, layer_kinds=tuple(divided(k) for k in config.layer_kinds))
 
 
 def read_config_fields(raw: dict[str, Any], source: Path) -> DecoderConfig:

@@ -7,8 +7,9 @@ reordering of Llama's q/k rows undone; every block type the `gguf` package knows
 (exact: what llama.cpp computes with), then the export goes on as from a folder (`--weight-bitwidth`
 quantizes again). The tokenizer is rebuilt as a tokenizer.json: byte-level BPE with the file's tokens and
 merges, the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`, its control tokens special;
-the chat template is the file's. What this does not cover is refused in one line: other architectures,
-SentencePiece vocabularies, pre-tokenizers not listed, Llama 3's rope factors.
+the chat template is the file's. Llama 3's rope scaling, which llama.cpp's converter writes as a tensor of
+divisors (`rope_freqs`), divides the rope's frequencies as llama.cpp does. What this does not cover is refused
+in one line: other architectures, SentencePiece vocabularies, pre-tokenizers not listed.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import numpy as np
 
 from quiver.errors import ModelFolderError
 from quiver.ir.deferred import Deferred
-from quiver.t2t.families import read_config_fields
+from quiver.t2t.families import read_config_fields, with_frequency_divisors
 
 GGUF_MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-pair rope divisors (Llama 3's scaling)
 _COMMON_KEYS = {  # llama.cpp's metadata (after `ARCH.`) -> transformers' config field
     "block_count": "num_hidden_layers",
     "embedding_length": "hidden_size",
@@ -57,6 +59,9 @@ _COMMON_NAMES = [  # GGUF tensor name -> transformers'
 # Llama's layout: the norm before the MLP is transformers' post_attention_layernorm
 _LLAMA_NORMS = [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight")]
 
+_QK_NORMS = [(r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+             (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight")]  # fmt: skip
+
 
 @dataclass(frozen=True)
 class _Architecture:
@@ -74,14 +79,14 @@ class _Architecture:
 _ARCHITECTURES = {
     "llama": _Architecture("LlamaForCausalLM", {"hidden_act": "silu"}, {}, _LLAMA_NORMS, permuted_qk=True),
     "qwen2": _Architecture("Qwen2ForCausalLM", {"hidden_act": "silu"}, {}, _LLAMA_NORMS),
+    "qwen3": _Architecture("Qwen3ForCausalLM", {"hidden_act": "silu"}, {}, [*_LLAMA_NORMS, *_QK_NORMS]),
     "gemma3": _Architecture(
         "Gemma3ForCausalLM", {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
         {"attention.sliding_window": "sliding_window"},
         [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
          (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
          (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
-         (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
-         (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight")],
+         *_QK_NORMS],
         norms_plus_one=True,
     ),
 }  # fmt: skip
@@ -91,12 +96,17 @@ _LLAMA3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZERS = {
+_QWEN2 = (  # Llama 3's, but digits one by one
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {
     "smollm": [r"\p{N}", _GPT2],
     "gpt-2": [_GPT2],
     "default": [_GPT2],
     "llama-bpe": [_LLAMA3],
     "llama3": [_LLAMA3],
+    "qwen2": [_QWEN2],  # Qwen2's, Qwen2.5's and Qwen3's files
 }
 _CONTROL = 3  # llama.cpp's token type of special tokens (`<|im_start|>`)
 _USER_DEFINED = 4  # added tokens matched whole but not special (`<think>`)
@@ -123,6 +133,17 @@ def _reader(path: Path) -> Any:
         raise ModelFolderError(f"{path}: not a GGUF file gguf can read ({type(exc).__name__}: {exc})") from None
 
 
+def _float32(path: Path, tensor: Any) -> np.ndarray:
+    """A tensor of the file as float32, whatever block type the `gguf` package knows."""
+    import gguf
+
+    try:
+        return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    except (ValueError, NotImplementedError) as exc:
+        raise ModelFolderError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) cannot be read "
+                               f"({exc})") from None  # fmt: skip
+
+
 def _value(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -141,12 +162,13 @@ class GgufModel:
                                    "model's transformers folder)")  # fmt: skip
         self.arch = _ARCHITECTURES[arch]
         self._tensors = {t.name: t for t in self._reader.tensors}
-        if "rope_freqs.weight" in self._tensors:
-            raise ModelFolderError(f"{path}: Llama 3's rope factors (rope_freqs) in GGUF are not supported yet; "
-                                   "export the model's transformers folder")  # fmt: skip
         self.config = read_config_fields(self._config(arch), path)
+        if ROPE_FREQS in self._tensors:  # Llama 3's rope scaling, as llama.cpp's converter writes it
+            self.config = with_frequency_divisors(self.config, self._rope_divisors(), path)
         self._names: dict[str, str] = {}
         for name in self._tensors:
+            if name == ROPE_FREQS:
+                continue
             names = [*_COMMON_NAMES, *self.arch.names]
             hf = next((re.sub(f"^{p}$", r, name) for p, r in names if re.fullmatch(p, name)), None)
             if hf is None:
@@ -189,6 +211,14 @@ class GgufModel:
                 raw[key] = int(value)
         return raw
 
+    def _rope_divisors(self) -> tuple[float, ...]:
+        tensor = self._tensors[ROPE_FREQS]
+        if len(tensor.shape) != 1 or int(tensor.shape[0]) > 1 << 16:
+            raise ModelFolderError(f"{self.path}: {ROPE_FREQS} has shape {list(tensor.shape)}, not one factor per "
+                                   "rotated pair")  # fmt: skip
+        values = np.asarray(_float32(self.path, tensor), np.float64).reshape(-1)
+        return tuple(float(v) for v in values)
+
     def deferred(self, name: str) -> Deferred:
         """The tensor as float32 (dequantized), made when it is stored (the name counts as used now)."""
         source = self._names.get(name)
@@ -199,17 +229,14 @@ class GgufModel:
         return Deferred(shape, np.float32, lambda: self._dequantized(source, shape))
 
     def _dequantized(self, source: str, shape: list[int]) -> np.ndarray:
-        import gguf
-
         tensor = self._tensors[source]
-        try:
-            values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
-            values = self._rows_back(source, values)
-            if self.arch.norms_plus_one and source.endswith("norm.weight"):  # stored as 1 + w for llama.cpp
-                values = values - np.float32(1)
-        except (ValueError, NotImplementedError) as exc:
-            raise ModelFolderError(f"{self.path}: tensor {source!r} ({tensor.tensor_type.name}, {shape}) cannot be "
-                                   f"read ({exc})") from None  # fmt: skip
+        values = _float32(self.path, tensor)
+        if values.size != int(np.prod(shape, dtype=np.int64)):
+            raise ModelFolderError(f"{self.path}: tensor {source!r} holds {values.size} values, not {shape}")
+        values = values.reshape(shape)
+        values = self._rows_back(source, values)
+        if self.arch.norms_plus_one and source.endswith("norm.weight"):  # stored as 1 + w for llama.cpp
+            values = values - np.float32(1)
         return np.ascontiguousarray(values)
 
     def get(self, name: str) -> np.ndarray:
@@ -312,11 +339,11 @@ class GgufModel:
 
     def _byte_level(self, tokens: list[str]) -> Any:
         """Byte-level BPE (`tokenizer.ggml.model` gpt2): the file's merges, llama.cpp's pre-tokenizer."""
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer, decoders, models
 
         pre = _value(self._reader, "tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
-            known = ", ".join(sorted(_PRE_TOKENIZERS))
+        if pre not in PRE_TOKENIZERS:
+            known = ", ".join(sorted(PRE_TOKENIZERS))
             raise ModelFolderError(f"{self.path}: GGUF pre-tokenizer {pre!r} is not supported (known: {known}); "
                                    "export the model's transformers folder")  # fmt: skip
         merges: list[tuple[str, str]] = []
@@ -326,11 +353,18 @@ class GgufModel:
                 raise ModelFolderError(f"{self.path}: GGUF merge {str(merge)[:40]!r} is not two tokens")
             merges.append((left, right))
         tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        splits: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZERS[pre]]
-        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        tokenizer.pre_tokenizer = pre_tokenizer(pre)
         tokenizer.decoder = decoders.ByteLevel()
         return tokenizer
+
+
+def pre_tokenizer(pre: str) -> Any:
+    """llama.cpp's pre-tokenizer for a file's `tokenizer.ggml.pre` (a key of PRE_TOKENIZERS), then bytes."""
+    from tokenizers import Regex, pre_tokenizers
+
+    splits: list[Any] = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+    splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(splits)
 
 
 def _merges_from_order(tokens: list[str]) -> list[tuple[str, str]]:

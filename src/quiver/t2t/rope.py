@@ -1,4 +1,5 @@
-"""Rotary position tables as transformers computes them: default, linear, dynamic, yarn, longrope, llama3."""
+"""Rotary position tables as transformers computes them: default, linear, dynamic, yarn, longrope, llama3; and
+llama.cpp's frequencies divided by factors of its own (`divided`: a GGUF file's `rope_freqs`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def inverse_frequencies(rope: Rope, positions: int, max_positions: int) -> tuple
                                    "or less")  # fmt: skip
     elif rope.kind == "llama3":
         base = _llama3(rope, base)
+    elif rope.kind == "divided":  # as llama.cpp: theta_i = position * base_i / factor_i
+        base = (base / np.asarray(rope.params["divisors"], np.float32)).astype(np.float32)
     elif rope.kind == "yarn":
         base, scale = _yarn(rope, dim, max_positions)
     elif rope.kind == "longrope":
