@@ -4,7 +4,7 @@ The families corpus (tests/real/make_families.py) holds each architecture at tin
 of 16), where tests/integration/test_families.py holds Quiver's tokens equal to transformers'. Shapes are
 where real models differ: heads of 128, a 151936-token vocabulary, 2048-wide layers, 16 of them. Here each
 family the corpus runs (its first case per transformers class, and the variants in VARIANTS) is scaled to
-those shapes (`_SCALE`: every width field its config has, lists tied to the layer count repeated), random
+those shapes (`SCALE`: every width field its config has, lists tied to the layer count repeated), random
 bf16 weights made and saved by transformers itself in the corpus's export venv (its on-disk names), and
 transformers' float32 logits after a 40-token prompt and after one token more kept as the reference.
 
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from quiver.t2t.families import FAMILIES
+from real_size import _EXPORT
 from size_models import CACHE, EXPORT_VENV
 
 # beyond the first case of each class: variants whose features change with shapes (rope scaling at real
@@ -38,19 +39,19 @@ VARIANTS = ("llama_rope_llama3", "llama_tied", "phi4_mini", "mistral_sliding", "
 PROMPT = [(37 * i + 1000) % 40000 + 500 for i in range(40)]  # the corpus's long prompt: past every window
 NEXT = 1234  # the token fed to the decode step
 
-# run by the export venv's python (torch, transformers): SOURCE DESTINATION LAYERS PROMPT-JSON NEXT
-_SCALE = r"""
+# run by the export venv's python (torch, transformers): SOURCE DESTINATION LAYERS OVERRIDES-JSON; the folder
+# is made as DESTINATION.partial, then renamed
+SCALE = r"""
 import json, shutil, sys
 from pathlib import Path
-import numpy as np, torch, transformers
+import torch, transformers
 source, destination, layers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-prompt, next_token = json.loads(sys.argv[4]), int(sys.argv[5])
 config = json.loads((source / "config.json").read_text())
 aliases = transformers.AutoConfig.for_model(config["model_type"]).attribute_map  # e.g. GPT-2's n_embd
 real = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 4,
         "num_kv_heads": 4, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 4096,
         "num_experts": 8, "num_local_experts": 8, "moe_intermediate_size": 1024,
-        "shared_expert_intermediate_size": 2048, "n_inner": 8192}
+        "shared_expert_intermediate_size": 2048, "n_inner": 8192} | json.loads(sys.argv[4])
 tiny_layers = config[aliases.get("num_hidden_layers", "num_hidden_layers")]
 for key, value in real.items():
     key = aliases.get(key, key)
@@ -60,22 +61,35 @@ config[aliases.get("num_hidden_layers", "num_hidden_layers")] = layers
 for key, value in list(config.items()):  # per-layer lists (layer types, layers without rope): the pattern repeated
     if isinstance(value, list) and len(value) == tiny_layers and key != "architectures":
         config[key] = [value[i % tiny_layers] for i in range(layers)]
-shutil.rmtree(destination, ignore_errors=True)
-destination.mkdir(parents=True)
-(destination / "config.json").write_text(json.dumps(config, indent=2))
+partial = destination.with_name(destination.name + ".partial")
+shutil.rmtree(partial, ignore_errors=True)
+partial.mkdir(parents=True)
+(partial / "config.json").write_text(json.dumps(config, indent=2))
 torch.manual_seed(0)
-model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(destination),
+model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(partial),
                                                       dtype=torch.bfloat16)
-model.save_pretrained(destination, max_shard_size="20GB")
+model.save_pretrained(partial, max_shard_size="20GB")
 for item in source.iterdir():  # the tokenizer
     if item.is_file() and item.name not in ("model.safetensors", "config.json", "generation_config.json"):
-        shutil.copy(item, destination / item.name)
-(destination / "config.json").write_text(json.dumps(config, indent=2))  # the corpus's fields, scaled
-model = model.float().eval()
+        shutil.copy(item, partial / item.name)
+(partial / "config.json").write_text(json.dumps(config, indent=2))  # the corpus's fields, scaled
+partial.rename(destination)
+print(json.dumps({"parameters": sum(p.numel() for p in model.parameters())}))
+"""
+
+# run by the export venv's python: FOLDER PROMPT-JSON NEXT. Transformers' float32 logits after the prompt and
+# after NEXT, as a user loads the folder in float32 (a bf16 model made float would keep buffers it made in
+# bf16: Gemma's embedding scale, sqrt(2048) rounded), into FOLDER/reference.npy
+_REFERENCE = r"""
+import json, sys
+from pathlib import Path
+import numpy as np, torch, transformers
+folder, prompt, next_token = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 with torch.no_grad():
     logits = model(torch.tensor([prompt + [next_token]])).logits[0, -2:].numpy()
-np.save(destination / "reference.npy", logits)
-print(json.dumps({"parameters": sum(p.numel() for p in model.parameters())}))
+np.save(folder / "reference.npy", logits)
+print("{}")
 """
 
 # run by Quiver's python: CONFIG REFERENCE PROMPT-JSON NEXT
@@ -101,15 +115,6 @@ for step, (a, b) in enumerate(zip(ours, reference)):
 print(json.dumps(result))
 """
 
-_EXPORT = r"""
-import json, resource, sys, time
-from quiver.cli.main import main
-start = time.perf_counter()
-code = main(sys.argv[1:])
-print(json.dumps({"code": code, "seconds": time.perf_counter() - start,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-"""
-
 
 def _python(code: str, *args: str, python: str = sys.executable) -> tuple[dict[str, Any], str]:
     """The last line of a fresh process's stdout as JSON, and its stderr's last line (a refusal's message)."""
@@ -132,9 +137,10 @@ def _cases(corpus: Path) -> list[str]:
 
 
 def _measure(case: str, source: Path, folder: Path, layers: int) -> dict[str, Any]:
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted run left
     model = folder / "model"
-    made, _ = _python(_SCALE, str(source), str(model), str(layers), json.dumps(PROMPT), str(NEXT),
-                      python=str(EXPORT_VENV))  # fmt: skip
+    made, _ = _python(SCALE, str(source), str(model), str(layers), "{}", python=str(EXPORT_VENV))
+    _python(_REFERENCE, str(model), json.dumps(PROMPT), str(NEXT), python=str(EXPORT_VENV))
     result: dict[str, Any] = {"parameters": made["parameters"],
                               "bf16_bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))}  # fmt: skip
     for label, extra in (("fp32", ()), ("int4", ("--weight-bitwidth", "4"))):

@@ -24,43 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from real_size import _export
+from size_families import SCALE
 from size_models import CACHE, EXPORT_VENV, size_arguments
 from t2t import _medians, _worker
 from timing import alternating_runs
 
 CASES = {"qwen3_moe": {}, "qwen2_moe": {}, "mixtral": {"intermediate_size": 2048}}  # per case: its own sizes
 KEEP_EXPERTS_FLOAT = "*.mlp.experts.*=float"
-
-# run by the export venv's python (torch, transformers): SOURCE DESTINATION OVERRIDES-JSON
-_SCALE = r"""
-import json, shutil, sys
-from pathlib import Path
-import torch, transformers
-source, destination, overrides = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
-config = json.loads((source / "config.json").read_text())
-real = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 4,
-        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 4096, "num_experts": 8,
-        "num_local_experts": 8, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 2048,
-        "num_hidden_layers": 16}
-config.update({k: v for k, v in real.items() if config.get(k) is not None} | overrides)
-if isinstance(config.get("layer_types"), list):  # the tiny model's pattern of layers, repeated
-    pattern = config["layer_types"]
-    config["layer_types"] = [pattern[i % len(pattern)] for i in range(config["num_hidden_layers"])]
-partial = destination.with_name(destination.name + ".partial")
-shutil.rmtree(partial, ignore_errors=True)
-partial.mkdir(parents=True)
-(partial / "config.json").write_text(json.dumps(config, indent=2))
-torch.manual_seed(0)
-model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(partial),
-                                                      dtype=torch.bfloat16)
-model.save_pretrained(partial, max_shard_size="20GB")
-for item in source.iterdir():
-    if item.is_file() and item.name not in ("model.safetensors", "config.json", "generation_config.json"):
-        shutil.copy(item, partial / item.name)
-(partial / "config.json").write_text(json.dumps(config, indent=2))  # the corpus's fields, scaled
-partial.rename(destination)
-print(sum(p.numel() for p in model.parameters()))
-"""
 
 
 def _model(case: str, sizes: dict[str, int]) -> Path:
@@ -69,7 +39,7 @@ def _model(case: str, sizes: dict[str, int]) -> Path:
     if (folder / "config.json").is_file():
         return folder
     source = next((CACHE / "real-families").glob(f"*/{case}/config.json")).parent
-    subprocess.run([str(EXPORT_VENV), "-c", _SCALE, str(source), str(folder), json.dumps(sizes)], check=True)
+    subprocess.run([str(EXPORT_VENV), "-c", SCALE, str(source), str(folder), "16", json.dumps(sizes)], check=True)
     return folder
 
 
