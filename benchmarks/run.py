@@ -45,6 +45,7 @@ from real_models import FLOOR_WORKER, floor_setup, measure_real_models  # noqa: 
 from real_size import measure_real_size  # noqa: E402
 from serve import measure_serve  # noqa: E402
 from serve_ray import measure_serve_ray, measure_serve_ray_defaults  # noqa: E402
+from size_models import corpus as _corpus  # noqa: E402
 from structured import measure_structured  # noqa: E402
 from t2t import measure_t2t  # noqa: E402
 from timing import alternating_medians  # noqa: E402
@@ -280,13 +281,6 @@ def _subset_context(paths: dict[str, Path], count: int, target: Path) -> Path:
         _SUBSETS[count] = context.save(target)
         context.close()
     return _SUBSETS[count]
-
-
-def _corpus(kind: str = "") -> Path:
-    """A real-model corpus (`ci/make-real-models [kind]`: made once, cached), as its folder."""
-    made = subprocess.run(["bash", "ci/make-real-models", *([kind] if kind else [])], capture_output=True,
-                          text=True, check=True)  # fmt: skip
-    return Path(made.stdout.strip())
 
 
 def _size_models() -> tuple[Path, Path]:

@@ -31,7 +31,7 @@ from typing import Any
 
 from quiver.t2t.families import FAMILIES
 from real_size import _EXPORT
-from size_models import CACHE, EXPORT_VENV
+from size_models import CACHE, EXPORT_VENV, corpus
 
 # beyond the first case of each class: variants whose features change with shapes (rope scaling at real
 # positions, partial rotary on heads of 128, sliding windows)
@@ -165,10 +165,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--only", action="append", default=[], help="a case of the corpus (repeatable)")
     args = parser.parse_args()
-    corpus = next((CACHE / "real-families").glob("*/expected.json")).parent
+    families = corpus("families")
     report: dict[str, Any] = {"layers": args.layers}
-    for case in args.only or _cases(corpus):
-        report[case] = _measure(case, corpus / case, args.folder / case, args.layers)
+    for case in args.only or _cases(families):
+        report[case] = _measure(case, families / case, args.folder / case, args.layers)
         shutil.rmtree(args.folder / case, ignore_errors=True)
         partial = args.folder / "report.json.partial"  # what a long run has measured so far, replaced whole
         partial.write_text(json.dumps(report, indent=2))

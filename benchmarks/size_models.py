@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -111,6 +112,15 @@ CACHE = Path.home() / ".cache" / "quiver"
 EXPORT_VENV = CACHE / "export-venv" / "bin" / "python"  # genai's builder, llama.cpp's converter
 
 
+def corpus(kind: str = "") -> Path:
+    """A real-model corpus (`ci/make-real-models [kind]`: made once, cached), as its folder: the one this
+    checkout's scripts make, not an older one left in the cache."""
+    script = Path(__file__).resolve().parents[1] / "ci" / "make-real-models"
+    made = subprocess.run(["bash", str(script), *([kind] if kind else [])], capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    return Path(made.stdout.strip())
+
+
 def size_arguments(folder: str, rounds: int) -> argparse.Namespace:
     """A size benchmark's command line: FOLDER for its exports (default ~/.cache/quiver/`folder`), --rounds."""
     parser = argparse.ArgumentParser()
@@ -122,7 +132,7 @@ def size_arguments(folder: str, rounds: int) -> argparse.Namespace:
 def cached_model(size: str) -> Path:
     """`make_model` of `size` in the user's cache (~/.cache/quiver/size-models/llama-SIZE), SmolLM2's tokenizer
     from the corpus `ci/make-real-models llms` keeps."""
-    tokenizer = next((CACHE / "real-llms").glob("*/smollm2/tokenizer.json"))
+    tokenizer = corpus("llms") / "smollm2" / "tokenizer.json"
     return make_model(size, CACHE / "size-models" / f"llama-{size}", tokenizer)
 
 
@@ -176,6 +186,6 @@ def make_adapter(size: str, folder: Path, rank: int = 16, seed: int = 1) -> Path
 
 if __name__ == "__main__":
     size, out = sys.argv[1], Path(sys.argv[2])
-    corpus = Path(sys.argv[3]) if len(sys.argv) > 3 else None
-    tokenizer = (corpus or Path.home() / ".cache/quiver/real-llms") / "smollm2" / "tokenizer.json"
+    llms = Path(sys.argv[3]) if len(sys.argv) > 3 else corpus("llms")
+    tokenizer = llms / "smollm2" / "tokenizer.json"
     print(make_model(size, out, tokenizer))

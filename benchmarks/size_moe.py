@@ -25,7 +25,7 @@ from typing import Any
 
 from real_size import _export
 from size_families import SCALE
-from size_models import CACHE, EXPORT_VENV, size_arguments
+from size_models import CACHE, EXPORT_VENV, corpus, size_arguments
 from t2t import _medians, _worker
 from timing import alternating_runs
 
@@ -38,7 +38,7 @@ def _model(case: str, sizes: dict[str, int]) -> Path:
     folder = CACHE / "size-moe" / case
     if (folder / "config.json").is_file():
         return folder
-    source = next((CACHE / "real-families").glob(f"*/{case}/config.json")).parent
+    source = corpus("families") / case
     subprocess.run([str(EXPORT_VENV), "-c", SCALE, str(source), str(folder), "16", json.dumps(sizes)], check=True)
     return folder
 
