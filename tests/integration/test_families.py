@@ -13,12 +13,12 @@ import pytest
 
 import quiver
 from quiver.errors import QuiverError
-from quiver.ort_package import onnxruntime
 from quiver.t2t.batch import BASE_SLOT, BatchDecoder
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.families import FAMILIES, NOT_YET
 from tests.support.greedy import dialog_greedy, next_token_logits
+from tests.support.moe import MOE, MOE_TRUSTED
 
 pytestmark = pytest.mark.integration
 
@@ -73,9 +73,6 @@ OUTCOMES: dict[str, str] = {
     "gpt2": "equal",
 }
 
-# mixture-of-experts layers run on ORT's MoE operator, refused under onnxruntime 1.32 (1.24's gave other tokens)
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
-MOE_TRUSTED = tuple(int(p) for p in onnxruntime.__version__.split(".")[:2]) >= (1, 32)
 
 # cases whose adapter Quiver refuses in one line holding these words (the base model must still be equal)
 ADAPTER_REFUSED = {"gpt_neox": "query_key_value"}

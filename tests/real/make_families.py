@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import shutil
 import sys
 import traceback
@@ -100,7 +101,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
     ),
     "qwen3": ("Qwen3ForCausalLM", {}),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    # renormalized over the chosen experts, as the real Qwen3-MoE models are (and llama.cpp always does)
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    ),
     "qwen3_next": (
         "Qwen3NextForCausalLM",
         {
@@ -314,32 +319,48 @@ def _gemma3_270m(out: Path) -> dict[str, Any]:
     return {"gguf": name, "prompts": REAL_PROMPTS, "prompt_ids": [p[0].tolist() for p in ids], "greedy": greedy}
 
 
-# tiny cases written as llama.cpp writes their architecture (F32 tensors, SmolLM2's tokenizer fields),
-# each checked by transformers' own GGUF reader against the case's greedy tokens before it is kept, but those
-# its reader gets wrong (held to the case's own greedy tokens by Quiver's test only)
-GGUF_CASES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "llama_rope_llama3": "llama"}
+# tiny cases written as llama.cpp writes their architecture (F32 tensors named by the `gguf` package's own
+# map, experts stacked as its converter stacks them, SmolLM2's tokenizer fields), each checked by
+# transformers' own GGUF reader against the case's greedy tokens before it is kept, but those its reader
+# gets wrong (held to the case's own greedy tokens by Quiver's test only)
+GGUF_CASES = {
+    "qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "llama_rope_llama3": "llama",
+    "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+}  # fmt: skip
 TRANSFORMERS_MISREADS = {
     "llama_rope_llama3": "drops the rope_freqs tensor llama.cpp's converter writes Llama 3's rope scaling as",
     "qwen3": "ignores qwen3.attention.key_length: the head size is Qwen3Config's default, 128 (the real Qwen3's)",
+    "qwen3_moe": "ignores qwen3moe.expert_feed_forward_length and attention.key_length (Qwen3MoeConfig's defaults)",
+    "qwen2_moe": "ignores qwen2moe.expert_feed_forward_length (Qwen2MoeConfig's default)",
+    "mixtral": "reads a llama file with experts as a Llama without them",
 }
-_GGUF_TENSORS = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}  # fmt: skip
+_EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
 
-def _gguf_name(name: str) -> str:
-    if name in _GGUF_TENSORS:
-        return _GGUF_TENSORS[name]
-    layer, rest = name.removeprefix("model.layers.").split(".", 1)
-    for hf, gg in _GGUF_TENSORS.items():
-        if rest.startswith(hf):
-            return f"blk.{layer}.{gg}{rest[len(hf) :]}"
-    raise KeyError(name)
+def _gguf_tensors(path: Path, arch: str, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The case's tensors by llama.cpp's names (the `gguf` package's map), each expert's weights stacked
+    into one tensor per layer and part, [experts, rows, columns], as llama.cpp's converter stacks them."""
+    import gguf
+    from safetensors.torch import load_file
+
+    arch_id = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in load_file(str(path)).items():
+        array = tensor.float().numpy()
+        expert = _EXPERT.fullmatch(name)
+        if expert:
+            experts.setdefault(f"{expert[1]}.{expert[3]}", {})[int(expert[2])] = array
+            continue
+        gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if arch == "llama" and gg.endswith(("attn_q.weight", "attn_k.weight")):  # llama.cpp's own reordering
+            n = config["num_attention_heads"] if "attn_q" in gg else config["num_key_value_heads"]
+            array = array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+        tensors[gg] = array
+    for stacked, by_index in experts.items():
+        tensors[names.get_name(stacked) + ".weight"] = np.stack([by_index[e] for e in sorted(by_index)])
+    return tensors
 
 
 def _llama3_rope_divisors(dim: int, rope: dict[str, Any]) -> np.ndarray:
@@ -363,7 +384,6 @@ def _llama3_rope_divisors(dim: int, rope: dict[str, Any]) -> np.ndarray:
 
 def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
     import gguf
-    from safetensors.torch import load_file
 
     config = json.loads((out / case / "config.json").read_text())
     source = gguf.GGUFReader(str(smollm2_gguf))
@@ -387,15 +407,18 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
     writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if experts:  # as llama.cpp's converter writes a mixture's sizes
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     rope = config["rope_parameters"]
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(config["head_dim"], rope))
-    for name, tensor in load_file(str(out / case / "model.safetensors")).items():
-        array = tensor.float().numpy()
-        gg = _gguf_name(name)
-        if arch == "llama" and gg.endswith(("attn_q.weight", "attn_k.weight")):  # llama.cpp's own reordering
-            n = heads if "attn_q" in gg else kv_heads
-            array = array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+    for gg, array in _gguf_tensors(out / case / "model.safetensors", arch, config).items():
         writer.add_tensor(gg, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -8,8 +8,13 @@ reordering of Llama's q/k rows undone; every block type the `gguf` package knows
 quantizes again). The tokenizer is rebuilt as a tokenizer.json: byte-level BPE with the file's tokens and
 merges, the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`, its control tokens special;
 the chat template is the file's. Llama 3's rope scaling, which llama.cpp's converter writes as a tensor of
-divisors (`rope_freqs`), divides the rope's frequencies as llama.cpp does. What this does not cover is refused
-in one line: other architectures, SentencePiece vocabularies, pre-tokenizers not listed.
+divisors (`rope_freqs`), divides the rope's frequencies as llama.cpp does. Mixtures of experts (`qwen2moe`,
+`qwen3moe`, and `llama` files with experts: Mixtral) hold each layer's experts stacked in one tensor
+(`blk.N.ffn_gate_exps` [experts, rows, columns]); each expert is read as transformers names it, its own slice
+dequantized alone. Their routing is what llama.cpp computes for the architecture (Qwen2-MoE's weights as the
+softmax gives them, Qwen3-MoE's and Mixtral's renormalized over the chosen experts), whatever config the file
+came from. What this does not cover is refused in one line: other architectures, SentencePiece vocabularies,
+pre-tokenizers not listed, routers other than a softmax.
 """
 
 from __future__ import annotations
@@ -63,6 +68,35 @@ _QK_NORMS = [(r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_
              (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight")]  # fmt: skip
 
 
+def _experts(router: str, expert: str, parts: tuple[str, str, str]) -> list[tuple[str, str]]:
+    """A mixture of experts' router and its stacked experts (`expert` formatted with `{e}` later, per expert)."""
+    names = [(r"blk\.(\d+)\.ffn_gate_inp\.weight", rf"model.layers.\1.{router}.weight")]
+    for gguf_part, part in zip(("gate", "up", "down"), parts):
+        names.append((rf"blk\.(\d+)\.ffn_{gguf_part}_exps\.weight", rf"model.layers.\1.{expert}.{part}.weight"))
+    return names
+
+
+_QWEN_EXPERTS = _experts("mlp.gate", "mlp.experts.{e}", ("gate_proj", "up_proj", "down_proj"))
+_QWEN2_SHARED_EXPERT = [
+    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", r"model.layers.\1.mlp.shared_expert_gate.weight"),
+    *((rf"blk\.(\d+)\.ffn_{p}_shexp\.weight", rf"model.layers.\1.mlp.shared_expert.{p}_proj.weight")
+      for p in ("gate", "up", "down")),
+]  # fmt: skip
+_MIXTRAL_EXPERTS = [
+    *_experts("block_sparse_moe.gate", "block_sparse_moe.experts.{e}", ("w1", "w3", "w2")),
+    # older files: one tensor per expert (`blk.N.ffn_gate.E.weight`)
+    *((rf"blk\.(\d+)\.ffn_{p}\.(\d+)\.weight", rf"model.layers.\1.block_sparse_moe.experts.\2.{w}.weight")
+      for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))),
+]  # fmt: skip
+_EXPERT_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                "expert_feed_forward_length": "moe_intermediate_size"}  # fmt: skip
+# what llama.cpp routes with, fixed by the architecture: a file's own keys for it are held to these values
+_ROUTING_KEYS = ("expert_weights_norm", "expert_weights_scale", "expert_gating_func")
+_SOFTMAX = 1  # llama.cpp's expert_gating_func of a softmax router
+# Qwen's mixtures as llama.cpp builds them: experts on every layer
+_EVERY_LAYER_SPARSE = {"hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 @dataclass(frozen=True)
 class _Architecture:
     """How llama.cpp writes one architecture: its transformers class, the config fields beyond the common
@@ -74,12 +108,30 @@ class _Architecture:
     names: list[tuple[str, str]]
     permuted_qk: bool = False  # Llama's q/k rows reordered for llama.cpp's rope
     norms_plus_one: bool = False  # Gemma's norm weights stored as 1 + w
+    normalized_experts: bool | None = None  # a mixture of experts: whether llama.cpp renormalizes the chosen
+
+
+# a `llama` file with experts (`llama.expert_count`): Mixtral, as llama.cpp's converter writes it
+_MIXTRAL = _Architecture(
+    "MixtralForCausalLM", {"hidden_act": "silu"},
+    {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    [*_LLAMA_NORMS, *_MIXTRAL_EXPERTS], permuted_qk=True, normalized_experts=True,
+)  # fmt: skip
 
 
 _ARCHITECTURES = {
     "llama": _Architecture("LlamaForCausalLM", {"hidden_act": "silu"}, {}, _LLAMA_NORMS, permuted_qk=True),
     "qwen2": _Architecture("Qwen2ForCausalLM", {"hidden_act": "silu"}, {}, _LLAMA_NORMS),
     "qwen3": _Architecture("Qwen3ForCausalLM", {"hidden_act": "silu"}, {}, [*_LLAMA_NORMS, *_QK_NORMS]),
+    "qwen2moe": _Architecture(
+        "Qwen2MoeForCausalLM", {**_EVERY_LAYER_SPARSE, "norm_topk_prob": False},
+        _EXPERT_KEYS | {"expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+        [*_LLAMA_NORMS, *_QWEN_EXPERTS, *_QWEN2_SHARED_EXPERT], normalized_experts=False,
+    ),
+    "qwen3moe": _Architecture(
+        "Qwen3MoeForCausalLM", {**_EVERY_LAYER_SPARSE, "norm_topk_prob": True},
+        _EXPERT_KEYS, [*_LLAMA_NORMS, *_QK_NORMS, *_QWEN_EXPERTS], normalized_experts=True,
+    ),
     "gemma3": _Architecture(
         "Gemma3ForCausalLM", {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
         {"attention.sliding_window": "sliding_window"},
@@ -133,12 +185,14 @@ def _reader(path: Path) -> Any:
         raise ModelFolderError(f"{path}: not a GGUF file gguf can read ({type(exc).__name__}: {exc})") from None
 
 
-def _float32(path: Path, tensor: Any) -> np.ndarray:
-    """A tensor of the file as float32, whatever block type the `gguf` package knows."""
+def _float32(path: Path, tensor: Any, index: int | None = None) -> np.ndarray:
+    """A tensor of the file as float32, whatever block type the `gguf` package knows; `index`: only that
+    slice of its outermost axis (one of stacked experts: the others are not read)."""
     import gguf
 
+    data = tensor.data if index is None else tensor.data[index]
     try:
-        return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        return np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), np.float32)
     except (ValueError, NotImplementedError) as exc:
         raise ModelFolderError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) cannot be read "
                                f"({exc})") from None  # fmt: skip
@@ -161,11 +215,14 @@ class GgufModel:
             raise ModelFolderError(f"{path}: a GGUF {arch!r} model; Quiver reads GGUF files of {known} (or export the "
                                    "model's transformers folder)")  # fmt: skip
         self.arch = _ARCHITECTURES[arch]
+        if arch == "llama" and _value(self._reader, "llama.expert_count", 0):
+            self.arch = _MIXTRAL
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.config = read_config_fields(self._config(arch), path)
         if ROPE_FREQS in self._tensors:  # Llama 3's rope scaling, as llama.cpp's converter writes it
             self.config = with_frequency_divisors(self.config, self._rope_divisors(), path)
         self._names: dict[str, str] = {}
+        self._expert: dict[str, int] = {}  # an expert's name -> its place in the stacked tensor it is read from
         for name in self._tensors:
             if name == ROPE_FREQS:
                 continue
@@ -174,7 +231,17 @@ class GgufModel:
             if hf is None:
                 raise ModelFolderError(f"{path}: tensor {name!r} has no place in Quiver's {self.config.architecture}; "
                                        "the text would differ")  # fmt: skip
-            self._names[hf] = name
+            if "{e}" not in hf:
+                self._names[hf] = name
+                continue
+            shape = self._tensors[name].shape  # GGUF lists the innermost first: the experts last
+            experts = self.config.moe.experts if self.config.moe is not None else None
+            if len(shape) != 3 or int(shape[-1]) != experts:
+                raise ModelFolderError(f"{path}: tensor {name!r} has shape {list(reversed(shape))}, not {experts} "
+                                       "stacked experts")  # fmt: skip
+            for e in range(experts):
+                self._names[hf.format(e=e)] = name
+                self._expert[hf.format(e=e)] = e
         self._read: set[str] = set()
 
     def _config(self, arch: str) -> dict[str, Any]:
@@ -187,6 +254,9 @@ class GgufModel:
             short = key[len(prefix) :]
             if short == "rope.dimension_count":
                 continue  # checked below against the head size
+            if short in _ROUTING_KEYS and self.arch.normalized_experts is not None:
+                self._check_routing(key, short)
+                continue
             if short not in keys:
                 raise ModelFolderError(f"{self.path}: GGUF metadata {key!r} is not supported by Quiver; the text "
                                        "would differ from the model's")  # fmt: skip
@@ -194,6 +264,8 @@ class GgufModel:
         values = raw.pop("_value_length", None)
         if values is not None and values != raw.get("head_dim"):
             raise ModelFolderError(f"{self.path}: values of {values} dimensions beside keys of {raw.get('head_dim')}")
+        if self.arch.family == "Qwen2MoeForCausalLM":  # llama.cpp adds q, k and v biases where the file has them
+            raw["qkv_bias"] = "blk.0.attn_q.bias" in self._tensors
         if self.arch.family == "Gemma3ForCausalLM":  # llama.cpp scales Gemma 3's queries by the head size
             raw["query_pre_attn_scalar"] = raw.get("head_dim")
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
@@ -211,6 +283,18 @@ class GgufModel:
                 raw[key] = int(value)
         return raw
 
+    def _check_routing(self, key: str, short: str) -> None:
+        """A routing key of a mixture of experts: llama.cpp routes each architecture one way (a softmax, the
+        chosen weights renormalized or not, unscaled), so a file saying otherwise has no one meaning."""
+        value = _value(self._reader, key)
+        expected: Any = {"expert_weights_norm": self.arch.normalized_experts, "expert_gating_func": _SOFTMAX}.get(short)
+        if short == "expert_weights_scale":
+            if float(value) not in (0.0, 1.0):  # 0: unset, as llama.cpp reads it
+                raise ModelFolderError(f"{self.path}: GGUF {key} = {value}: scaled expert weights are not supported")
+        elif value != expected:
+            raise ModelFolderError(f"{self.path}: GGUF {key} = {value}, where llama.cpp routes a {self.arch.family} "
+                                   f"with {expected}: the text would differ from one of them")  # fmt: skip
+
     def _rope_divisors(self) -> tuple[float, ...]:
         tensor = self._tensors[ROPE_FREQS]
         if len(tensor.shape) != 1 or int(tensor.shape[0]) > 1 << 16:
@@ -226,11 +310,16 @@ class GgufModel:
             raise ModelFolderError(f"{self.path}: the GGUF file has no tensor for {name!r}")
         self._read.add(name)
         shape = [int(d) for d in reversed(self._tensors[source].shape)]  # GGUF lists the innermost first
-        return Deferred(shape, np.float32, lambda: self._dequantized(source, shape))
+        expert = self._expert.get(name)
+        if expert is not None:  # one of a stacked tensor's experts
+            shape = shape[1:]
+        elif name.endswith("shared_expert_gate.weight") and len(shape) == 1:  # a row, whether stored 1-d or 2-d
+            shape = [1, *shape]
+        return Deferred(shape, np.float32, lambda: self._dequantized(source, shape, expert))
 
-    def _dequantized(self, source: str, shape: list[int]) -> np.ndarray:
+    def _dequantized(self, source: str, shape: list[int], expert: int | None = None) -> np.ndarray:
         tensor = self._tensors[source]
-        values = _float32(self.path, tensor)
+        values = _float32(self.path, tensor, expert)
         if values.size != int(np.prod(shape, dtype=np.int64)):
             raise ModelFolderError(f"{self.path}: tensor {source!r} holds {values.size} values, not {shape}")
         values = values.reshape(shape)
