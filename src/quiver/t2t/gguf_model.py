@@ -289,7 +289,7 @@ class GgufModel:
         value = _value(self._reader, key)
         expected: Any = {"expert_weights_norm": self.arch.normalized_experts, "expert_gating_func": _SOFTMAX}.get(short)
         if short == "expert_weights_scale":
-            if float(value) not in (0.0, 1.0):  # 0: unset, as llama.cpp reads it
+            if not isinstance(value, (int, float)) or value not in (0.0, 1.0):  # 0: unset, as llama.cpp reads it
                 raise ModelFolderError(f"{self.path}: GGUF {key} = {value}: scaled expert weights are not supported")
         elif value != expected:
             raise ModelFolderError(f"{self.path}: GGUF {key} = {value}, where llama.cpp routes a {self.arch.family} "
