@@ -330,9 +330,10 @@ GGUF_CASES = {
 TRANSFORMERS_MISREADS = {
     "llama_rope_llama3": "drops the rope_freqs tensor llama.cpp's converter writes Llama 3's rope scaling as",
     "qwen3": "ignores qwen3.attention.key_length: the head size is Qwen3Config's default, 128 (the real Qwen3's)",
-    "qwen3_moe": "ignores qwen3moe.expert_feed_forward_length and attention.key_length (Qwen3MoeConfig's defaults)",
-    "qwen2_moe": "ignores qwen2moe.expert_feed_forward_length (Qwen2MoeConfig's default)",
-    "mixtral": "reads a llama file with experts as a Llama without them",
+    # checked with transformers 5.23: the two Qwen loads stop at experts of the config's default sizes
+    "qwen3_moe": "ignores qwen3moe.expert_feed_forward_length: experts of Qwen3MoeConfig's default, 768 rows",
+    "qwen2_moe": "ignores qwen2moe.expert_feed_forward_length and expert_shared_feed_forward_length (1408, 5632)",
+    "mixtral": "reads a llama file with experts as a Llama without them (its MLPs left random)",
 }
 _EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
