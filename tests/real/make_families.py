@@ -143,7 +143,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
             "sliding_window": WINDOW,
             "layer_types": ALTERNATING,
-            "query_pre_attn_scalar": 24,
+            "query_pre_attn_scalar": 16,  # the head size, as Gemma 2's 2B and 9B have it (its GGUF case's too)
         },
     ),
     "gemma3": (
@@ -325,7 +325,7 @@ def _gemma3_270m(out: Path) -> dict[str, Any]:
 # gets wrong (held to the case's own greedy tokens by Quiver's test only)
 GGUF_CASES = {
     "qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "llama_rope_llama3": "llama",
-    "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+    "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gemma": "gemma", "gemma2": "gemma2",
 }  # fmt: skip
 TRANSFORMERS_MISREADS = {
     "llama_rope_llama3": "drops the rope_freqs tensor llama.cpp's converter writes Llama 3's rope scaling as",
@@ -334,6 +334,9 @@ TRANSFORMERS_MISREADS = {
     "qwen3_moe": "ignores qwen3moe.expert_feed_forward_length: experts of Qwen3MoeConfig's default, 768 rows",
     "qwen2_moe": "ignores qwen2moe.expert_feed_forward_length and expert_shared_feed_forward_length (1408, 5632)",
     "mixtral": "reads a llama file with experts as a Llama without them (its MLPs left random)",
+    "gemma": "has no reader for gemma files",
+    # checked with transformers 5.23 (its greedy tokens on this tiny case come out the same all the same)
+    "gemma2": "reads query_pre_attn_scalar as Gemma2Config's default, 256, where llama.cpp takes the head size, 16",
 }
 _EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
@@ -355,6 +358,8 @@ def _gguf_tensors(path: Path, arch: str, config: dict[str, Any]) -> dict[str, np
             experts.setdefault(f"{expert[1]}.{expert[3]}", {})[int(expert[2])] = array
             continue
         gg = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if arch.startswith("gemma") and name.endswith("norm.weight"):  # Gemma's converter stores 1 + w
+            array = array + 1
         if arch == "llama" and gg.endswith(("attn_q.weight", "attn_k.weight")):  # llama.cpp's own reordering
             n = config["num_attention_heads"] if "attn_q" in gg else config["num_key_value_heads"]
             array = array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
@@ -416,6 +421,11 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "gemma2":  # as llama.cpp's converter writes Gemma 2's
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+        assert config["query_pre_attn_scalar"] == config["head_dim"], "llama.cpp scales by the head size"
     rope = config["rope_parameters"]
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(config["head_dim"], rope))

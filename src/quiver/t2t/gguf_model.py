@@ -13,7 +13,10 @@ divisors (`rope_freqs`), divides the rope's frequencies as llama.cpp does. Mixtu
 (`blk.N.ffn_gate_exps` [experts, rows, columns]); each expert is read as transformers names it, its own slice
 dequantized alone. Their routing is what llama.cpp computes for the architecture (Qwen2-MoE's weights as the
 softmax gives them, Qwen3-MoE's and Mixtral's renormalized over the chosen experts), whatever config the file
-came from. What this does not cover is refused in one line: other architectures, SentencePiece vocabularies,
+came from. Gemma's files (`gemma`, `gemma2`, `gemma3`) hold their norms as 1 + w and their SentencePiece
+vocabulary; their queries are scaled as llama.cpp scales them (the 27B models' by hidden / heads, the others'
+by the head size), and Gemma 2's soft-caps and window are llama.cpp's defaults where the file has none.
+What this does not cover is refused in one line: other architectures, other SentencePiece vocabularies,
 pre-tokenizers not listed, routers other than a softmax.
 """
 
@@ -88,6 +91,13 @@ _MIXTRAL_EXPERTS = [
     *((rf"blk\.(\d+)\.ffn_{p}\.(\d+)\.weight", rf"model.layers.\1.block_sparse_moe.experts.\2.{w}.weight")
       for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))),
 ]  # fmt: skip
+_GEMMA_MLP = {"hidden_activation": "gelu_pytorch_tanh"}  # llama.cpp's GELU is the tanh approximation
+# Gemma 2 and 3: norms after attention and after the MLP, and the one before the MLP named for it
+_GEMMA_NORMS = [
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
+]
 _EXPERT_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
                 "expert_feed_forward_length": "moe_intermediate_size"}  # fmt: skip
 # what llama.cpp routes with, fixed by the architecture: a file's own keys for it are held to these values
@@ -132,16 +142,24 @@ _ARCHITECTURES = {
         "Qwen3MoeForCausalLM", {**_EVERY_LAYER_SPARSE, "norm_topk_prob": True},
         _EXPERT_KEYS, [*_LLAMA_NORMS, *_QK_NORMS, *_QWEN_EXPERTS], normalized_experts=True,
     ),
+    "gemma": _Architecture("GemmaForCausalLM", _GEMMA_MLP, {}, _LLAMA_NORMS, norms_plus_one=True),
+    "gemma2": _Architecture(
+        # llama.cpp's defaults where a file leaves them out (Gemma 2's own)
+        "Gemma2ForCausalLM",
+        {**_GEMMA_MLP, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
+        {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+         "final_logit_softcapping": "final_logit_softcapping"},
+        _GEMMA_NORMS, norms_plus_one=True,
+    ),
     "gemma3": _Architecture(
-        "Gemma3ForCausalLM", {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
-        {"attention.sliding_window": "sliding_window"},
-        [(r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
-         (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-         (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
-         *_QK_NORMS],
-        norms_plus_one=True,
+        "Gemma3ForCausalLM", {**_GEMMA_MLP, "rope_local_base_freq": 10000.0},
+        {"attention.sliding_window": "sliding_window", "final_logit_softcapping": "final_logit_softcapping"},
+        [*_GEMMA_NORMS, *_QK_NORMS], norms_plus_one=True,
     ),
 }  # fmt: skip
+# llama.cpp scales Gemma 2's and 3's queries by 1 / sqrt(head size), but their 27B models' (told apart by the
+# layer count, as llama.cpp tells them) by 1 / sqrt(hidden / heads), as Google's reference code does
+_GEMMA_27B_LAYERS = {"Gemma2ForCausalLM": 46, "Gemma3ForCausalLM": 62}
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied in turn, each piece split again by the next
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -160,6 +178,7 @@ PRE_TOKENIZERS = {
     "llama3": [_LLAMA3],
     "qwen2": [_QWEN2],  # Qwen2's, Qwen2.5's and Qwen3's files
 }
+_GEMMA_FAMILIES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma's SentencePiece vocabulary
 _CONTROL = 3  # llama.cpp's token type of special tokens (`<|im_start|>`)
 _USER_DEFINED = 4  # added tokens matched whole but not special (`<think>`)
 
@@ -266,17 +285,18 @@ class GgufModel:
             raise ModelFolderError(f"{self.path}: values of {values} dimensions beside keys of {raw.get('head_dim')}")
         if self.arch.family == "Qwen2MoeForCausalLM":  # llama.cpp adds q, k and v biases where the file has them
             raw["qkv_bias"] = "blk.0.attn_q.bias" in self._tensors
-        if self.arch.family == "Gemma3ForCausalLM":  # llama.cpp scales Gemma 3's queries by the head size
-            raw["query_pre_attn_scalar"] = raw.get("head_dim")
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         if "vocab_size" not in raw and tokens is not None:
             raw["vocab_size"] = len(tokens.data)
         raw["tie_word_embeddings"] = "output.weight" not in self._tensors
         heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
-        rotary = _value(self._reader, f"{prefix}rope.dimension_count")
-        if rotary is not None and isinstance(heads, int) and isinstance(hidden, int) and heads:
-            if rotary != raw.get("head_dim", hidden // heads):
+        if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:  # else the config's check refuses it
+            rotary = _value(self._reader, f"{prefix}rope.dimension_count")
+            if rotary is not None and rotary != raw.get("head_dim", hidden // heads):
                 raise ModelFolderError(f"{self.path}: partial rotary ({rotary} dimensions) in GGUF is not supported")
+            if self.arch.family in _GEMMA_27B_LAYERS:
+                is_27b = raw.get("num_hidden_layers") == _GEMMA_27B_LAYERS[self.arch.family]
+                raw["query_pre_attn_scalar"] = hidden // heads if is_27b else raw.get("head_dim", hidden // heads)
         for token, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
             value = _value(self._reader, f"tokenizer.ggml.{token}_token_id")
             if value is not None:
@@ -394,7 +414,7 @@ class GgufModel:
         tokenizer: Tokenizer
         if kind == "gpt2":
             tokenizer = self._byte_level(tokens)
-        elif kind == "llama" and self.arch.family == "Gemma3ForCausalLM":
+        elif kind == "llama" and self.arch.family in _GEMMA_FAMILIES:
             tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]  # spaces as "▁"
             unknown = ids["unknown"]
             tokenizer = _gemma_sentencepiece(tokens, tokens[int(unknown)] if unknown is not None else None)
