@@ -54,8 +54,6 @@ def test_gemma2_soft_caps_and_window_are_llama_cpps_defaults_unless_the_file_has
     default = GgufModel(_metadata_only(tmp_path / "default.gguf", "gemma2", 26)).config
     assert (default.softcap, default.final_softcap) == (50.0, 30.0)
     assert [kind.window for kind in default.layer_kinds[:4]] == [4096, None, 4096, None]  # even layers slide
-    own = _metadata_only(
-        tmp_path / "own.gguf", "gemma2", 26, attn_logit_softcapping=20.0, final_logit_softcapping=10.0
-    )
+    own = _metadata_only(tmp_path / "own.gguf", "gemma2", 26, attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
     config = GgufModel(own).config
     assert (config.softcap, config.final_softcap) == (20.0, 10.0)
