@@ -17,6 +17,7 @@ from quiver.errors import QuiverError
 from quiver.serve.chat import find_chat_template
 from quiver.t2t.dialog import Dialog
 from quiver.t2t.export import ExportOptions, export
+from quiver.t2t.gguf_model import GgufModel
 from quiver.t2t.quantizers import HEAD_WEIGHT, SHORTLIST_SIZE
 from tests.support.cli import assert_one_line_error, quiver
 from tests.support.greedy import dialog_greedy, next_token_logits
@@ -77,6 +78,27 @@ def test_the_files_tokenizer_splits_digits_as_llama_cpp_does_and_its_chat_templa
     assert template is not None
     rendered = template.render([{"role": "user", "content": "Hi"}])
     assert rendered.startswith("<|im_start|>") and rendered.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_and_llama_cpp_do(
+    real_families: Path, tmp_path: Path
+) -> None:
+    """Llama 2's kind of vocabulary (`tokenizer.ggml.model` llama: pieces and scores, no merges), trained by
+    sentencepiece and written as llama.cpp's converter writes it (tests/real/make_families.py): sentencepiece's
+    own ids for each string, the text back from them, BOS first where the file asks, and after a special
+    token the space prefix again (llama.cpp's rule: the next text is tokenized as if it began the input)."""
+    from tokenizers import Tokenizer
+
+    case = json.loads((real_families / "spm.json").read_text())
+    GgufModel(real_families / case["gguf"]).write_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text, ids in zip(case["strings"], case["ids"]):
+        assert tokenizer.encode(text, add_special_tokens=False).ids == ids, text
+        assert tokenizer.decode(ids) == text
+    first, *rest = case["ids"]
+    assert tokenizer.encode(case["strings"][0]).ids == [case["bos_id"], *first]
+    joined = case["strings"][0] + case["control"] + case["strings"][4]
+    assert tokenizer.encode(joined, add_special_tokens=False).ids == [*first, case["control_id"], *case["ids"][4]]
 
 
 def _gguf(path: Path, arch: str, extra: dict[str, int] | None = None) -> Path:

@@ -438,6 +438,75 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
     return path
 
 
+# strings the SentencePiece case is tokenized on: spaces (leading, doubled), digits, accents, bytes outside
+# the vocabulary (an emoji, CJK, a line break), an empty string
+SPM_STRINGS = ["Hello world", "  two  spaces ", "Café 2024 👋 中文", "line\nbreak", "The capital of France is", ""]
+
+
+def _sentencepiece_case(out: Path) -> dict[str, Any]:
+    """A SentencePiece BPE vocabulary trained here as Llama 2's was made (no normalization, spaces kept, a
+    dummy prefix, bytes as a fallback, a control token), written into a `llama` GGUF file of metadata only as
+    llama.cpp's converter writes one (`_set_vocab_sentencepiece`: pieces, scores, token types), beside
+    sentencepiece's own ids for SPM_STRINGS."""
+    import codecs
+    import contextlib
+    import io
+
+    import gguf
+    import sentencepiece as spm
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # the Zen of Python: text to train on that every interpreter holds
+    lines = codecs.decode(this.s, "rot13").splitlines() + [
+        "def fibonacci(n):", "    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+        "The capital of France is Paris, and 2024 was a leap year.", "Café, naïve, résumé: déjà vu.",
+    ]  # fmt: skip
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines * 4), model_writer=proto, model_type="bpe", vocab_size=500, byte_fallback=True,
+        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=True, control_symbols=["<|end|>"], num_threads=1, unk_id=0, bos_id=1, eos_id=2,
+        minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    types = gguf.TokenType
+    tokens, scores, kinds = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i).encode())
+        scores.append(sp.get_score(i))
+        kind = types.UNKNOWN if sp.is_unknown(i) else types.CONTROL if sp.is_control(i) else types.NORMAL
+        kinds.append(types.BYTE if sp.is_byte(i) else types.UNUSED if sp.is_unused(i) else kind)
+    writer = gguf.GGUFWriter(str(out / "spm.gguf"), "llama")
+    for add, value in (
+        (writer.add_block_count, 1),
+        (writer.add_context_length, 64),
+        (writer.add_embedding_length, 16),
+        (writer.add_feed_forward_length, 32),
+        (writer.add_head_count, 2),
+        (writer.add_head_count_kv, 2),
+    ):
+        add(value)  # fmt: skip
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(kinds)
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {
+        "gguf": "spm.gguf", "strings": SPM_STRINGS, "ids": [sp.encode(t) for t in SPM_STRINGS],
+        "control": "<|end|>", "control_id": sp.piece_to_id("<|end|>"), "bos_id": sp.bos_id(),
+    }  # fmt: skip
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -465,6 +534,7 @@ def main() -> None:
         print(case, "gguf", "ok" if expected[case]["gguf"] else "differs in transformers", file=sys.stderr)
     (out / "expected.json").write_text(json.dumps(expected, indent=1))
     (out / "gemma3_270m.json").write_text(json.dumps(_gemma3_270m(out)))
+    (out / "spm.json").write_text(json.dumps(_sentencepiece_case(out)))
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     (out / "versions.json").write_text(json.dumps(versions))
 

@@ -16,8 +16,9 @@ softmax gives them, Qwen3-MoE's and Mixtral's renormalized over the chosen exper
 came from. Gemma's files (`gemma`, `gemma2`, `gemma3`) hold their norms as 1 + w and their SentencePiece
 vocabulary; their queries are scaled as llama.cpp scales them (the 27B models' by hidden / heads, the others'
 by the head size), and Gemma 2's soft-caps and window are llama.cpp's defaults where the file has none.
-What this does not cover is refused in one line: other architectures, other SentencePiece vocabularies,
-pre-tokenizers not listed, routers other than a softmax.
+SentencePiece vocabularies (`tokenizer.ggml.model` llama: Llama 2's, Mistral 7B's) are BPE joined by the
+pieces' scores, as llama.cpp tokenizes them. What this does not cover is refused in one line: other
+architectures, pre-tokenizers not listed, routers other than a softmax.
 """
 
 from __future__ import annotations
@@ -418,6 +419,16 @@ class GgufModel:
             tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]  # spaces as "▁"
             unknown = ids["unknown"]
             tokenizer = _gemma_sentencepiece(tokens, tokens[int(unknown)] if unknown is not None else None)
+        elif kind == "llama":  # Llama 2's, Mistral 7B's, TinyLlama's: SentencePiece's BPE by its scores
+            scores = [float(s) for s in _value(self._reader, "tokenizer.ggml.scores", [])]
+            if len(scores) != len(tokens):
+                raise ModelFolderError(f"{self.path}: the GGUF tokenizer has {len(tokens)} tokens and {len(scores)} "
+                                       "scores")  # fmt: skip
+            unknown = ids["unknown"]
+            prefix = bool(_value(self._reader, "tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default
+            tokenizer = _llama_sentencepiece(
+                tokens, scores, tokens[int(unknown)] if unknown is not None else None, prefix
+            )
         else:
             raise ModelFolderError(f"{self.path}: a {kind!r} tokenizer in a GGUF {self.arch.family} is not supported "
                                    "yet; export the model's transformers folder")  # fmt: skip
@@ -504,4 +515,41 @@ def _gemma_sentencepiece(tokens: list[str], unknown: str | None) -> Any:
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )  # fmt: skip
+    return tokenizer
+
+
+def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary's merges, which llama.cpp's files do not list: every split of a token into
+    two tokens, ranked by the merged token's score (SentencePiece's BPE joins the adjacent pair whose join
+    scores highest, as llama.cpp's tokenizer does), a token's own splits by their parts' scores (transformers'
+    GGUF reader ranks them the same way)."""
+    score = dict(zip(tokens, scores))
+    found: list[tuple[str, str, float]] = []
+    for merged, merged_score in score.items():
+        local = [(merged[:cut], merged[cut:]) for cut in range(1, len(merged))]
+        local = [pair for pair in local if pair[0] in score and pair[1] in score]
+        local.sort(key=lambda pair: (score[pair[0]], score[pair[1]]), reverse=True)
+        found += [(left, right, merged_score) for left, right in local]
+    found.sort(key=lambda m: m[2], reverse=True)  # stable: a token's splits keep their order
+    return [(left, right) for left, right, _ in found]
+
+
+def _llama_sentencepiece(tokens: list[str], scores: list[float], unknown: str | None, space_prefix: bool) -> Any:
+    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` llama) as llama.cpp tokenizes with it: spaces
+    as "▁", one before the text and after each special token where the file asks (`add_space_prefix`, on by
+    default), pieces joined by score, bytes as a fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    model = models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores), unk_token=unknown, fuse_unk=True,
+                       byte_fallback=True)  # fmt: skip
+    tokenizer = Tokenizer(model)
+    # a normalizer runs on each stretch of text between special tokens: the prefix comes after each of them,
+    # as llama.cpp adds it after each special token (a pre-tokenizer's "first" scheme would not)
+    spaces = normalizers.Replace(" ", "\u2581")
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if space_prefix else spaces
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
     return tokenizer
