@@ -326,6 +326,7 @@ def _gemma3_270m(out: Path) -> dict[str, Any]:
 GGUF_CASES = {
     "qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "llama_rope_llama3": "llama",
     "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gemma": "gemma", "gemma2": "gemma2",
+    "phi3": "phi3", "phi4_mini": "phi3",
 }  # fmt: skip
 TRANSFORMERS_MISREADS = {
     "llama_rope_llama3": "drops the rope_freqs tensor llama.cpp's converter writes Llama 3's rope scaling as",
@@ -335,6 +336,7 @@ TRANSFORMERS_MISREADS = {
     "qwen2_moe": "ignores qwen2moe.expert_feed_forward_length and expert_shared_feed_forward_length (1408, 5632)",
     "mixtral": "reads a llama file with experts as a Llama without them (its MLPs left random)",
     "gemma": "has no reader for gemma files",
+    "phi4_mini": "ignores phi3.rope.dimension_count: it rotates every dimension, where Phi-4-mini rotates 3/4",
     # checked with transformers 5.23 (its greedy tokens on this tiny case come out the same all the same)
     "gemma2": "reads query_pre_attn_scalar as Gemma2Config's default, 256, where llama.cpp takes the head size, 16",
 }
@@ -402,8 +404,9 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    if config.get("head_dim"):  # Phi-3's converter writes none
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
@@ -413,6 +416,7 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
     writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    rope = config["rope_parameters"]
     experts = config.get("num_local_experts", config.get("num_experts"))
     if experts:  # as llama.cpp's converter writes a mixture's sizes
         writer.add_expert_count(experts)
@@ -421,12 +425,16 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "phi3":  # as llama.cpp's converter writes Phi-3's
+        rotary = int(rope.get("partial_rotary_factor", 1.0) * config["hidden_size"]) // heads
+        writer.add_rope_dimension_count(rotary)
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        writer.add_sliding_window(config.get("sliding_window") or 0)  # 0: none
     if arch == "gemma2":  # as llama.cpp's converter writes Gemma 2's
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
         writer.add_sliding_window(config["sliding_window"])
         assert config["query_pre_attn_scalar"] == config["head_dim"], "llama.cpp scales by the head size"
-    rope = config["rope_parameters"]
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(config["head_dim"], rope))
     for gg, array in _gguf_tensors(out / case / "model.safetensors", arch, config).items():

@@ -16,6 +16,10 @@ softmax gives them, Qwen3-MoE's and Mixtral's renormalized over the chosen exper
 came from. Gemma's files (`gemma`, `gemma2`, `gemma3`) hold their norms as 1 + w and their SentencePiece
 vocabulary; their queries are scaled as llama.cpp scales them (the 27B models' by hidden / heads, the others'
 by the head size), and Gemma 2's soft-caps and window are llama.cpp's defaults where the file has none.
+Phi-3's files (`phi3`) keep q/k/v and gate/up fused as transformers does, Phi-4-mini's partial rotary
+from `rope.dimension_count`; their sliding window is the model's (transformers applies it; llama.cpp turns
+Phi-3's off, so past the window the two differ: Quiver keeps the model's), and longrope's factor tensors
+(Phi-3.5's, Phi-4-mini's) are not read yet (refused).
 SentencePiece vocabularies (`tokenizer.ggml.model` llama: Llama 2's, Mistral 7B's) are BPE joined by the
 pieces' scores, as llama.cpp tokenizes them. What this does not cover is refused in one line: other
 architectures, pre-tokenizers not listed, routers other than a softmax.
@@ -143,6 +147,13 @@ _ARCHITECTURES = {
         "Qwen3MoeForCausalLM", {**_EVERY_LAYER_SPARSE, "norm_topk_prob": True},
         _EXPERT_KEYS, [*_LLAMA_NORMS, *_QK_NORMS, *_QWEN_EXPERTS], normalized_experts=True,
     ),
+    "phi3": _Architecture(
+        "Phi3ForCausalLM", {"hidden_act": "silu"},
+        {"rope.scaling.original_context_length": "original_max_position_embeddings",
+         "attention.sliding_window": "sliding_window"},
+        [(r"blk\.(\d+)\.attn_qkv\.(weight|bias)", r"model.layers.\1.self_attn.qkv_proj.\2"),
+         (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"), *_LLAMA_NORMS],
+    ),
     "gemma": _Architecture("GemmaForCausalLM", _GEMMA_MLP, {}, _LLAMA_NORMS, norms_plus_one=True),
     "gemma2": _Architecture(
         # llama.cpp's defaults where a file leaves them out (Gemma 2's own)
@@ -246,7 +257,7 @@ class GgufModel:
         for name in self._tensors:
             if name == ROPE_FREQS:
                 continue
-            names = [*_COMMON_NAMES, *self.arch.names]
+            names = [*self.arch.names, *_COMMON_NAMES]  # an architecture's own first (Phi-3's fused ffn_up)
             hf = next((re.sub(f"^{p}$", r, name) for p, r in names if re.fullmatch(p, name)), None)
             if hf is None:
                 raise ModelFolderError(f"{path}: tensor {name!r} has no place in Quiver's {self.config.architecture}; "
@@ -284,6 +295,8 @@ class GgufModel:
         values = raw.pop("_value_length", None)
         if values is not None and values != raw.get("head_dim"):
             raise ModelFolderError(f"{self.path}: values of {values} dimensions beside keys of {raw.get('head_dim')}")
+        if self.arch.family == "Phi3ForCausalLM" and raw.get("sliding_window") == 0:  # Phi-4's files: no window
+            raw["sliding_window"] = None
         if self.arch.family == "Qwen2MoeForCausalLM":  # llama.cpp adds q, k and v biases where the file has them
             raw["qkv_bias"] = "blk.0.attn_q.bias" in self._tensors
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
@@ -292,9 +305,12 @@ class GgufModel:
         raw["tie_word_embeddings"] = "output.weight" not in self._tensors
         heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
         if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:  # else the config's check refuses it
-            rotary = _value(self._reader, f"{prefix}rope.dimension_count")
-            if rotary is not None and rotary != raw.get("head_dim", hidden // heads):
-                raise ModelFolderError(f"{self.path}: partial rotary ({rotary} dimensions) in GGUF is not supported")
+            rotary, head = _value(self._reader, f"{prefix}rope.dimension_count"), raw.get("head_dim", hidden // heads)
+            if rotary is not None and rotary != head:
+                if self.arch.family != "Phi3ForCausalLM" or not isinstance(rotary, int):
+                    raise ModelFolderError(f"{self.path}: partial rotary ({rotary} dimensions) in GGUF is not "
+                                           "supported")  # fmt: skip
+                raw["partial_rotary_factor"] = rotary / head  # Phi-4-mini's: the config's check takes it from here
             if self.arch.family in _GEMMA_27B_LAYERS:
                 is_27b = raw.get("num_hidden_layers") == _GEMMA_27B_LAYERS[self.arch.family]
                 raw["query_pre_attn_scalar"] = hidden // heads if is_27b else raw.get("head_dim", hidden // heads)
