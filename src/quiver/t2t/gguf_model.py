@@ -436,14 +436,14 @@ class GgufModel:
             unknown = ids["unknown"]
             tokenizer = _gemma_sentencepiece(tokens, tokens[int(unknown)] if unknown is not None else None)
         elif kind == "llama":  # Llama 2's, Mistral 7B's, TinyLlama's: SentencePiece's BPE by its scores
-            scores = [float(s) for s in _value(self._reader, "tokenizer.ggml.scores", [])]
-            if len(scores) != len(tokens):
+            scores = list(_value(self._reader, "tokenizer.ggml.scores", []))
+            if len(scores) != len(tokens) or not all(isinstance(s, (int, float)) for s in scores):
                 raise ModelFolderError(f"{self.path}: the GGUF tokenizer has {len(tokens)} tokens and {len(scores)} "
-                                       "scores")  # fmt: skip
+                                       "scores, not a number for each")  # fmt: skip
             unknown = ids["unknown"]
             prefix = bool(_value(self._reader, "tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default
             tokenizer = _llama_sentencepiece(
-                tokens, scores, tokens[int(unknown)] if unknown is not None else None, prefix
+                tokens, [float(s) for s in scores], tokens[int(unknown)] if unknown is not None else None, prefix
             )
         else:
             raise ModelFolderError(f"{self.path}: a {kind!r} tokenizer in a GGUF {self.arch.family} is not supported "
