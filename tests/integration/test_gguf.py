@@ -20,6 +20,7 @@ from quiver.t2t.export import ExportOptions, export
 from quiver.t2t.gguf_model import GgufModel
 from quiver.t2t.quantizers import HEAD_WEIGHT, SHORTLIST_SIZE
 from tests.support.cli import assert_one_line_error, quiver
+from tests.support.gguf_files import gguf_file
 from tests.support.greedy import dialog_greedy, next_token_logits
 from tests.support.moe import MOE, MOE_TRUSTED
 
@@ -102,17 +103,11 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_and_llama_cpp_do(
 
 
 def _gguf(path: Path, arch: str, extra: dict[str, int] | None = None) -> Path:
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    for key, value in (extra or {}).items():
-        writer.add_uint32(key, value)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf_file(path, arch) as writer:
+        writer.add_block_count(1)
+        for key, value in (extra or {}).items():
+            writer.add_uint32(key, value)
+        writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     return path
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from quiver.t2t.gguf_model import _float32
+from tests.support.gguf_files import gguf_file
 
 pytestmark = pytest.mark.unit
 
@@ -19,13 +20,9 @@ def test_one_expert_of_a_stacked_tensor_is_its_slice_of_the_whole(tmp_path: Path
     experts = np.random.default_rng(0).standard_normal((3, 8, 64)).astype(np.float32)  # [experts, rows, columns]
     kind_id = gguf.GGMLQuantizationType[kind]
     path = tmp_path / "experts.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
     stored = experts if kind == "F32" else gguf.quants.quantize(experts, kind_id)
-    writer.add_tensor("blk.0.ffn_up_exps.weight", stored, raw_dtype=None if kind == "F32" else kind_id)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf_file(path, "qwen3moe") as writer:
+        writer.add_tensor("blk.0.ffn_up_exps.weight", stored, raw_dtype=None if kind == "F32" else kind_id)
     (tensor,) = gguf.GGUFReader(str(path)).tensors
     whole = _float32(path, tensor).reshape(3, 8, 64)
     tolerance = {"F32": 0.0, "Q8_0": 0.02, "Q4_0": 0.3}[kind]
