@@ -123,6 +123,11 @@ class _Architecture:
     names: list[tuple[str, str]]
     permuted_qk: bool = False  # Llama's q/k rows reordered for llama.cpp's rope
     norms_plus_one: bool = False  # Gemma's norm weights stored as 1 + w
+    gemma_vocabulary: bool = False  # a SentencePiece vocabulary as Gemma's (no space prefix, merges by order)
+    partial_rotary: bool = False  # rope.dimension_count may rotate part of a head (Phi-4-mini's)
+    # llama.cpp scales queries by 1 / sqrt(head size), but a model of this many layers' (Gemma 2's and 3's 27B,
+    # told apart by their layer counts as llama.cpp tells them) by 1 / sqrt(hidden / heads), as Google's code does
+    wide_query_scale_layers: int | None = None
     normalized_experts: bool | None = None  # a mixture of experts: whether llama.cpp renormalizes the chosen
 
 
@@ -153,25 +158,25 @@ _ARCHITECTURES = {
          "attention.sliding_window": "sliding_window"},
         [(r"blk\.(\d+)\.attn_qkv\.(weight|bias)", r"model.layers.\1.self_attn.qkv_proj.\2"),
          (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"), *_LLAMA_NORMS],
+        partial_rotary=True,
     ),
-    "gemma": _Architecture("GemmaForCausalLM", _GEMMA_MLP, {}, _LLAMA_NORMS, norms_plus_one=True),
+    "gemma": _Architecture(
+        "GemmaForCausalLM", _GEMMA_MLP, {}, _LLAMA_NORMS, norms_plus_one=True, gemma_vocabulary=True
+    ),
     "gemma2": _Architecture(
         # llama.cpp's defaults where a file leaves them out (Gemma 2's own)
         "Gemma2ForCausalLM",
         {**_GEMMA_MLP, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
         {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
          "final_logit_softcapping": "final_logit_softcapping"},
-        _GEMMA_NORMS, norms_plus_one=True,
+        _GEMMA_NORMS, norms_plus_one=True, gemma_vocabulary=True, wide_query_scale_layers=46,
     ),
     "gemma3": _Architecture(
         "Gemma3ForCausalLM", {**_GEMMA_MLP, "rope_local_base_freq": 10000.0},
         {"attention.sliding_window": "sliding_window", "final_logit_softcapping": "final_logit_softcapping"},
-        [*_GEMMA_NORMS, *_QK_NORMS], norms_plus_one=True,
+        [*_GEMMA_NORMS, *_QK_NORMS], norms_plus_one=True, gemma_vocabulary=True, wide_query_scale_layers=62,
     ),
 }  # fmt: skip
-# llama.cpp scales Gemma 2's and 3's queries by 1 / sqrt(head size), but their 27B models' (told apart by the
-# layer count, as llama.cpp tells them) by 1 / sqrt(hidden / heads), as Google's reference code does
-_GEMMA_27B_LAYERS = {"Gemma2ForCausalLM": 46, "Gemma3ForCausalLM": 62}
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied in turn, each piece split again by the next
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -190,7 +195,6 @@ PRE_TOKENIZERS = {
     "llama3": [_LLAMA3],
     "qwen2": [_QWEN2],  # Qwen2's, Qwen2.5's and Qwen3's files
 }
-_GEMMA_FAMILIES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")  # Gemma's SentencePiece vocabulary
 _CONTROL = 3  # llama.cpp's token type of special tokens (`<|im_start|>`)
 _USER_DEFINED = 4  # added tokens matched whole but not special (`<think>`)
 
@@ -295,7 +299,7 @@ class GgufModel:
         values = raw.pop("_value_length", None)
         if values is not None and values != raw.get("head_dim"):
             raise ModelFolderError(f"{self.path}: values of {values} dimensions beside keys of {raw.get('head_dim')}")
-        if self.arch.family == "Phi3ForCausalLM" and raw.get("sliding_window") == 0:  # Phi-4's files: no window
+        if raw.get("sliding_window") == 0:  # llama.cpp's "no window" (Phi-4's files write it so)
             raw["sliding_window"] = None
         if self.arch.family == "Qwen2MoeForCausalLM":  # llama.cpp adds q, k and v biases where the file has them
             raw["qkv_bias"] = "blk.0.attn_q.bias" in self._tensors
@@ -307,13 +311,13 @@ class GgufModel:
         if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:  # else the config's check refuses it
             rotary, head = _value(self._reader, f"{prefix}rope.dimension_count"), raw.get("head_dim", hidden // heads)
             if rotary is not None and rotary != head:
-                if self.arch.family != "Phi3ForCausalLM" or not isinstance(rotary, int):
+                if not self.arch.partial_rotary or not isinstance(rotary, int):
                     raise ModelFolderError(f"{self.path}: partial rotary ({rotary} dimensions) in GGUF is not "
                                            "supported")  # fmt: skip
                 raw["partial_rotary_factor"] = rotary / head  # Phi-4-mini's: the config's check takes it from here
-            if self.arch.family in _GEMMA_27B_LAYERS:
-                is_27b = raw.get("num_hidden_layers") == _GEMMA_27B_LAYERS[self.arch.family]
-                raw["query_pre_attn_scalar"] = hidden // heads if is_27b else raw.get("head_dim", hidden // heads)
+            if self.arch.wide_query_scale_layers is not None:
+                wide = raw.get("num_hidden_layers") == self.arch.wide_query_scale_layers
+                raw["query_pre_attn_scalar"] = hidden // heads if wide else raw.get("head_dim", hidden // heads)
         for token, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
             value = _value(self._reader, f"tokenizer.ggml.{token}_token_id")
             if value is not None:
@@ -431,7 +435,7 @@ class GgufModel:
         tokenizer: Tokenizer
         if kind == "gpt2":
             tokenizer = self._byte_level(tokens)
-        elif kind == "llama" and self.arch.family in _GEMMA_FAMILIES:
+        elif kind == "llama" and self.arch.gemma_vocabulary:
             tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]  # spaces as "▁"
             unknown = ids["unknown"]
             tokenizer = _gemma_sentencepiece(tokens, tokens[int(unknown)] if unknown is not None else None)
