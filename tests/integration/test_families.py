@@ -46,6 +46,7 @@ OUTCOMES: dict[str, str] = {
     "qwen2_moe": "equal",
     "mixtral": "equal",
     "phi3": "equal",
+    "phi3_longrope": "equal",
     "phi4_mini": "equal",
     "phi2": "equal",
     "gemma": "equal",

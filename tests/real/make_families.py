@@ -127,6 +127,21 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3": ("Phi3ForCausalLM", {"head_dim": None}),
+    # Phi-3.5's and Phi-4-mini's rope: factors per rotated pair, an attention factor from the two lengths
+    "phi3_longrope": (
+        "Phi3ForCausalLM",
+        {
+            "head_dim": None,
+            "original_max_position_embeddings": 128,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                "long_factor": [2.0 + 0.3 * i for i in range(8)],
+                "original_max_position_embeddings": 128,
+            },
+        },
+    ),
     # partial rotary: ORT rotates a multiple of 16 dimensions, so these heads are wider
     "phi4_mini": (
         "Phi3ForCausalLM",
@@ -326,7 +341,7 @@ def _gemma3_270m(out: Path) -> dict[str, Any]:
 GGUF_CASES = {
     "qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "llama_rope_llama3": "llama",
     "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gemma": "gemma", "gemma2": "gemma2",
-    "phi3": "phi3", "phi4_mini": "phi3",
+    "phi3": "phi3", "phi4_mini": "phi3", "phi3_longrope": "phi3",
 }  # fmt: skip
 TRANSFORMERS_MISREADS = {
     "llama_rope_llama3": "drops the rope_freqs tensor llama.cpp's converter writes Llama 3's rope scaling as",
@@ -337,6 +352,7 @@ TRANSFORMERS_MISREADS = {
     "mixtral": "reads a llama file with experts as a Llama without them (its MLPs left random)",
     "gemma": "has no reader for gemma files",
     "phi4_mini": "ignores phi3.rope.dimension_count: it rotates every dimension, where Phi-4-mini rotates 3/4",
+    "phi3_longrope": "ignores the rope_factors_short/long tensors and rope.scaling.attn_factor: a default rope",
     # checked with transformers 5.23 (its greedy tokens on this tiny case come out the same all the same)
     "gemma2": "reads query_pre_attn_scalar as Gemma2Config's default, 256, where llama.cpp takes the head size, 16",
 }
@@ -430,6 +446,13 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
         writer.add_rope_dimension_count(rotary)
         writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
         writer.add_sliding_window(config.get("sliding_window") or 0)  # 0: none
+        if rope.get("rope_type") == "longrope":  # Phi3MiniModel's: the factors as tensors, the attention factor
+            original = config["original_max_position_embeddings"]
+            scale = config["max_position_embeddings"] / original
+            attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            writer.add_rope_scaling_attn_factors(attention)
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if arch == "gemma2":  # as llama.cpp's converter writes Gemma 2's
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])

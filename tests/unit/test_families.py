@@ -130,3 +130,22 @@ def test_rope_frequency_divisors_divide_the_default_ropes_frequencies_or_are_ref
     _edit(folder, rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ModelFolderError, match="beside a linear rope"):
         with_frequency_divisors(read_config(folder), divisors, folder)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "words"),
+    [({"rope_type": "longrope", "short_factor": ["a"] * 8, "long_factor": [1.0] * 8}, "8 positive numbers"),
+     ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "attention_factor": "x"},
+      "'attention_factor' must be a number"),
+     ({"rope_type": "yarn", "factor": 4.0, "mscale": "big", "mscale_all_dim": 1.0}, "'mscale' must be a number"),
+     ({"rope_type": "yarn", "factor": 4.0, "beta_fast": [32]}, "'beta_fast' must be a number")],
+    ids=["longrope factors", "longrope attention", "yarn mscale", "yarn beta"],
+)  # fmt: skip
+def test_a_rope_scalings_numbers_that_are_not_numbers_are_refused_in_one_line(
+    folder: Path, scaling: dict[str, Any], words: str
+) -> None:
+    _edit(folder, rope_scaling=scaling, original_max_position_embeddings=64, max_position_embeddings=256)
+    rope = next(k.rope for k in read_config(folder).layer_kinds if k.rope)
+    with pytest.raises(ModelFolderError) as refused:
+        inverse_frequencies(rope, 32, 256)
+    assert words in str(refused.value) and "\n" not in str(refused.value)

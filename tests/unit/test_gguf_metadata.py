@@ -1,8 +1,9 @@
 """A GGUF file's metadata read as llama.cpp reads it: Gemma's queries scaled by the head size, but the 27B
 models' (46 layers of Gemma 2, 62 of Gemma 3) by hidden / heads; Gemma 2's soft-caps and window llama.cpp's
 defaults where the file leaves them out, the file's own where it has them (Gemma 3's final soft-cap too);
-Phi-3's window the model's, none where the file says 0; a SentencePiece vocabulary whose scores do not match
-its pieces refused in one line."""
+Phi-3's window the model's, none where the file says 0; Phi-3.5's longrope from its factor tensors and its
+attention factor (1 where the file has none, as llama.cpp takes it), half of it refused in one line; a
+SentencePiece vocabulary whose scores do not match its pieces refused in one line."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf  # the test extras install it
+import numpy as np
 import pytest
 
 from quiver.errors import ModelFolderError
 from quiver.t2t.gguf_model import GgufModel
+from quiver.t2t.rope import rotary_tables
 from tests.support.gguf_files import gguf_file
 
 pytestmark = pytest.mark.unit
@@ -87,3 +90,53 @@ def test_sentencepiece_scores_that_do_not_match_the_pieces_are_refused_in_one_li
     with pytest.raises(ModelFolderError, match="3 tokens and") as refused:
         GgufModel(path).write_tokenizer(tmp_path / "out")
     assert "\n" not in str(refused.value)
+
+
+# Phi-3.5-mini's first and last longrope factors, spread over the 64 pairs of a 128-wide head
+_SHORT = np.linspace(1.0, 2.7, 64, dtype=np.float32)
+_LONG = np.linspace(1.08, 34.4, 64, dtype=np.float32)
+
+
+def _longrope_file(path: Path, attention: float | None, **factors: np.ndarray) -> Path:
+    """A phi3 file's metadata with longrope's factor tensors (`short`, `long`) and its `attn_factor`."""
+
+    def rope(writer: gguf.GGUFWriter) -> None:
+        writer.add_context_length(131072)
+        writer.add_rope_scaling_orig_ctx_len(4096)
+        if attention is not None:
+            writer.add_rope_scaling_attn_factors(attention)
+        for kind, values in factors.items():
+            writer.add_tensor(f"rope_factors_{kind}.weight", values)
+
+    return _metadata_only(path, "phi3", 4, rope)
+
+
+@pytest.mark.parametrize("attention", [1.1902381, None], ids=["file's", "none"])
+def test_phi3_longrope_comes_from_its_factor_tensors_with_the_files_attention_factor(
+    tmp_path: Path, attention: float | None
+) -> None:
+    path = _longrope_file(tmp_path / "m.gguf", attention, short=_SHORT, long=_LONG)
+    rope = GgufModel(path).config.layer_kinds[0].rope
+    assert rope is not None and rope.kind == "longrope"
+    cos, sin = rotary_tables(rope, 64, 131072)
+    expected = 1.0 if attention is None else attention  # llama.cpp's scale where the file has none
+    assert cos[0] == pytest.approx(np.full(64, expected, np.float32), rel=1e-6)
+    # position 1's angles are the short factors' frequencies: 1 / (factor * 10000^(2i/128))
+    angles = 1.0 / (_SHORT.astype(np.float64) * 10000.0 ** (np.arange(0, 128, 2) / 128))
+    assert sin[1] == pytest.approx(expected * np.sin(angles), rel=1e-5, abs=1e-8)
+
+
+@pytest.mark.parametrize(
+    ("factors", "attention", "words"),
+    [({"short": _SHORT}, 1.19, "without 'rope_factors_long.weight'"),
+     ({"long": _LONG}, 1.19, "without 'rope_factors_short.weight'"),
+     ({}, 1.19, "attention factor (1.19"),
+     ({"short": _SHORT, "long": _LONG[:32]}, None, "64 short and 32 long")],
+    ids=["short alone", "long alone", "attention factor alone", "lengths differ"],
+)  # fmt: skip
+def test_part_of_a_longrope_is_refused_in_one_line(
+    tmp_path: Path, factors: dict[str, np.ndarray], attention: float | None, words: str
+) -> None:
+    with pytest.raises(ModelFolderError) as refused:
+        GgufModel(_longrope_file(tmp_path / "m.gguf", attention, **factors))
+    assert words in str(refused.value) and "\n" not in str(refused.value)

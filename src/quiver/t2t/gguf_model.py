@@ -18,8 +18,8 @@ vocabulary; their queries are scaled as llama.cpp scales them (the 27B models' b
 by the head size), and Gemma 2's soft-caps and window are llama.cpp's defaults where the file has none.
 Phi-3's files (`phi3`) keep q/k/v and gate/up fused as transformers does, Phi-4-mini's partial rotary
 from `rope.dimension_count`; their sliding window is the model's (transformers applies it; llama.cpp turns
-Phi-3's off, so past the window the two differ: Quiver keeps the model's), and longrope's factor tensors
-(Phi-3.5's, Phi-4-mini's) are not read yet (refused).
+Phi-3's off, so past the window the two differ: Quiver keeps the model's), and Phi-3.5's and Phi-4-mini's
+longrope comes from its factor tensors and attention factor (1 where the file has none, as llama.cpp reads it).
 SentencePiece vocabularies (`tokenizer.ggml.model` llama: Llama 2's, Mistral 7B's) are BPE joined by the
 pieces' scores, as llama.cpp tokenizes them. What this does not cover is refused in one line: other
 architectures, pre-tokenizers not listed, routers other than a softmax.
@@ -41,6 +41,8 @@ from quiver.t2t.families import read_config_fields, with_frequency_divisors
 
 GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-pair rope divisors (Llama 3's scaling)
+# longrope's per-pair factors (Phi-3.5's, Phi-4-mini's): the short ones, then those past the original context
+LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _COMMON_KEYS = {  # llama.cpp's metadata (after `ARCH.`) -> transformers' config field
     "block_count": "num_hidden_layers",
     "embedding_length": "hidden_size",
@@ -125,6 +127,7 @@ class _Architecture:
     norms_plus_one: bool = False  # Gemma's norm weights stored as 1 + w
     gemma_vocabulary: bool = False  # a SentencePiece vocabulary as Gemma's (no space prefix, merges by order)
     partial_rotary: bool = False  # rope.dimension_count may rotate part of a head (Phi-4-mini's)
+    longrope: bool = False  # longrope's factors as tensors (LONGROPE_FACTORS), its attention factor as metadata
     # llama.cpp scales queries by 1 / sqrt(head size), but a model of this many layers' (Gemma 2's and 3's 27B,
     # told apart by their layer counts as llama.cpp tells them) by 1 / sqrt(hidden / heads), as Google's code does
     wide_query_scale_layers: int | None = None
@@ -155,10 +158,10 @@ _ARCHITECTURES = {
     "phi3": _Architecture(
         "Phi3ForCausalLM", {"hidden_act": "silu"},
         {"rope.scaling.original_context_length": "original_max_position_embeddings",
-         "attention.sliding_window": "sliding_window"},
+         "attention.sliding_window": "sliding_window", "rope.scaling.attn_factor": "_rope_attention_factor"},
         [(r"blk\.(\d+)\.attn_qkv\.(weight|bias)", r"model.layers.\1.self_attn.qkv_proj.\2"),
          (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"), *_LLAMA_NORMS],
-        partial_rotary=True,
+        partial_rotary=True, longrope=True,
     ),
     "gemma": _Architecture(
         "GemmaForCausalLM", _GEMMA_MLP, {}, _LLAMA_NORMS, norms_plus_one=True, gemma_vocabulary=True
@@ -259,8 +262,8 @@ class GgufModel:
         self._names: dict[str, str] = {}
         self._expert: dict[str, int] = {}  # an expert's name -> its place in the stacked tensor it is read from
         for name in self._tensors:
-            if name == ROPE_FREQS:
-                continue
+            if name == ROPE_FREQS or (self.arch.longrope and name in LONGROPE_FACTORS):
+                continue  # read into the config
             names = [*self.arch.names, *_COMMON_NAMES]  # an architecture's own first (Phi-3's fused ffn_up)
             hf = next((re.sub(f"^{p}$", r, name) for p, r in names if re.fullmatch(p, name)), None)
             if hf is None:
@@ -301,6 +304,11 @@ class GgufModel:
             raise ModelFolderError(f"{self.path}: values of {values} dimensions beside keys of {raw.get('head_dim')}")
         if raw.get("sliding_window") == 0:  # llama.cpp's "no window" (Phi-4's files write it so)
             raw["sliding_window"] = None
+        longrope = self._longrope(raw.pop("_rope_attention_factor", None))
+        if longrope is not None:
+            raw["rope_scaling"] = longrope
+            # llama.cpp's original context is the trained one where the file has none (its n_ctx_orig_yarn)
+            raw.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
         if self.arch.family == "Qwen2MoeForCausalLM":  # llama.cpp adds q, k and v biases where the file has them
             raw["qkv_bias"] = "blk.0.attn_q.bias" in self._tensors
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
@@ -337,12 +345,39 @@ class GgufModel:
                                    f"with {expected}: the text would differ from one of them")  # fmt: skip
 
     def _rope_divisors(self) -> tuple[float, ...]:
-        tensor = self._tensors[ROPE_FREQS]
+        return tuple(self._per_pair(ROPE_FREQS))
+
+    def _per_pair(self, name: str) -> list[float]:
+        """A 1-d tensor of one number per rotated pair (a rope's factors), as Python floats."""
+        tensor = self._tensors[name]
         if len(tensor.shape) != 1 or int(tensor.shape[0]) > 1 << 16:
-            raise ModelFolderError(f"{self.path}: {ROPE_FREQS} has shape {list(tensor.shape)}, not one factor per "
+            raise ModelFolderError(f"{self.path}: {name} has shape {list(tensor.shape)}, not one factor per "
                                    "rotated pair")  # fmt: skip
-        values = np.asarray(_float32(self.path, tensor), np.float64).reshape(-1)
-        return tuple(float(v) for v in values)
+        return [float(v) for v in np.asarray(_float32(self.path, tensor), np.float64).reshape(-1)]
+
+    def _longrope(self, attention: Any) -> dict[str, Any] | None:
+        """Phi-3.5's and Phi-4-mini's longrope as llama.cpp's converter writes it, as a config's rope scaling:
+        the short and long factors as tensors, the attention factor as metadata (1 where the file has none,
+        as llama.cpp takes it; transformers would compute one from the context lengths)."""
+        if not self.arch.longrope:
+            return None
+        if not isinstance(attention, (int, float, type(None))):
+            raise ModelFolderError(f"{self.path}: GGUF rope.scaling.attn_factor must be a number")
+        short, long = (name in self._tensors for name in LONGROPE_FACTORS)
+        if not (short or long):
+            if attention not in (None, 1.0):  # llama.cpp would scale every rotation by it: no rope of Quiver's does
+                raise ModelFolderError(f"{self.path}: a rope attention factor ({attention}) without longrope's factor "
+                                       "tensors is not supported")  # fmt: skip
+            return None
+        if short != long:
+            have, lack = LONGROPE_FACTORS if short else reversed(LONGROPE_FACTORS)
+            raise ModelFolderError(f"{self.path}: tensor {have!r} without {lack!r}: longrope needs both")
+        factors = [self._per_pair(name) for name in LONGROPE_FACTORS]
+        if len(factors[0]) != len(factors[1]):
+            raise ModelFolderError(f"{self.path}: {len(factors[0])} short and {len(factors[1])} long rope factors: "
+                                   "longrope takes one of each per rotated pair")  # fmt: skip
+        return {"rope_type": "longrope", "short_factor": factors[0], "long_factor": factors[1],
+                "attention_factor": 1.0 if attention is None else float(attention)}  # fmt: skip
 
     def deferred(self, name: str) -> Deferred:
         """The tensor as float32 (dequantized), made when it is stored (the name counts as used now)."""

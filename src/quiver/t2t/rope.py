@@ -18,6 +18,11 @@ def _number(rope: Rope, key: str, default: float | None = None) -> float:
     return float(value)
 
 
+def _optional_number(rope: Rope, key: str) -> float | None:
+    """The rope's number at `key`, None where it is absent or null (transformers' default applies)."""
+    return None if rope.params.get(key) is None else _number(rope, key)
+
+
 def inverse_frequencies(rope: Rope, positions: int, max_positions: int) -> tuple[np.ndarray, float]:
     """The rope's inverse frequencies [dim / 2] for a cache of `positions`, and the factor its cos and sin
     are scaled by (yarn's and longrope's attention factor; 1 otherwise)."""
@@ -63,11 +68,11 @@ def _yarn(rope: Rope, dim: int, max_positions: int) -> tuple[np.ndarray, float]:
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    attention = rope.params.get("attention_factor")
+    attention = _optional_number(rope, "attention_factor")
     if attention is None:
-        m, m_all = rope.params.get("mscale"), rope.params.get("mscale_all_dim")
+        m, m_all = _optional_number(rope, "mscale"), _optional_number(rope, "mscale_all_dim")
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    fast, slow = rope.params.get("beta_fast") or 32, rope.params.get("beta_slow") or 1
+    fast, slow = _optional_number(rope, "beta_fast") or 32, _optional_number(rope, "beta_slow") or 1
 
     def correction(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
@@ -92,11 +97,12 @@ def _longrope(rope: Rope, exponents: np.ndarray, positions: int, max_positions: 
         # length, after earlier keys were cached with the short ones: a cache of that size has no one answer
         raise ModelFolderError(f"longrope past {original} positions: give --context-size {original} or less")
     short = rope.params.get("short_factor")
-    if not isinstance(short, list) or len(short) != len(exponents):
-        raise ModelFolderError(f"longrope: short_factor must list {len(exponents)} numbers")
+    positive = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0  # noqa: E731
+    if not isinstance(short, list) or len(short) != len(exponents) or not all(map(positive, short)):
+        raise ModelFolderError(f"longrope: short_factor must list {len(exponents)} positive numbers")
     factor = rope.params.get("factor")
     factor = max_positions / original if factor is None else _number(rope, "factor")
-    attention = rope.params.get("attention_factor")
+    attention = _optional_number(rope, "attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     ext = np.asarray(short, np.float32)
