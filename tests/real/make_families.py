@@ -41,6 +41,9 @@ LLAMA_LIKE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
               "tie_word_embeddings": False}  # fmt: skip
 ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+# longrope over heads of 16 (8 rotated pairs), its original context a quarter of the model's 512 positions
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)], "original_max_position_embeddings": 128}  # fmt: skip
 
 # case -> (transformers class, config fields beyond LLAMA_LIKE's or instead of them (None: drop one))
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -80,18 +83,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             }
         },
     ),
-    "llama_rope_longrope": (
-        "LlamaForCausalLM",
-        {
-            "rope_parameters": {
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                "long_factor": [2.0 + 0.3 * i for i in range(8)],
-                "original_max_position_embeddings": 128,
-            }
-        },
-    ),
+    "llama_rope_longrope": ("LlamaForCausalLM", {"rope_parameters": {**LONGROPE}}),
     "mistral": ("MistralForCausalLM", {"sliding_window": None}),
     "mistral_sliding": ("MistralForCausalLM", {"sliding_window": WINDOW}),
     "ministral": ("MinistralForCausalLM", {"sliding_window": WINDOW, "layer_types": ALTERNATING}),
@@ -127,21 +119,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3": ("Phi3ForCausalLM", {"head_dim": None}),
-    # Phi-3.5's and Phi-4-mini's rope: factors per rotated pair, an attention factor from the two lengths
-    "phi3_longrope": (
-        "Phi3ForCausalLM",
-        {
-            "head_dim": None,
-            "original_max_position_embeddings": 128,
-            "rope_parameters": {
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "short_factor": [1.0 + 0.15 * i for i in range(8)],
-                "long_factor": [2.0 + 0.3 * i for i in range(8)],
-                "original_max_position_embeddings": 128,
-            },
-        },
-    ),
     # partial rotary: ORT rotates a multiple of 16 dimensions, so these heads are wider
     "phi4_mini": (
         "Phi3ForCausalLM",
@@ -213,6 +190,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5": ("Ernie4_5ForCausalLM", {}),
     "falcon": ("FalconForCausalLM", {"head_dim": None}),
     "gpt2": ("GPT2LMHeadModel", {}),
+    # Phi-3.5's and Phi-4-mini's rope: factors per rotated pair, an attention factor from the two lengths
+    # (new cases go last: a case's seed is its place, and the others' weights stay as they were)
+    "phi3_longrope": (
+        "Phi3ForCausalLM",
+        {"head_dim": None, "original_max_position_embeddings": 128, "rope_parameters": {**LONGROPE}},
+    ),
 }
 # families whose configs name their sizes otherwise
 RENAMED = {

@@ -258,7 +258,7 @@ class GgufModel:
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.config = read_config_fields(self._config(arch), path)
         if ROPE_FREQS in self._tensors:  # Llama 3's rope scaling, as llama.cpp's converter writes it
-            self.config = with_frequency_divisors(self.config, self._rope_divisors(), path)
+            self.config = with_frequency_divisors(self.config, tuple(self._per_pair(ROPE_FREQS)), path)
         self._names: dict[str, str] = {}
         self._expert: dict[str, int] = {}  # an expert's name -> its place in the stacked tensor it is read from
         for name in self._tensors:
@@ -343,9 +343,6 @@ class GgufModel:
         elif value != expected:
             raise ModelFolderError(f"{self.path}: GGUF {key} = {value}, where llama.cpp routes a {self.arch.family} "
                                    f"with {expected}: the text would differ from one of them")  # fmt: skip
-
-    def _rope_divisors(self) -> tuple[float, ...]:
-        return tuple(self._per_pair(ROPE_FREQS))
 
     def _per_pair(self, name: str) -> list[float]:
         """A 1-d tensor of one number per rotated pair (a rope's factors), as Python floats."""
