@@ -42,6 +42,7 @@ if kind == "ort":
     import onnxruntime as ort
 elif kind == "quiver_ort":
     import quiver.ort
+    import quiver.ort.engine_quiver  # what its first session needs (imported lazily by quiver.ort)
     import onnxruntime as ort
 else:
     import quiver
