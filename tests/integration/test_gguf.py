@@ -134,7 +134,7 @@ def test_what_the_gguf_reader_does_not_cover_is_one_line(
 @pytest.mark.parametrize(
     "case",
     ["llama", "qwen2", "qwen3", "llama_rope_llama3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma", "gemma2", "phi3",
-     "phi4_mini", "phi3_longrope"],
+     "phi4_mini", "phi3_longrope", "phi2"],
 )  # fmt: skip
 def test_gguf_files_of_each_architecture_give_the_models_greedy_tokens(
     case: str, real_families: Path, tmp_path: Path
@@ -145,7 +145,8 @@ def test_gguf_files_of_each_architecture_give_the_models_greedy_tokens(
     and mixtures of experts (`qwen3moe`, `qwen2moe` with its shared expert, a `llama` file with experts:
     Mixtral; each layer's experts stacked in one tensor), and `gemma` and `gemma2` (norms stored as 1 + w,
     Gemma 2's soft-caps and window in its metadata), `phi3` (fused q/k/v and gate/up; Phi-4-mini's partial
-    rotary; Phi-3.5's longrope, its factors as tensors), which transformers' reader gets wrong or does not read
+    rotary; Phi-3.5's longrope, its factors as tensors) and `phi2` (LayerNorms with biases, a biased head,
+    partial rotary; its vocabulary's pre-tokenizer `phi-2`), which transformers' reader gets wrong or does not read
     (tests/real/make_families.py): the greedy tokens transformers gives on the case's folder."""
     reference = json.loads((real_families / "expected.json").read_text())[case]
     assert reference.get("gguf"), f"transformers read {case}'s GGUF file otherwise; see tests/real/make_families.py"

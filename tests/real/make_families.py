@@ -324,7 +324,7 @@ def _gemma3_270m(out: Path) -> dict[str, Any]:
 GGUF_CASES = {
     "qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "llama_rope_llama3": "llama",
     "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gemma": "gemma", "gemma2": "gemma2",
-    "phi3": "phi3", "phi4_mini": "phi3", "phi3_longrope": "phi3",
+    "phi3": "phi3", "phi4_mini": "phi3", "phi3_longrope": "phi3", "phi2": "phi2",
 }  # fmt: skip
 TRANSFORMERS_MISREADS = {
     "llama_rope_llama3": "drops the rope_freqs tensor llama.cpp's converter writes Llama 3's rope scaling as",
@@ -334,6 +334,7 @@ TRANSFORMERS_MISREADS = {
     "qwen2_moe": "ignores qwen2moe.expert_feed_forward_length and expert_shared_feed_forward_length (1408, 5632)",
     "mixtral": "reads a llama file with experts as a Llama without them (its MLPs left random)",
     "gemma": "has no reader for gemma files",
+    "phi2": "has no reader for phi2 files",
     "phi4_mini": "ignores phi3.rope.dimension_count: it rotates every dimension, where Phi-4-mini rotates 3/4",
     "phi3_longrope": "ignores the rope_factors_short/long tensors and rope.scaling.attn_factor: a default rope",
     # checked with transformers 5.23 (its greedy tokens on this tiny case come out the same all the same)
@@ -407,9 +408,13 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
-        writer.add_string(key, source.fields[key].contents())
+    if arch == "phi2":  # LayerNorms, and the pre-tokenizer name llama.cpp's converter gives Phi-2's vocabulary
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+        writer.add_string("tokenizer.ggml.pre", "phi-2")
+    else:
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_string("tokenizer.ggml.pre", source.fields["tokenizer.ggml.pre"].contents())
+    writer.add_string("tokenizer.ggml.model", source.fields["tokenizer.ggml.model"].contents())
     writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
     writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
     writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
@@ -424,9 +429,10 @@ def _write_gguf(out: Path, case: str, arch: str, smollm2_gguf: Path) -> Path:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    if arch == "phi3":  # as llama.cpp's converter writes Phi-3's
-        rotary = int(rope.get("partial_rotary_factor", 1.0) * config["hidden_size"]) // heads
-        writer.add_rope_dimension_count(rotary)
+    if arch in ("phi2", "phi3"):  # as llama.cpp's converter writes Phi-2's and Phi-3's
+        fraction = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(fraction * config["hidden_size"]) // heads)
+    if arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
         writer.add_sliding_window(config.get("sliding_window") or 0)  # 0: none
         if rope.get("rope_type") == "longrope":  # Phi3MiniModel's: the factors as tensors, the attention factor

@@ -20,6 +20,7 @@ Phi-3's files (`phi3`) keep q/k/v and gate/up fused as transformers does, Phi-4-
 from `rope.dimension_count`; their sliding window is the model's (transformers applies it; llama.cpp turns
 Phi-3's off, so past the window the two differ: Quiver keeps the model's), and Phi-3.5's and Phi-4-mini's
 longrope comes from its factor tensors and attention factor (1 where the file has none, as llama.cpp reads it).
+Phi-2's files (`phi2`) hold LayerNorms with biases and a biased head, as transformers' PhiForCausalLM.
 SentencePiece vocabularies (`tokenizer.ggml.model` llama: Llama 2's, Mistral 7B's) are BPE joined by the
 pieces' scores, as llama.cpp tokenizes them. What this does not cover is refused in one line: other
 architectures, pre-tokenizers not listed, routers other than a softmax.
@@ -163,6 +164,16 @@ _ARCHITECTURES = {
          (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"), *_LLAMA_NORMS],
         partial_rotary=True, longrope=True,
     ),
+    "phi2": _Architecture(
+        # one LayerNorm (with a bias) before attention and the MLP side by side; biases everywhere, the head's too
+        "PhiForCausalLM", {"hidden_act": "gelu_new"}, {"attention.layer_norm_epsilon": "layer_norm_eps"},
+        [(r"blk\.(\d+)\.attn_norm\.(weight|bias)", r"model.layers.\1.input_layernorm.\2"),
+         (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"model.layers.\1.self_attn.dense.\2"),
+         (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.fc1.\2"),
+         (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.fc2.\2"),
+         (r"output_norm\.(weight|bias)", r"model.final_layernorm.\1"), (r"output\.(weight|bias)", r"lm_head.\1")],
+        partial_rotary=True,
+    ),
     "gemma": _Architecture(
         "GemmaForCausalLM", _GEMMA_MLP, {}, _LLAMA_NORMS, norms_plus_one=True, gemma_vocabulary=True
     ),
@@ -193,6 +204,7 @@ _QWEN2 = (  # Llama 3's, but digits one by one
 PRE_TOKENIZERS = {
     "smollm": [r"\p{N}", _GPT2],
     "gpt-2": [_GPT2],
+    "phi-2": [_GPT2],  # Phi-2's files, and Phi-4-mini's: GPT-2's to llama.cpp
     "default": [_GPT2],
     "llama-bpe": [_LLAMA3],
     "llama3": [_LLAMA3],
