@@ -1,9 +1,10 @@
 """A GGUF file's metadata read as llama.cpp reads it: Gemma's queries scaled by the head size, but the 27B
 models' (46 layers of Gemma 2, 62 of Gemma 3) by hidden / heads; Gemma 2's soft-caps and window llama.cpp's
 defaults where the file leaves them out, the file's own where it has them (Gemma 3's final soft-cap too);
-Phi-3's window the model's, none where the file says 0; Phi-3.5's longrope from its factor tensors and its
-attention factor (1 where the file has none, as llama.cpp takes it), half of it refused in one line; a
-SentencePiece vocabulary whose scores do not match its pieces refused in one line."""
+Phi-3's window the model's, none where the file says 0; a Phi-2 file of fused q/k/v refused in one line;
+Phi-3.5's longrope from its factor tensors and its attention factor (1 where the file has none, as llama.cpp
+takes it), half of it refused in one line; a SentencePiece vocabulary whose scores do not match its pieces
+refused in one line."""
 
 from __future__ import annotations
 
@@ -140,3 +141,14 @@ def test_part_of_a_longrope_is_refused_in_one_line(
     with pytest.raises(ModelFolderError) as refused:
         GgufModel(_longrope_file(tmp_path / "m.gguf", attention, **factors))
     assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_phi2_file_with_q_k_v_fused_in_one_tensor_is_refused_in_one_line(tmp_path: Path) -> None:
+    # early Phi-2 conversions wrote `attn_qkv`; transformers' PhiForCausalLM keeps q, k and v apart
+    def fused(writer: gguf.GGUFWriter) -> None:
+        writer.add_tensor("blk.0.attn_qkv.weight", np.zeros((4, 4), np.float32))
+
+    path = _metadata_only(tmp_path / "m.gguf", "phi2", 2, fused)
+    with pytest.raises(ModelFolderError) as refused:
+        GgufModel(path)
+    assert "'blk.0.attn_qkv.weight' has no place" in str(refused.value) and "\n" not in str(refused.value)

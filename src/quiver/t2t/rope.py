@@ -11,9 +11,14 @@ from quiver.errors import ModelFolderError
 from quiver.t2t.families import Rope
 
 
+def _is_finite_number(value: object) -> bool:
+    """A JSON number (not a bool) that is finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _number(rope: Rope, key: str, default: float | None = None) -> float:
     value = rope.params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _is_finite_number(value):
         raise ModelFolderError(f"rope type {rope.kind}: {key!r} must be a number, not {value!r}")
     return float(value)
 
@@ -97,8 +102,11 @@ def _longrope(rope: Rope, exponents: np.ndarray, positions: int, max_positions: 
         # length, after earlier keys were cached with the short ones: a cache of that size has no one answer
         raise ModelFolderError(f"longrope past {original} positions: give --context-size {original} or less")
     short = rope.params.get("short_factor")
-    positive = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0  # noqa: E731
-    if not isinstance(short, list) or len(short) != len(exponents) or not all(map(positive, short)):
+    if (
+        not isinstance(short, list)
+        or len(short) != len(exponents)
+        or not all(_is_finite_number(v) and v > 0 for v in short)
+    ):
         raise ModelFolderError(f"longrope: short_factor must list {len(exponents)} positive numbers")
     factor = rope.params.get("factor")
     factor = max_positions / original if factor is None else _number(rope, "factor")
